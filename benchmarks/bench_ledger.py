@@ -1,0 +1,135 @@
+"""Ledger benchmarks (DESIGN §13). Run: python benchmarks/bench_ledger.py [--quick] [--json PATH]
+
+Measures, on one core:
+  lifecycle      full group lifecycle (take → admit → G dispatch → G seal → finalize →
+                 ready → claim → commit), groups/s, G = 16
+  capture        cut hold: `Ledger.capture()` with N in-flight groups
+  encoded        encoded ledger bytes per in-flight group (16 siblings, half sealed)
+  decode         decode + validate + audit of N in-flight groups
+  memory         tracemalloc bytes per in-flight group
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+import tracemalloc
+
+from rollkeep.core import codec
+from rollkeep.core.audit import audit
+from rollkeep.core.events import (
+    Admitted, Claimed, Dispatched, Finalizing, Ready, Sealed, Taken,
+)
+from rollkeep.core.ledger import Ledger
+
+G = 16
+
+
+def lifecycle(n_groups: int, per_step: int = 64) -> float:
+    """Groups/s for the full lifecycle, applied in steps of `per_step` groups."""
+    led = Ledger(n_rows=n_groups, seed=0, epochs=1)
+    gens = tuple(range(G))
+    adv = tuple([0.0] * G)
+    t0 = time.perf_counter()
+    step = 0
+    for start in range(0, n_groups, per_step):
+        gids = []
+        for o in range(start, min(start + per_step, n_groups)):
+            led.apply(Taken(epoch=0, ordinal=o, idx=o, task="t", row_fingerprint=o, group_size=G))
+            gid = f"e0.{o}"
+            led.apply(Admitted(group_id=gid, target_step=step + 1, version=step))
+            for g in gens:
+                led.apply(Dispatched(group_id=gid, generations=(g,), version=step))
+            for g in gens:
+                led.apply(Sealed(group_id=gid, generation=g, attempt=0, version=step, tokens=10))
+            led.apply(Finalizing(group_id=gid))
+            led.apply(Ready(group_id=gid, advantages=adv))
+            gids.append(gid)
+        step += 1
+        led.apply(Claimed(step=step, group_ids=tuple(gids)))
+        led.apply(led.commit_event(step))
+    return n_groups / (time.perf_counter() - t0)
+
+
+def inflight_ledger(n: int) -> Ledger:
+    """n admitted groups of 16 siblings, all dispatched, half sealed."""
+    led = Ledger(n_rows=n, seed=0, epochs=1)
+    for o in range(n):
+        led.apply(Taken(epoch=0, ordinal=o, idx=o, task="math", row_fingerprint=(o * 2654435761) % 2**64, group_size=G))
+        gid = f"e0.{o}"
+        led.apply(Admitted(group_id=gid, target_step=1 + o // 1024, version=0))
+        led.apply(Dispatched(group_id=gid, generations=tuple(range(G)), version=0))
+        for g in range(0, G, 2):
+            led.apply(Sealed(group_id=gid, generation=g, attempt=0, version=0, tokens=100))
+    return led
+
+
+def measure_inflight(n: int) -> dict:
+    led = inflight_ledger(n)
+    holds = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        state = led.capture()
+        holds.append(time.perf_counter() - t0)
+        # touch one record so the next capture is not on a fully shared state
+        led.apply(Sealed(group_id="e0.0", generation=1, attempt=0, version=0, tokens=1)) if _ == 0 else None
+    t0 = time.perf_counter()
+    blob = codec.encode(state)
+    enc_s = time.perf_counter() - t0
+    decs = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        st = codec.decode(blob)
+        rep = audit(st)
+        decs.append(time.perf_counter() - t0)
+        assert rep.ok, rep
+    return {
+        "groups": n,
+        "capture_s_median": statistics.median(holds),
+        "encode_s": enc_s,
+        "bytes_per_group": len(blob) / n,
+        "decode_validate_audit_s": min(decs),
+    }
+
+
+def memory_per_group(n: int) -> float:
+    gc.collect()
+    tracemalloc.start()
+    led = inflight_ledger(n)
+    cur, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    del led
+    return cur / n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
+    ap.add_argument("--json", help="write results here")
+    a = ap.parse_args()
+    sizes = [1000] if a.quick else [1000, 10_000, 100_000]
+    out: dict = {}
+    runs = [lifecycle(2000 if a.quick else 20_000) for _ in range(1 if a.quick else 5)]
+    out["lifecycle_groups_per_s"] = statistics.median(runs)
+    print(f"lifecycle (G={G}): {out['lifecycle_groups_per_s']:,.0f} groups/s  (target >= 20,000)")
+    out["inflight"] = []
+    for n in sizes:
+        r = measure_inflight(n)
+        out["inflight"].append(r)
+        print(
+            f"{n:>7} in flight: capture {r['capture_s_median'] * 1e6:8.1f} us (target <= 2 ms)  "
+            f"encode {r['encode_s'] * 1e3:7.1f} ms  {r['bytes_per_group']:6.1f} B/group (target <= 320)  "
+            f"decode+validate+audit {r['decode_validate_audit_s'] * 1e3:7.1f} ms (target <= 200 ms at 10k)"
+        )
+    out["memory_bytes_per_group"] = memory_per_group(sizes[-1] if a.quick else 10_000)
+    print(f"memory per in-flight group: {out['memory_bytes_per_group']:,.0f} B (target <= 2 KB)")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

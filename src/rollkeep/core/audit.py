@@ -1,0 +1,188 @@
+"""`audit()`: the proof of the custody invariants listed at the top of `ledger.py`.
+
+It runs in tests after every operation, at every checkpoint save and restore, and from
+`rollkeep audit` on any checkpoint. It never raises on a bad ledger: it returns a report
+listing every violation, readable by a person (`str(report)`) and by code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from pyroaring import BitMap
+
+from .errors import AuditFailure
+from .ledger import GroupState, Ledger, LedgerState
+from .events import GRANULARITIES
+from .keys import group_id
+
+_A_RESERVED, _A_SEALED = 0, 2
+_MAX_LISTED = 8  # keys listed per violation; the count is always exact
+
+
+@dataclass
+class AuditReport:
+    violations: list[str] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def __str__(self) -> str:
+        if self.ok:
+            return "custody audit passed: " + ", ".join(f"{k} {v}" for k, v in self.counts.items())
+        return "custody audit FAILED:\n" + "\n".join(f"  - {v}" for v in self.violations)
+
+    def raise_if_failed(self, error=AuditFailure, **kw) -> None:
+        if not self.ok:
+            raise error(
+                f"custody audit failed with {len(self.violations)} violation(s): "
+                + "; ".join(self.violations[:5]),
+                expected="every key below the cursor owned exactly once, and well-formed records",
+                found=f"{len(self.violations)} violation(s)",
+                **kw,
+            )
+
+
+def _listed(ordinals: Iterable[int], epoch: int) -> str:
+    ords = list(ordinals)
+    shown = ", ".join(group_id((epoch, o)) for o in ords[:_MAX_LISTED])
+    more = f" and {len(ords) - _MAX_LISTED} more" if len(ords) > _MAX_LISTED else ""
+    return f"{len(ords)} key(s): {shown}{more}"
+
+
+def check_records(state: LedgerState) -> list[str]:
+    """Invariants I3 and I4: each record well formed and consistent with the version.
+
+    Decoding a checkpoint runs this (restore step 4); `audit` runs it too.
+    """
+    bad: list[str] = []
+    version, n_rows = state.version, state.n_rows
+    n_states, n_gran = len(GroupState), len(GRANULARITIES)
+    c = state.cursor
+    if c[0] < 0 or not (0 <= c[1] < n_rows):
+        bad.append(f"cursor {tuple(c)} outside [0, {n_rows})")
+    if state.epochs is not None and c[0] > state.epochs or (
+        state.epochs is not None and c[0] == state.epochs and c[1] != 0
+    ):
+        bad.append(f"cursor {tuple(c)} past the last epoch {state.epochs}")
+    if version < 0:
+        bad.append(f"version {version} < 0")
+    for gid, r in state.groups.items():
+        n = len(r.status)
+        where = f"group {gid}"
+        if gid != group_id((r.epoch, r.ordinal)):
+            bad.append(f"{where}: stored under the wrong id (its key is e{r.epoch}.{r.ordinal})")
+        if not (0 <= r.idx < n_rows):
+            bad.append(f"{where}: idx {r.idx} outside [0, {n_rows})")
+        if r.epoch < 0 or not (0 <= r.ordinal < n_rows):
+            bad.append(f"{where}: key outside the dataset")
+        if n < 1 or len(r.attempts) != n or len(r.infra_failures) != n or len(r.data_failures) != n:
+            bad.append(
+                f"{where}: per-sibling arrays disagree (status {n}, attempts {len(r.attempts)}, "
+                f"infra {len(r.infra_failures)}, data {len(r.data_failures)})"
+            )
+            continue
+        if not (0 <= r.granularity < n_gran):
+            bad.append(f"{where}: unknown granularity code {r.granularity}")
+        if not (0 <= r.state < n_states):
+            bad.append(f"{where}: unknown state code {r.state}")
+            continue
+        if max(r.status) > _A_SEALED:
+            bad.append(f"{where}: a current attempt is FAILED or ABANDONED (it must be superseded)")
+        for g in range(n):
+            if r.attempts[g] < r.infra_failures[g] + r.data_failures[g]:
+                bad.append(f"{where}: sibling {g} has more failures than attempts")
+                break
+        sealed = r.status.count(_A_SEALED)
+        s = r.state
+        if s == GroupState.RESERVED:
+            if r.status.count(_A_RESERVED) != n:
+                bad.append(f"{where}: RESERVED but some attempt was dispatched")
+            if r.target_step is not None or r.start_version is not None:
+                bad.append(f"{where}: RESERVED but carries a target step or start version")
+        else:
+            if r.start_version is None or not (0 <= r.start_version <= version):
+                bad.append(f"{where}: admitted with start version {r.start_version} (version {version})")
+        if s == GroupState.GENERATING and sealed == n:
+            bad.append(f"{where}: GENERATING with every sibling sealed")
+        if s >= GroupState.READY_TO_FINALIZE and sealed != n:
+            bad.append(f"{where}: {GroupState(s).name} with {n - sealed} unsealed sibling(s)")
+        has_adv = s in (GroupState.READY, GroupState.CLAIMED)
+        if has_adv != (r.advantages is not None) or (has_adv and len(r.advantages) != n):
+            bad.append(f"{where}: advantages present iff READY or CLAIMED, one per sibling")
+        if (s == GroupState.CLAIMED) != (r.claim_step is not None):
+            bad.append(f"{where}: claim step set iff CLAIMED")
+        elif r.claim_step is not None and r.claim_step != version + 1:
+            bad.append(f"{where}: claimed by step {r.claim_step}, but only step {version + 1} may claim")
+        if r.target_step is not None and r.target_step <= version:
+            bad.append(f"{where}: stamped for step {r.target_step}, already committed (version {version})")
+    for step, n in state.shortfall.items():
+        if step <= version or n < 1:
+            bad.append(f"shortfall {n} for step {step} (version {version})")
+    return bad
+
+
+def audit(ledger: Ledger | LedgerState) -> AuditReport:
+    """Check invariants I1–I4. Returns a report; `report.raise_if_failed()` to enforce."""
+    state = ledger.capture() if isinstance(ledger, Ledger) else ledger
+    report = AuditReport(violations=check_records(state))
+    n_rows = state.n_rows
+    cursor_epoch, cursor_ordinal = state.cursor
+
+    owners: dict[str, dict[int, BitMap]] = {
+        "SPARE": {},
+        "LEDGER/REPLAY": {},
+        "TRAINED": {e: b for e, b in state.trained.items()},
+        "DROPPED": {},
+    }
+
+    def add(owner: str, epoch: int, ordinal: int) -> None:
+        bm = owners[owner].get(epoch)
+        if bm is None:
+            bm = owners[owner][epoch] = BitMap()
+        if ordinal in bm:
+            report.violations.append(f"{owner} holds {group_id((epoch, ordinal))} twice")
+        bm.add(ordinal)
+
+    for e, o in state.spare:
+        add("SPARE", e, o)
+    by_epoch: dict[int, list[int]] = {}
+    for r in state.groups.values():
+        by_epoch.setdefault(r.epoch, []).append(r.ordinal)
+    for e, ords in by_epoch.items():
+        owners["LEDGER/REPLAY"][e] = BitMap(ords)
+    for e, o in state.dropped:
+        add("DROPPED", e, o)
+
+    epochs = {cursor_epoch} | {e for m in owners.values() for e in m}
+    for e in sorted(epochs):
+        limit = n_rows if e < cursor_epoch else (cursor_ordinal if e == cursor_epoch else 0)
+        expected = BitMap(range(limit)) if limit else BitMap()
+        held = [(name, m.get(e, BitMap())) for name, m in owners.items()]
+        union = BitMap.union(*(bm for _, bm in held))
+        if sum(len(bm) for _, bm in held) != len(union):
+            for i, (na, a) in enumerate(held):
+                for nb, b in held[i + 1 :]:
+                    both = a & b
+                    if both:
+                        report.violations.append(f"I1 two owners ({na} and {nb}) for {_listed(both, e)}")
+        missing = expected - union
+        if missing:
+            report.violations.append(f"I1 no owner for {_listed(missing, e)} below the cursor")
+        past = union - expected
+        if past:
+            holders = [name for name, bm in held if bm & past]
+            report.violations.append(
+                f"I2 {'/'.join(holders)} hold(s) {_listed(past, e)} at or past the cursor {tuple(state.cursor)}"
+            )
+
+    counts = {"spare": len(state.spare), "ledger": 0, "replay": 0}
+    for r in state.groups.values():
+        counts["replay" if r.state >= GroupState.READY else "ledger"] += 1
+    counts["trained"] = sum(len(b) for b in state.trained.values())
+    counts["dropped"] = len(state.dropped)
+    report.counts = counts
+    return report

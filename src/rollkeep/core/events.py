@@ -1,0 +1,189 @@
+"""Ledger events: the only way custody state changes.
+
+Each event is a small frozen record. `Ledger.apply(event)` validates it against the current
+state, mutates, and hands it to subscribers (the trace, later the journal). Encoded as JSON
+each event is one trace line: `{"event": "sealed", "group_id": "e0.17", ...}`.
+
+Events name groups by `group_id` (`e{epoch}.{ordinal}`), which is the same in every run.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+# Attempt failure kinds (DESIGN §6): each has its own per-sibling budget.
+INFRA = "infra"
+DATA = "data"
+FAILURE_KINDS = (INFRA, DATA)
+
+# Where a taken prompt came from.
+FROM_SOURCE = "source"
+FROM_SPARE = "spare"
+
+# Recovery granularity, persisted per group (DESIGN §1).
+SIBLING = "sibling"
+PROMPT_GROUP = "prompt_group"
+GRANULARITIES = (SIBLING, PROMPT_GROUP)
+
+
+class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="event"):
+    """Base of all ledger events."""
+
+
+class Taken(Event, tag="taken"):
+    """SOURCE or SPARE → LEDGER: a prompt is handed out as a RESERVED group."""
+
+    epoch: int
+    ordinal: int
+    idx: int
+    task: str
+    row_fingerprint: int
+    group_size: int
+    granularity: str = SIBLING
+    origin: str = FROM_SOURCE
+
+
+class Spared(Event, tag="spared"):
+    """SOURCE → SPARE: the prompt at the cursor is set aside to refill dropped prompts."""
+
+    epoch: int
+    ordinal: int
+
+
+class Admitted(Event, tag="admitted"):
+    """RESERVED → ADMITTED: the sampler's admission stamps a target step (or none)."""
+
+    group_id: str
+    target_step: int | None
+    version: int
+
+
+class Dispatched(Event, tag="dispatched"):
+    """Current attempts RESERVED → DISPATCHED: handed to an engine."""
+
+    group_id: str
+    generations: tuple[int, ...]
+    version: int
+
+
+class Sealed(Event, tag="sealed"):
+    """Current attempt DISPATCHED → SEALED: its row is in the row store."""
+
+    group_id: str
+    generation: int
+    attempt: int
+    version: int
+    tokens: int
+
+
+class Failed(Event, tag="failed"):
+    """Current attempt DISPATCHED → FAILED(kind); the sibling gets a fresh attempt.
+
+    For a PROMPT_GROUP group, the other siblings' dispatched and sealed attempts are
+    abandoned too (the group is all-or-nothing).
+    """
+
+    group_id: str
+    generation: int
+    attempt: int
+    kind: str
+    error: str = ""
+
+
+class Abandoned(Event, tag="abandoned"):
+    """Current attempts → ABANDONED(reason); each sibling gets a fresh attempt.
+
+    DISPATCHED attempts of any group; SEALED attempts only of PROMPT_GROUP groups.
+    """
+
+    group_id: str
+    generations: tuple[int, ...]
+    reason: str
+
+
+class Finalizing(Event, tag="finalizing"):
+    """READY_TO_FINALIZE → FINALIZING: reward/advantage computation started."""
+
+    group_id: str
+
+
+class Ready(Event, tag="ready"):
+    """FINALIZING → READY, LEDGER → REPLAY: advantages computed, waiting to train."""
+
+    group_id: str
+    advantages: tuple[float, ...]
+
+
+class Claimed(Event, tag="claimed"):
+    """READY → CLAIMED(step): the train pump took these groups for the next step."""
+
+    step: int
+    group_ids: tuple[str, ...]
+
+
+class StepCommitted(Event, tag="step_committed"):
+    """CLAIMED(step) → TRAINED: the optimizer update of `step` is applied.
+
+    `prompts` are the `[epoch, idx]` of the trained groups, in `group_ids` order, so the
+    trace alone proves exactly-once training. Build it with `Ledger.commit_event(step)`.
+    """
+
+    step: int
+    group_ids: tuple[str, ...]
+    prompts: tuple[tuple[int, int], ...]
+
+
+class Released(Event, tag="released"):
+    """Undo work that has no effect outside the ledger.
+
+    CLAIMED → READY (a train step that did not commit) and FINALIZING → READY_TO_FINALIZE
+    (a finalization that did not finish).
+    """
+
+    group_id: str
+
+
+class Evicted(Event, tag="evicted"):
+    """REPLAY → LEDGER: a READY group fell out of the staleness window and regenerates.
+
+    It goes back to phase RESERVED with fresh attempts for every sibling.
+    """
+
+    group_id: str
+    reason: str
+
+
+class Dropped(Event, tag="dropped"):
+    """LEDGER or REPLAY → DROPPED, with the refill of its step in the same transition.
+
+    For a group stamped with a target step, exactly one of `shrink` (the step trains on
+    one group fewer) or `replacement` (a prompt from the spare pool or the source is taken
+    and admitted to the same step). Unstamped groups have neither: the pump keeps taking.
+    """
+
+    group_id: str
+    reason: str
+    shrink: bool = False
+    replacement: Taken | None = None
+
+
+ALL_EVENTS: tuple[type[Event], ...] = (
+    Taken,
+    Spared,
+    Admitted,
+    Dispatched,
+    Sealed,
+    Failed,
+    Abandoned,
+    Finalizing,
+    Ready,
+    Claimed,
+    StepCommitted,
+    Released,
+    Evicted,
+    Dropped,
+)
+
+
+def event_name(event_type: type[Event]) -> str:
+    return event_type.__struct_config__.tag  # type: ignore[attr-defined]

@@ -1,0 +1,972 @@
+"""The ledger: the one object that owns every prompt of every epoch.
+
+Custody invariants (checked by `rollkeep.core.audit.audit`; DESIGN.md §1):
+
+  I1. For every epoch, every ordinal below the source cursor has exactly one owner among
+      SPARE, LEDGER, REPLAY, TRAINED and DROPPED.
+  I2. No owner holds a key at or past the cursor (those belong to SOURCE).
+  I3. Every group record is well formed: its per-sibling arrays have the group's size,
+      current attempts are RESERVED, DISPATCHED or SEALED, and its state agrees with them
+      (a RESERVED group has dispatched nothing; a GENERATING group has an unsealed
+      sibling; a finished group has every sibling sealed; only READY and CLAIMED groups
+      carry advantages; only the next step claims).
+  I4. Stamped target steps and shortfalls are for steps not yet committed.
+
+Owners of a key (epoch, ordinal):
+
+    SOURCE   at or past the cursor
+    SPARE    in the spare pool
+    LEDGER   a group record in state RESERVED, GENERATING, READY_TO_FINALIZE or FINALIZING
+    REPLAY   a group record in state READY or CLAIMED(step)
+    TRAINED  in the epoch's trained set (a roaring bitmap of ordinals)
+    DROPPED  in the dropped map, with its reason and step
+
+The only way to change any of it is `Ledger.apply(event)`. Each handler validates the
+whole event first and raises `IllegalTransition` with nothing changed, then mutates, then
+the event goes to the subscribers. Legality comes from two tables, `GROUP_TABLE` (group
+state × event → next group state) and `ATTEMPT_TABLE` (current attempt status × event →
+next status); the few rules that do not fit a table are in `_special_rules_*` functions.
+
+Cheap checkpoints: `capture()` is O(1). It marks every container shared and returns
+references; the first mutation after a capture copies what it touches (copy-on-write),
+so a captured state is never changed afterwards and can be encoded on another thread.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import msgspec
+from pyroaring import BitMap
+
+from .errors import IllegalTransition
+from .events import (
+    FAILURE_KINDS,
+    FROM_SOURCE,
+    FROM_SPARE,
+    GRANULARITIES,
+    INFRA,
+    PROMPT_GROUP,
+    Abandoned,
+    Admitted,
+    Claimed,
+    Dispatched,
+    Dropped,
+    Event,
+    Evicted,
+    Failed,
+    Finalizing,
+    Ready,
+    Released,
+    Sealed,
+    Spared,
+    StepCommitted,
+    Taken,
+)
+from .keys import Key, group_id
+
+
+class GroupState(enum.IntEnum):
+    """Lifecycle of a group record. DESIGN §1's phase and stage, folded into one field.
+
+    phase RESERVED  = RESERVED;  phase ADMITTED = every other state.
+    stage GENERATING = RESERVED or GENERATING; the other names are the stage itself.
+    """
+
+    RESERVED = 0  # taken, no step assigned, nothing dispatched   (owner LEDGER)
+    GENERATING = 1  # admitted, some sibling not sealed            (owner LEDGER)
+    READY_TO_FINALIZE = 2  # every sibling sealed                  (owner LEDGER)
+    FINALIZING = 3  # reward/advantage computation running         (owner LEDGER)
+    READY = 4  # finalized, waiting for a train step               (owner REPLAY)
+    CLAIMED = 5  # taken by the open train step                    (owner REPLAY)
+
+
+class AttemptStatus(enum.IntEnum):
+    """Status of one attempt of one sibling. Only a sibling's last attempt is current,
+    and a current attempt is RESERVED, DISPATCHED or SEALED: FAILED and ABANDONED are
+    terminal and are immediately followed by a fresh RESERVED attempt."""
+
+    RESERVED = 0
+    DISPATCHED = 1
+    SEALED = 2
+    FAILED = 3
+    ABANDONED = 4
+
+
+class Owner(enum.Enum):
+    SOURCE = "source"
+    SPARE = "spare"
+    LEDGER = "ledger"
+    REPLAY = "replay"
+    TRAINED = "trained"
+    DROPPED = "dropped"
+
+
+# Hot-path aliases: enum attribute lookups cost more than module globals.
+_RESERVED, _GENERATING, _RTF, _FINALIZING, _READY, _CLAIMED = (int(s) for s in GroupState)
+_A_RESERVED, _A_DISPATCHED, _A_SEALED = 0, 1, 2
+_GONE = -1  # the record leaves the ledger (TRAINED or DROPPED)
+
+#: (group state, event) → next group state. Pairs not listed are illegal.
+GROUP_TABLE: dict[tuple[GroupState, str], int] = {
+    (GroupState.RESERVED, "admitted"): _GENERATING,
+    (GroupState.RESERVED, "dropped"): _GONE,
+    (GroupState.GENERATING, "dispatched"): _GENERATING,
+    (GroupState.GENERATING, "sealed"): _GENERATING,  # READY_TO_FINALIZE when the last seals
+    (GroupState.GENERATING, "failed"): _GENERATING,
+    (GroupState.GENERATING, "abandoned"): _GENERATING,
+    (GroupState.GENERATING, "dropped"): _GONE,
+    (GroupState.READY_TO_FINALIZE, "finalizing"): _FINALIZING,
+    (GroupState.READY_TO_FINALIZE, "dropped"): _GONE,
+    (GroupState.FINALIZING, "ready"): _READY,
+    (GroupState.FINALIZING, "released"): _RTF,
+    (GroupState.FINALIZING, "dropped"): _GONE,
+    (GroupState.READY, "claimed"): _CLAIMED,
+    (GroupState.READY, "evicted"): _RESERVED,
+    (GroupState.READY, "dropped"): _GONE,
+    (GroupState.CLAIMED, "released"): _READY,
+    (GroupState.CLAIMED, "step_committed"): _GONE,
+}
+
+#: (current attempt status, event) → status of the sibling's current attempt afterwards.
+#: "failed" and "abandoned" end the attempt and open a fresh RESERVED one.
+ATTEMPT_TABLE: dict[tuple[AttemptStatus, str], int] = {
+    (AttemptStatus.RESERVED, "dispatched"): _A_DISPATCHED,
+    (AttemptStatus.DISPATCHED, "sealed"): _A_SEALED,
+    (AttemptStatus.DISPATCHED, "failed"): _A_RESERVED,
+    (AttemptStatus.DISPATCHED, "abandoned"): _A_RESERVED,
+    (AttemptStatus.SEALED, "abandoned"): _A_RESERVED,  # PROMPT_GROUP only: _special_rules_abandon
+}
+
+_GROUP_NEXT = {(int(s), e): n for (s, e), n in GROUP_TABLE.items()}
+_ATTEMPT_NEXT = {(int(s), e): n for (s, e), n in ATTEMPT_TABLE.items()}
+_GRANULARITY_CODE = {g: i for i, g in enumerate(GRANULARITIES)}
+_PROMPT_GROUP = _GRANULARITY_CODE[PROMPT_GROUP]
+_MAX_COUNTER = 255  # failure counters are stored as bytes
+
+
+class GroupRecord(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """One group in LEDGER or REPLAY. Persisted as is (a msgpack array), so a field change
+    is a schema change (see `rollkeep.core.codec`).
+
+    Per-sibling state is four compact arrays indexed by generation index rather than an
+    object per attempt: statuses of current attempts, current attempt numbers, and infra
+    and data failure counts. A sealed sibling's row is `RowId(group_id, gen, attempts[gen])`.
+
+    Treat records returned by the ledger as read-only: the ledger copies on write.
+    """
+
+    epoch: int
+    ordinal: int
+    idx: int
+    task: str
+    row_fingerprint: int
+    granularity: int  # index into events.GRANULARITIES
+    state: int  # GroupState
+    target_step: int | None  # stamped by admission (in_order); None = unstamped
+    start_version: int | None  # weight version at admission
+    claim_step: int | None  # set while CLAIMED
+    status: bytearray  # AttemptStatus of each sibling's current attempt
+    attempts: list[int]  # current attempt number of each sibling (counts from 0)
+    infra_failures: bytearray
+    data_failures: bytearray
+    advantages: list[float] | None  # set by `ready`
+
+    @property
+    def key(self) -> Key:
+        return Key(self.epoch, self.ordinal)
+
+    @property
+    def group_id(self) -> str:
+        return group_id((self.epoch, self.ordinal))
+
+    @property
+    def group_size(self) -> int:
+        return len(self.status)
+
+    @property
+    def owner(self) -> Owner:
+        return Owner.REPLAY if self.state >= _READY else Owner.LEDGER
+
+    def sealed_generations(self) -> list[int]:
+        return [g for g, s in enumerate(self.status) if s == _A_SEALED]
+
+    def generations_with(self, status: AttemptStatus) -> list[int]:
+        return [g for g, s in enumerate(self.status) if s == status]
+
+
+def _copy_record(r: GroupRecord) -> GroupRecord:
+    return GroupRecord(
+        r.epoch,
+        r.ordinal,
+        r.idx,
+        r.task,
+        r.row_fingerprint,
+        r.granularity,
+        r.state,
+        r.target_step,
+        r.start_version,
+        r.claim_step,
+        bytearray(r.status),
+        list(r.attempts),
+        bytearray(r.infra_failures),
+        bytearray(r.data_failures),
+        None if r.advantages is None else list(r.advantages),
+    )
+
+
+def _all_reserved(status: bytearray, gens: tuple[int, ...]) -> bool:
+    n = len(status)
+    for g in gens:
+        if not (0 <= g < n) or status[g] != _A_RESERVED:
+            return False
+    return len(gens) == 1 or (len(gens) > 1 and len(set(gens)) == len(gens))
+
+
+class LedgerState(msgspec.Struct, frozen=True):
+    """A consistent view of the whole ledger, as returned by `Ledger.capture()`.
+
+    Containers are shared with the live ledger until it next writes to them (it then
+    copies), so nothing here changes after capture. Do not mutate.
+    """
+
+    n_rows: int
+    seed: int
+    epochs: int | None
+    cursor: Key
+    version: int
+    spare: tuple[Key, ...]
+    groups: Mapping[str, GroupRecord]
+    trained: Mapping[int, BitMap]
+    dropped: Mapping[Key, tuple[str, int]]
+    shortfall: Mapping[int, int]
+
+
+FreedRows = tuple[tuple[str, int, int], ...]  # (group_id, generation, attempt) of rows now garbage
+_NO_ROWS: FreedRows = ()
+
+
+class Ledger:
+    """Custody of every prompt: SOURCE, SPARE, LEDGER, REPLAY, TRAINED and DROPPED.
+
+    `n_rows`, `seed` and `epochs` describe the prompt source (the permutation itself lives
+    in `PromptSource`); the ledger keeps the cursor. `epochs=None` means unbounded.
+    """
+
+    def __init__(self, *, n_rows: int, seed: int, epochs: int | None) -> None:
+        if n_rows < 1:
+            raise ValueError(f"n_rows must be >= 1, got {n_rows}")
+        if epochs is not None and epochs < 0:
+            raise ValueError(f"epochs must be None or >= 0, got {epochs}")
+        self.n_rows = n_rows
+        self.seed = seed
+        self.epochs = epochs
+        self._cursor = Key(0, 0)
+        self._version = 0
+        self._spare: tuple[Key, ...] = ()
+        self._groups: dict[str, GroupRecord] = {}
+        self._trained: dict[int, BitMap] = {}
+        self._dropped: dict[Key, tuple[str, int]] = {}
+        self._shortfall: dict[int, int] = {}
+        # Copy-on-write bookkeeping (see module docstring).
+        self._shared = False  # containers above are referenced by a captured state
+        self._owned: set[str] = set()  # records created or copied since the last capture
+        # Derived indices, rebuilt by `from_state`; never persisted.
+        self._ready: dict[str, None] = {}
+        self._by_step: dict[int, dict[str, None]] = {}
+        self._n_claimed = 0
+        self._sinks: list[Any] = []
+        self._handlers = {
+            Taken: self._taken,
+            Spared: self._spared,
+            Admitted: self._admitted,
+            Dispatched: self._dispatched,
+            Sealed: self._sealed,
+            Failed: self._failed,
+            Abandoned: self._abandoned,
+            Finalizing: self._finalizing,
+            Ready: self._ready_event,
+            Claimed: self._claimed,
+            StepCommitted: self._step_committed,
+            Released: self._released,
+            Evicted: self._evicted,
+            Dropped: self._dropped_event,
+        }
+
+    # ------------------------------------------------------------------ apply
+
+    def apply(self, event: Event) -> FreedRows:
+        """Validate, mutate, emit. Returns the rows that are now garbage.
+
+        An illegal event raises `IllegalTransition` and changes nothing.
+        """
+        try:
+            handler = self._handlers[type(event)]
+        except KeyError:
+            raise IllegalTransition(
+                f"{type(event).__name__} is not a ledger event",
+                expected="one of the types in rollkeep.core.events.ALL_EVENTS",
+                found=repr(event),
+            ) from None
+        freed = handler(event)
+        if freed is None:  # a duplicate that changes nothing (e.g. a repeated seal)
+            return _NO_ROWS
+        for sink in self._sinks:
+            sink(event)
+        return freed
+
+    def subscribe(self, sink) -> None:
+        """Call `sink(event)` after every applied event (the trace, the journal)."""
+        self._sinks.append(sink)
+
+    def unsubscribe(self, sink) -> None:
+        self._sinks.remove(sink)
+
+    # ------------------------------------------------------------------ capture
+
+    def capture(self) -> LedgerState:
+        """The atomic cut of custody state. O(1): shares containers, copies on next write."""
+        self._shared = True
+        self._owned = set()
+        return LedgerState(
+            n_rows=self.n_rows,
+            seed=self.seed,
+            epochs=self.epochs,
+            cursor=self._cursor,
+            version=self._version,
+            spare=self._spare,
+            groups=self._groups,
+            trained=self._trained,
+            dropped=self._dropped,
+            shortfall=self._shortfall,
+        )
+
+    @classmethod
+    def from_state(cls, state: LedgerState) -> Ledger:
+        """A live ledger continuing from `state` (which stays unchanged)."""
+        ledger = cls(n_rows=state.n_rows, seed=state.seed, epochs=state.epochs)
+        ledger._cursor = Key(*state.cursor)
+        ledger._version = state.version
+        ledger._spare = tuple(Key(*k) for k in state.spare)
+        ledger._groups = dict(state.groups)
+        ledger._trained = dict(state.trained)
+        ledger._dropped = dict(state.dropped)
+        ledger._shortfall = dict(state.shortfall)
+        ledger._shared = True  # records and bitmaps are still the state's
+        for gid in sorted(ledger._groups, key=lambda g: ledger._groups[g].key):
+            ledger._index_add(gid, ledger._groups[gid])
+        ledger._n_claimed = sum(1 for r in ledger._groups.values() if r.state == _CLAIMED)
+        return ledger
+
+    def _unshare(self) -> None:
+        self._groups = dict(self._groups)
+        self._trained = {e: BitMap(b) for e, b in self._trained.items()}
+        self._dropped = dict(self._dropped)
+        self._shortfall = dict(self._shortfall)
+        self._shared = False
+
+    def _writable(self, gid: str) -> GroupRecord:
+        """The record of `gid`, safe to mutate in place (copied if a capture holds it)."""
+        if gid in self._owned:
+            return self._groups[gid]
+        if self._shared:
+            self._unshare()
+        rec = _copy_record(self._groups[gid])
+        self._groups[gid] = rec
+        self._owned.add(gid)
+        return rec
+
+    def _containers(self) -> None:
+        """Call before mutating any container directly."""
+        if self._shared:
+            self._unshare()
+
+    # ------------------------------------------------------------------ reading
+
+    @property
+    def cursor(self) -> Key:
+        return self._cursor
+
+    @property
+    def version(self) -> int:
+        """Weight version = number of committed optimizer steps."""
+        return self._version
+
+    @property
+    def spare(self) -> tuple[Key, ...]:
+        return self._spare
+
+    @property
+    def exhausted(self) -> bool:
+        """True when the source has no key left (the spare pool may still hold some)."""
+        return self.epochs is not None and self._cursor.epoch >= self.epochs
+
+    def group(self, gid: str) -> GroupRecord:
+        """The record of a group in LEDGER or REPLAY (read-only). KeyError if none."""
+        return self._groups[gid]
+
+    def __contains__(self, gid: object) -> bool:
+        return gid in self._groups
+
+    def groups(self) -> Iterator[tuple[str, GroupRecord]]:
+        return iter(list(self._groups.items()))
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def ready_ids(self) -> list[str]:
+        """READY groups (not claimed), in the order they became ready."""
+        return list(self._ready)
+
+    def n_ready(self) -> int:
+        """READY groups: finished, waiting for a train step (not claimed)."""
+        return len(self._ready)
+
+    def n_claimed(self) -> int:
+        """Groups claimed by the open train step."""
+        return self._n_claimed
+
+    def n_inflight(self) -> int:
+        """Groups owned by LEDGER: taken, not finalized yet."""
+        return len(self._groups) - len(self._ready) - self._n_claimed
+
+    def stamped(self, step: int) -> list[str]:
+        """Live groups (LEDGER or REPLAY) whose target step is `step`."""
+        return list(self._by_step.get(step, ()))
+
+    def stamped_steps(self) -> list[int]:
+        return sorted(self._by_step)
+
+    def shortfall(self, step: int) -> int:
+        """Groups of `step` dropped with `shrink`: the step trains on that many fewer."""
+        return self._shortfall.get(step, 0)
+
+    def claimed(self, step: int) -> list[str]:
+        return [g for g, r in self._groups.items() if r.state == _CLAIMED and r.claim_step == step]
+
+    def is_current(self, gid: str, generation: int, attempt: int) -> bool:
+        """Whether a result for (gid, generation, attempt) may still be sealed or failed."""
+        rec = self._groups.get(gid)
+        return (
+            rec is not None
+            and 0 <= generation < len(rec.status)
+            and rec.attempts[generation] == attempt
+            and rec.status[generation] == _A_DISPATCHED
+        )
+
+    def owner(self, key: tuple[int, int]) -> Owner:
+        """Who owns `key` now. O(1) except for SPARE (a short tuple)."""
+        key = Key(*key)
+        gid = group_id(key)
+        rec = self._groups.get(gid)
+        if rec is not None:
+            return rec.owner
+        if key in self._dropped:
+            return Owner.DROPPED
+        bm = self._trained.get(key.epoch)
+        if bm is not None and key.ordinal in bm:
+            return Owner.TRAINED
+        if key in self._spare:
+            return Owner.SPARE
+        return Owner.SOURCE
+
+    def trained_count(self) -> int:
+        return sum(len(b) for b in self._trained.values())
+
+    def trained_ordinals(self, epoch: int) -> BitMap:
+        return BitMap(self._trained.get(epoch, BitMap()))
+
+    def dropped(self) -> dict[Key, tuple[str, int]]:
+        return dict(self._dropped)
+
+    def counts(self) -> dict[str, int]:
+        """How many keys (or groups) each owner holds, for progress bars and metrics."""
+        by_state = [0] * len(GroupState)
+        for rec in self._groups.values():
+            by_state[rec.state] += 1
+        return {
+            "spare": len(self._spare),
+            "reserved": by_state[_RESERVED],
+            "generating": by_state[_GENERATING],
+            "finalizing": by_state[_RTF] + by_state[_FINALIZING],
+            "ready": by_state[_READY],
+            "claimed": by_state[_CLAIMED],
+            "trained": self.trained_count(),
+            "dropped": len(self._dropped),
+        }
+
+    def commit_event(self, step: int) -> StepCommitted:
+        """The `StepCommitted` event for the groups claimed by `step`, in key order."""
+        gids = sorted(self.claimed(step), key=lambda g: self._groups[g].key)
+        prompts = tuple((self._groups[g].epoch, self._groups[g].idx) for g in gids)
+        return StepCommitted(step=step, group_ids=tuple(gids), prompts=prompts)
+
+    def normalize_for_restart(self) -> list[Event]:
+        """Events that turn a restored ledger into one ready to run (DESIGN §5):
+
+        - a claimed step or a running finalization is released (they had no effect
+          outside the ledger);
+        - current DISPATCHED attempts are ABANDONED(restart) and get fresh attempts;
+        - a PROMPT_GROUP group that is not complete also abandons its sealed siblings.
+
+        Applies them and returns them (the caller traces them and frees their rows).
+        """
+        events: list[Event] = []
+        for gid, rec in sorted(self._groups.items(), key=lambda kv: kv[1].key):
+            if rec.state in (_CLAIMED, _FINALIZING):
+                events.append(Released(group_id=gid))
+            elif rec.state == _GENERATING:
+                if rec.granularity == _PROMPT_GROUP:
+                    gens = tuple(g for g, s in enumerate(rec.status) if s != _A_RESERVED)
+                else:
+                    gens = tuple(g for g, s in enumerate(rec.status) if s == _A_DISPATCHED)
+                if gens:
+                    events.append(Abandoned(group_id=gid, generations=gens, reason="restart"))
+        return events
+
+    # ------------------------------------------------------------------ helpers
+
+    def _illegal(self, event: Event, what: str, *, expected: str, found: str) -> IllegalTransition:
+        return IllegalTransition(
+            f"illegal {event.__struct_config__.tag} event: {what}",  # type: ignore[attr-defined]
+            expected=expected,
+            found=found,
+            remedy="this is a bug in the caller of Ledger.apply or in rollkeep; the ledger is unchanged",
+        )
+
+    def _require_group(self, event: Event, gid: str, edge: str) -> GroupRecord:
+        rec = self._groups.get(gid)
+        if rec is None:
+            raise self._illegal(
+                event,
+                f"group {gid} is not in LEDGER or REPLAY",
+                expected="a group taken and not yet trained or dropped",
+                found=f"owner {self.owner_of_gid(gid)}",
+            )
+        if (rec.state, edge) not in _GROUP_NEXT:
+            raise self._illegal(
+                event,
+                f"group {gid} is {GroupState(rec.state).name}",
+                expected=f"a state in which '{edge}' is legal: "
+                + ", ".join(s.name for (s, e) in GROUP_TABLE if e == edge),
+                found=GroupState(rec.state).name,
+            )
+        return rec
+
+    def owner_of_gid(self, gid: str) -> str:
+        from .keys import parse_group_id
+
+        try:
+            return self.owner(parse_group_id(gid)).value
+        except ValueError:
+            return "none (not a group id)"
+
+    def _require_attempts(
+        self, event: Event, rec: GroupRecord, gid: str, gens: Iterable[int], edge: str
+    ) -> None:
+        seen = set()
+        size = len(rec.status)
+        for g in gens:
+            if not (0 <= g < size) or g in seen:
+                raise self._illegal(
+                    event,
+                    f"generation index {g} of group {gid}",
+                    expected=f"distinct indices in [0, {size})",
+                    found=str(list(gens)),
+                )
+            seen.add(g)
+            if (rec.status[g], edge) not in _ATTEMPT_NEXT:
+                raise self._illegal(
+                    event,
+                    f"sibling {g} of group {gid} (attempt {rec.attempts[g]}) is "
+                    f"{AttemptStatus(rec.status[g]).name}",
+                    expected="a status in which '" + edge + "' is legal: "
+                    + ", ".join(s.name for (s, e) in ATTEMPT_TABLE if e == edge),
+                    found=AttemptStatus(rec.status[g]).name,
+                )
+
+    def _require_current(self, event: Event, rec: GroupRecord, g: int, attempt: int) -> None:
+        if not (0 <= g < len(rec.status)):
+            raise self._illegal(
+                event,
+                f"group {rec.group_id} has no generation {g}",
+                expected=f"an index in [0, {len(rec.status)})",
+                found=str(g),
+            )
+        if rec.attempts[g] != attempt:
+            raise self._illegal(
+                event,
+                f"attempt {attempt} of sibling {g} of group {rec.group_id} is not current",
+                expected=f"the current attempt {rec.attempts[g]}",
+                found=f"attempt {attempt}",
+            )
+
+    def _index_add(self, gid: str, rec: GroupRecord) -> None:
+        if rec.target_step is not None:
+            self._by_step.setdefault(rec.target_step, {})[gid] = None
+        if rec.state == _READY:
+            self._ready[gid] = None
+
+    def _index_remove(self, gid: str, rec: GroupRecord) -> None:
+        if rec.target_step is not None:
+            bucket = self._by_step.get(rec.target_step)
+            if bucket is not None:
+                bucket.pop(gid, None)
+                if not bucket:
+                    del self._by_step[rec.target_step]
+        self._ready.pop(gid, None)
+
+    def _sealed_rows(self, gid: str, rec: GroupRecord) -> FreedRows:
+        return tuple((gid, g, rec.attempts[g]) for g, s in enumerate(rec.status) if s == _A_SEALED)
+
+    def _check_take(self, event: Event, t: Taken) -> None:
+        key = Key(t.epoch, t.ordinal)
+        if t.origin == FROM_SOURCE:
+            if self.exhausted:
+                raise self._illegal(
+                    event, "the source is exhausted", expected="a key before the end", found=str(key)
+                )
+            if key != self._cursor:
+                raise self._illegal(
+                    event,
+                    "keys leave the source in cursor order",
+                    expected=f"the cursor {tuple(self._cursor)}",
+                    found=str(tuple(key)),
+                )
+        elif t.origin == FROM_SPARE:
+            if key not in self._spare:
+                raise self._illegal(
+                    event, "key is not in the spare pool", expected=str(self._spare), found=str(key)
+                )
+        else:
+            raise self._illegal(event, "unknown origin", expected="source or spare", found=t.origin)
+        if not (0 <= t.idx < self.n_rows):
+            raise self._illegal(event, "idx out of range", expected=f"[0, {self.n_rows})", found=str(t.idx))
+        if not (1 <= t.group_size <= 4096):
+            raise self._illegal(event, "group size", expected="1..4096", found=str(t.group_size))
+        if t.granularity not in _GRANULARITY_CODE:
+            raise self._illegal(event, "granularity", expected=str(GRANULARITIES), found=t.granularity)
+
+    def _do_take(self, t: Taken, state: int, target_step: int | None, start_version: int | None) -> str:
+        key = Key(t.epoch, t.ordinal)
+        self._containers()
+        if t.origin == FROM_SOURCE:
+            self._advance_cursor()
+        else:
+            spare = list(self._spare)
+            spare.remove(key)
+            self._spare = tuple(spare)
+        n = t.group_size
+        gid = group_id(key)
+        rec = GroupRecord(
+            t.epoch,
+            t.ordinal,
+            t.idx,
+            t.task,
+            t.row_fingerprint,
+            _GRANULARITY_CODE[t.granularity],
+            state,
+            target_step,
+            start_version,
+            None,
+            bytearray(n),
+            [0] * n,
+            bytearray(n),
+            bytearray(n),
+            None,
+        )
+        self._groups[gid] = rec
+        self._owned.add(gid)
+        self._index_add(gid, rec)
+        return gid
+
+    def _advance_cursor(self) -> None:
+        e, o = self._cursor
+        o += 1
+        if o == self.n_rows:
+            e, o = e + 1, 0
+        self._cursor = Key(e, o)
+
+    # ------------------------------------------------------------------ handlers
+    # Each handler: validate everything, then mutate. Return freed rows, or None for a no-op.
+
+    def _taken(self, ev: Taken) -> FreedRows:
+        self._check_take(ev, ev)
+        self._do_take(ev, _RESERVED, None, None)
+        return _NO_ROWS
+
+    def _spared(self, ev: Spared) -> FreedRows:
+        key = Key(ev.epoch, ev.ordinal)
+        if self.exhausted or key != self._cursor:
+            raise self._illegal(
+                ev,
+                "only the key at the cursor can be spared",
+                expected=f"the cursor {tuple(self._cursor)}" + (" (exhausted)" if self.exhausted else ""),
+                found=str(tuple(key)),
+            )
+        self._advance_cursor()
+        self._spare = self._spare + (key,)
+        return _NO_ROWS
+
+    def _admitted(self, ev: Admitted) -> FreedRows:
+        rec = self._require_group(ev, ev.group_id, "admitted")
+        if ev.target_step is not None and ev.target_step <= self._version:
+            raise self._illegal(
+                ev,
+                f"target step {ev.target_step} is already committed",
+                expected=f"a step > {self._version}",
+                found=str(ev.target_step),
+            )
+        if not (0 <= ev.version <= self._version):
+            raise self._illegal(
+                ev, "weight version", expected=f"0..{self._version}", found=str(ev.version)
+            )
+        rec = self._writable(ev.group_id)
+        rec.state = _GENERATING
+        rec.target_step = ev.target_step
+        rec.start_version = ev.version
+        self._index_add(ev.group_id, rec)
+        return _NO_ROWS
+
+    def _dispatched(self, ev: Dispatched) -> FreedRows:
+        gid, gens = ev.group_id, ev.generations
+        rec = self._groups.get(gid)
+        # Fast path: a generating group whose named siblings are all RESERVED, once each.
+        if rec is None or rec.state != _GENERATING or not _all_reserved(rec.status, gens):
+            rec = self._require_group(ev, gid, "dispatched")
+            if not gens:
+                raise self._illegal(ev, "no generations", expected="at least one index", found="()")
+            self._require_attempts(ev, rec, gid, gens, "dispatched")
+        status = self._writable(gid).status
+        for g in gens:
+            status[g] = _A_DISPATCHED
+        return _NO_ROWS
+
+    def _sealed(self, ev: Sealed) -> FreedRows | None:
+        gid, g = ev.group_id, ev.generation
+        rec = self._groups.get(gid)
+        # Fast path: the current attempt of a generating group, dispatched.
+        if (
+            rec is None
+            or rec.state != _GENERATING
+            or not (0 <= g < len(rec.status))
+            or rec.attempts[g] != ev.attempt
+            or rec.status[g] != _A_DISPATCHED
+        ):
+            if rec is not None and self._special_rules_duplicate_seal(rec, ev):
+                return None
+            rec = self._require_group(ev, gid, "sealed")
+            self._require_current(ev, rec, g, ev.attempt)
+            self._require_attempts(ev, rec, gid, (g,), "sealed")
+        rec = self._writable(gid)
+        status = rec.status
+        status[g] = _A_SEALED
+        if status.count(_A_SEALED) == len(status):
+            rec.state = _RTF
+        return _NO_ROWS
+
+    def _failed(self, ev: Failed) -> FreedRows:
+        gid, g = ev.group_id, ev.generation
+        rec = self._require_group(ev, gid, "failed")
+        if ev.kind not in FAILURE_KINDS:
+            raise self._illegal(ev, "failure kind", expected=str(FAILURE_KINDS), found=ev.kind)
+        self._require_current(ev, rec, g, ev.attempt)
+        self._require_attempts(ev, rec, gid, (g,), "failed")
+        counters = rec.infra_failures if ev.kind == INFRA else rec.data_failures
+        if counters[g] >= _MAX_COUNTER:
+            raise self._illegal(ev, "failure counter overflow", expected=f"< {_MAX_COUNTER}", found=str(counters[g]))
+        rec = self._writable(gid)
+        counters = rec.infra_failures if ev.kind == INFRA else rec.data_failures
+        counters[g] += 1
+        rec.attempts[g] += 1
+        rec.status[g] = _A_RESERVED
+        if rec.granularity != _PROMPT_GROUP:
+            return _NO_ROWS
+        # All-or-nothing: the other siblings' work is abandoned with it.
+        freed = []
+        for other, s in enumerate(rec.status):
+            if s == _A_SEALED:
+                freed.append((gid, other, rec.attempts[other]))
+            if s != _A_RESERVED:
+                rec.attempts[other] += 1
+                rec.status[other] = _A_RESERVED
+        return tuple(freed)
+
+    def _special_rules_abandon(self, ev: Abandoned, rec: GroupRecord) -> None:
+        """SEALED → ABANDONED only for PROMPT_GROUP groups: a SIBLING group never throws
+        away a finished sibling (that is the point of sibling granularity)."""
+        if rec.granularity == _PROMPT_GROUP:
+            return
+        for g in ev.generations:
+            if rec.status[g] == _A_SEALED:
+                raise self._illegal(
+                    ev,
+                    f"sibling {g} of SIBLING-granularity group {ev.group_id} is sealed",
+                    expected="only DISPATCHED siblings (sealed work is kept at sibling granularity)",
+                    found="SEALED",
+                )
+
+    def _special_rules_duplicate_seal(self, rec: GroupRecord, ev: Sealed) -> bool:
+        """A repeated seal of a sealed current attempt is a no-op, in any state: engines
+        may deliver a result twice. (The row store compares the payloads.)"""
+        g = ev.generation
+        return (
+            0 <= g < len(rec.status)
+            and rec.attempts[g] == ev.attempt
+            and rec.status[g] == _A_SEALED
+        )
+
+    def _abandoned(self, ev: Abandoned) -> FreedRows:
+        gid = ev.group_id
+        rec = self._require_group(ev, gid, "abandoned")
+        if not ev.generations:
+            raise self._illegal(ev, "no generations", expected="at least one index", found="()")
+        self._require_attempts(ev, rec, gid, ev.generations, "abandoned")
+        self._special_rules_abandon(ev, rec)
+        rec = self._writable(gid)
+        freed = []
+        for g in ev.generations:
+            if rec.status[g] == _A_SEALED:
+                freed.append((gid, g, rec.attempts[g]))
+            rec.attempts[g] += 1
+            rec.status[g] = _A_RESERVED
+        return tuple(freed)
+
+    def _finalizing(self, ev: Finalizing) -> FreedRows:
+        self._require_group(ev, ev.group_id, "finalizing")
+        self._writable(ev.group_id).state = _FINALIZING
+        return _NO_ROWS
+
+    def _ready_event(self, ev: Ready) -> FreedRows:
+        rec = self._require_group(ev, ev.group_id, "ready")
+        if len(ev.advantages) != len(rec.status):
+            raise self._illegal(
+                ev,
+                f"advantages of group {ev.group_id}",
+                expected=f"{len(rec.status)} values (one per sibling)",
+                found=f"{len(ev.advantages)} values",
+            )
+        rec = self._writable(ev.group_id)
+        rec.state = _READY
+        rec.advantages = [float(a) for a in ev.advantages]
+        self._ready[ev.group_id] = None
+        return _NO_ROWS
+
+    def _claimed(self, ev: Claimed) -> FreedRows:
+        if ev.step != self._version + 1:
+            raise self._illegal(
+                ev,
+                "only the next step can claim",
+                expected=f"step {self._version + 1}",
+                found=f"step {ev.step}",
+            )
+        if not ev.group_ids or len(set(ev.group_ids)) != len(ev.group_ids):
+            raise self._illegal(ev, "group ids", expected="distinct, at least one", found=str(ev.group_ids))
+        if self.claimed(ev.step):
+            raise self._illegal(
+                ev, f"step {ev.step} already claimed groups", expected="one claim per step", found=str(self.claimed(ev.step))
+            )
+        for gid in ev.group_ids:
+            rec = self._require_group(ev, gid, "claimed")
+            if rec.target_step is not None and rec.target_step != ev.step:
+                raise self._illegal(
+                    ev,
+                    f"group {gid} is stamped for step {rec.target_step}",
+                    expected=f"groups stamped {ev.step} or unstamped",
+                    found=f"target_step {rec.target_step}",
+                )
+        for gid in ev.group_ids:
+            rec = self._writable(gid)
+            rec.state = _CLAIMED
+            rec.claim_step = ev.step
+            self._ready.pop(gid, None)
+        self._n_claimed += len(ev.group_ids)
+        return _NO_ROWS
+
+    def _step_committed(self, ev: StepCommitted) -> FreedRows:
+        expected = self.commit_event(self._version + 1)
+        if not expected.group_ids or ev != expected:
+            raise self._illegal(
+                ev,
+                f"step {ev.step} does not match the open claim",
+                expected=f"exactly Ledger.commit_event({self._version + 1}) = {expected}",
+                found=str(ev),
+            )
+        self._containers()
+        freed = []
+        for gid in ev.group_ids:
+            rec = self._groups.pop(gid)
+            self._owned.discard(gid)
+            self._index_remove(gid, rec)
+            freed.extend(self._sealed_rows(gid, rec))
+            bm = self._trained.get(rec.epoch)
+            if bm is None:
+                bm = self._trained[rec.epoch] = BitMap()
+            bm.add(rec.ordinal)
+        self._n_claimed -= len(ev.group_ids)
+        self._version = ev.step
+        self._shortfall.pop(ev.step, None)
+        return tuple(freed)
+
+    def _released(self, ev: Released) -> FreedRows:
+        rec = self._require_group(ev, ev.group_id, "released")
+        nxt = _GROUP_NEXT[(rec.state, "released")]
+        rec = self._writable(ev.group_id)
+        rec.state = nxt
+        if nxt == _READY:
+            rec.claim_step = None
+            self._ready[ev.group_id] = None
+            self._n_claimed -= 1
+        return _NO_ROWS
+
+    def _evicted(self, ev: Evicted) -> FreedRows:
+        gid = ev.group_id
+        self._require_group(ev, gid, "evicted")
+        rec = self._writable(gid)
+        freed = self._sealed_rows(gid, rec)
+        self._index_remove(gid, rec)
+        rec.state = _RESERVED
+        rec.target_step = None
+        rec.start_version = None
+        rec.advantages = None
+        for g in range(len(rec.status)):
+            rec.attempts[g] += 1
+            rec.status[g] = _A_RESERVED
+        return freed
+
+    def _dropped_event(self, ev: Dropped) -> FreedRows:
+        gid = ev.group_id
+        rec = self._require_group(ev, gid, "dropped")
+        stamped = rec.target_step is not None
+        if stamped and ev.shrink == (ev.replacement is not None):
+            raise self._illegal(
+                ev,
+                f"group {gid} is stamped for step {rec.target_step}",
+                expected="exactly one of shrink=True or a replacement",
+                found=f"shrink={ev.shrink}, replacement={ev.replacement is not None}",
+            )
+        if not stamped and (ev.shrink or ev.replacement is not None):
+            raise self._illegal(
+                ev,
+                f"group {gid} is unstamped",
+                expected="no shrink and no replacement (the pump keeps taking)",
+                found=f"shrink={ev.shrink}, replacement={ev.replacement is not None}",
+            )
+        if ev.replacement is not None:
+            self._check_take(ev, ev.replacement)
+            if group_id((ev.replacement.epoch, ev.replacement.ordinal)) == gid:
+                raise self._illegal(ev, "a group cannot replace itself", expected="another key", found=gid)
+        self._containers()
+        step = rec.target_step if stamped else self._version + 1
+        freed = self._sealed_rows(gid, rec)
+        del self._groups[gid]
+        self._owned.discard(gid)
+        self._index_remove(gid, rec)
+        self._dropped[rec.key] = (ev.reason, step)
+        if ev.shrink:
+            self._shortfall[step] = self._shortfall.get(step, 0) + 1
+        if ev.replacement is not None:
+            self._do_take(ev.replacement, _GENERATING, step, self._version)
+        return freed
