@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pyroaring import BitMap
 
 from .errors import AuditFailure
-from .ledger import GroupState, Ledger, LedgerState
 from .events import GRANULARITIES
 from .keys import group_id
+from .ledger import GroupState, Ledger, LedgerState
 
 _A_RESERVED, _A_SEALED = 0, 2
 _MAX_LISTED = 8  # keys listed per violation; the count is always exact

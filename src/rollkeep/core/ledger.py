@@ -143,7 +143,8 @@ ATTEMPT_TABLE: dict[tuple[AttemptStatus, str], int] = {
 _GROUP_NEXT = {(int(s), e): n for (s, e), n in GROUP_TABLE.items()}
 _ATTEMPT_NEXT = {(int(s), e): n for (s, e), n in ATTEMPT_TABLE.items()}
 _GRANULARITY_CODE = {g: i for i, g in enumerate(GRANULARITIES)}
-_PROMPT_GROUP = _GRANULARITY_CODE[PROMPT_GROUP]
+PROMPT_GROUP_CODE = _GRANULARITY_CODE[PROMPT_GROUP]
+_PROMPT_GROUP = PROMPT_GROUP_CODE
 _MAX_COUNTER = 255  # failure counters are stored as bytes
 
 
@@ -864,10 +865,6 @@ class Ledger:
             )
         if not ev.group_ids or len(set(ev.group_ids)) != len(ev.group_ids):
             raise self._illegal(ev, "group ids", expected="distinct, at least one", found=str(ev.group_ids))
-        if self.claimed(ev.step):
-            raise self._illegal(
-                ev, f"step {ev.step} already claimed groups", expected="one claim per step", found=str(self.claimed(ev.step))
-            )
         for gid in ev.group_ids:
             rec = self._require_group(ev, gid, "claimed")
             if rec.target_step is not None and rec.target_step != ev.step:
@@ -877,6 +874,10 @@ class Ledger:
                     expected=f"groups stamped {ev.step} or unstamped",
                     found=f"target_step {rec.target_step}",
                 )
+        if self.claimed(ev.step):
+            raise self._illegal(
+                ev, f"step {ev.step} already claimed groups", expected="one claim per step", found=str(self.claimed(ev.step))
+            )
         for gid in ev.group_ids:
             rec = self._writable(gid)
             rec.state = _CLAIMED
@@ -886,6 +887,8 @@ class Ledger:
         return _NO_ROWS
 
     def _step_committed(self, ev: StepCommitted) -> FreedRows:
+        for gid in ev.group_ids:
+            self._require_group(ev, gid, "step_committed")
         expected = self.commit_event(self._version + 1)
         if not expected.group_ids or ev != expected:
             raise self._illegal(

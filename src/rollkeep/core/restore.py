@@ -1,0 +1,243 @@
+"""The restore chain (DESIGN §5): eight checks, each a hard error naming the file, the
+field and the remedy. Nothing here writes to disk; `rollkeep inspect` runs the same chain.
+
+    1  LATEST names a directory with a MANIFEST.json          CheckpointNotFound
+    2  every listed file has its size and sha256; no others    ManifestMismatch
+    3  schema versions are supported                           SchemaUnsupported
+    4  the ledger decodes strictly                             LedgerDecodeError
+    5  the custody audit passes                                CheckpointCustodyError
+    6  rows referenced by sealed attempts are present, and
+       no row is unreferenced                                  RowsMismatch
+    7  the dataset still matches (size, seed, each group's
+       idx / task / row fingerprint, dataset fingerprint)      DatasetMismatch
+    8  the semantic config is unchanged (or the change named)  ConfigMismatch
+
+Steps 1–3 are the store's (`CheckpointStore.open`), 4 the codec's; this module chains them
+and adds 5–8. The result says what a restart will reuse, regenerate and read anew.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import codec
+from .audit import audit
+from .checkpoint import LEDGER_FILE, ROWS_FILE, SUPPORTED_SCHEMAS, TRAINER_DIR, referenced_rows
+from .configdiff import check_compatible
+from .errors import CheckpointCustodyError, DatasetMismatch, RowsMismatch
+from .ledger import PROMPT_GROUP_CODE, AttemptStatus, GroupState, LedgerState
+from .rows import Row, RowId, decode_rows
+from .source import PromptSource
+from .store import CheckpointStore, OpenedCheckpoint, open_path
+
+_REMEDY_OLDER = (
+    "restore from an earlier checkpoint (list them with `ls RUN_DIR/checkpoints`; point "
+    "LATEST at one) or start a new run_dir"
+)
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    """What a restart from this checkpoint does with each piece of work."""
+
+    groups_reused: int  # READY/CLAIMED groups: trained without regenerating
+    groups_finalize_again: int  # all siblings sealed, finalization recomputed
+    siblings_reused: int  # sealed siblings of unfinished groups (SIBLING granularity)
+    siblings_discarded: int  # sealed siblings of unfinished PROMPT_GROUP groups
+    siblings_regenerated: int  # dispatched at the cut: abandoned and dispatched again
+    siblings_pending: int  # never dispatched: dispatched for the first time
+    groups_readmitted: int  # RESERVED: admitted again
+    spare_prompts: int
+    source_cursor: tuple[int, int]
+    trained: int
+    dropped: int
+
+    def lines(self) -> list[str]:
+        return [
+            f"reuse       {self.groups_reused} finished group(s) from REPLAY, "
+            f"{self.siblings_reused} sealed sibling(s) of unfinished groups",
+            f"finalize    {self.groups_finalize_again} group(s) with every sibling sealed",
+            f"regenerate  {self.siblings_regenerated} sibling(s) in flight at the cut, "
+            f"{self.siblings_discarded} sealed sibling(s) of all-or-nothing groups",
+            f"dispatch    {self.siblings_pending} sibling(s) not yet dispatched, "
+            f"{self.groups_readmitted} group(s) re-admitted",
+            f"source      {self.spare_prompts} spare prompt(s), then the source from "
+            f"e{self.source_cursor[0]}.{self.source_cursor[1]}",
+            f"done        {self.trained} trained, {self.dropped} dropped",
+        ]
+
+
+def plan(state: LedgerState) -> RestorePlan:
+    reused = finalize = sib_reused = sib_discarded = sib_regen = sib_pending = readmit = 0
+    for rec in state.groups.values():
+        s = rec.state
+        if s >= GroupState.READY:
+            reused += 1
+        elif s >= GroupState.READY_TO_FINALIZE:
+            finalize += 1
+        elif s == GroupState.RESERVED:
+            readmit += 1
+            sib_pending += len(rec.status)
+        else:
+            sealed = rec.status.count(AttemptStatus.SEALED)
+            dispatched = rec.status.count(AttemptStatus.DISPATCHED)
+            pending = rec.status.count(AttemptStatus.RESERVED)
+            if rec.granularity == PROMPT_GROUP_CODE:  # all-or-nothing: sealed work is redone
+                sib_discarded += sealed
+            else:
+                sib_reused += sealed
+            sib_regen += dispatched
+            sib_pending += pending
+    return RestorePlan(
+        groups_reused=reused,
+        groups_finalize_again=finalize,
+        siblings_reused=sib_reused,
+        siblings_discarded=sib_discarded,
+        siblings_regenerated=sib_regen,
+        siblings_pending=sib_pending,
+        groups_readmitted=readmit,
+        spare_prompts=len(state.spare),
+        source_cursor=tuple(state.cursor),
+        trained=sum(len(b) for b in state.trained.values()),
+        dropped=len(state.dropped),
+    )
+
+
+@dataclass(frozen=True)
+class Restored:
+    """A checkpoint that passed the chain."""
+
+    checkpoint: OpenedCheckpoint
+    ledger: LedgerState
+    rows: dict[RowId, Row]
+    plan: RestorePlan
+    config_changes: list[tuple[str, Any, Any]] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.checkpoint.name
+
+    @property
+    def manifest(self) -> dict[str, Any]:
+        return self.checkpoint.manifest
+
+    def trainer_file(self, name: str) -> bytes:
+        return self.checkpoint.read(f"{TRAINER_DIR}/{name}")
+
+    def trainer_files(self) -> list[str]:
+        prefix = TRAINER_DIR + "/"
+        return [f[len(prefix):] for f in self.checkpoint.files() if f.startswith(prefix)]
+
+
+def open_checkpoint(target: CheckpointStore | Path, name: str | None = None) -> OpenedCheckpoint:
+    """Steps 1–3. `target` is a store (LATEST or `name`) or a checkpoint directory."""
+    if isinstance(target, CheckpointStore):
+        return target.open(name, supported=SUPPORTED_SCHEMAS)
+    return open_path(Path(target), supported=SUPPORTED_SCHEMAS)
+
+
+def check_custody(ck: OpenedCheckpoint) -> LedgerState:
+    """Steps 4–5."""
+    path = str(ck.path / LEDGER_FILE)
+    state = codec.decode(ck.read(LEDGER_FILE), path=path)
+    audit(state).raise_if_failed(
+        CheckpointCustodyError,
+        path=path,
+        remedy=_REMEDY_OLDER + "; a checkpoint that fails the audit was damaged or edited",
+    )
+    return state
+
+
+def check_rows(ck: OpenedCheckpoint, state: LedgerState) -> dict[RowId, Row]:
+    """Step 6: the rows are exactly the ones sealed attempts reference."""
+    path = str(ck.path / ROWS_FILE)
+    rows = decode_rows(ck.read(ROWS_FILE), path=path)
+    wanted = set(referenced_rows(state))
+    missing = sorted(wanted - rows.keys())
+    extra = sorted(rows.keys() - wanted)
+    if missing or extra:
+        raise RowsMismatch(
+            "the rows file does not match the ledger's sealed attempts",
+            path=path,
+            field="rows",
+            expected=f"exactly the {len(wanted)} row(s) the ledger references",
+            found=f"{len(missing)} missing (e.g. {missing[:3]}), {len(extra)} unreferenced (e.g. {extra[:3]})",
+            remedy=_REMEDY_OLDER + "; rows and ledger come from different checkpoints or were damaged",
+        )
+    return rows
+
+
+def check_dataset(
+    ck: OpenedCheckpoint, state: LedgerState, source: PromptSource, *, allow_dataset_change: bool = False
+) -> None:
+    """Step 7: the dataset the checkpoint was written against is the one we have."""
+    path = str(ck.path / LEDGER_FILE)
+
+    def fail(what: str, fld: str, expected: Any, found: Any, remedy: str = "") -> DatasetMismatch:
+        return DatasetMismatch(
+            what,
+            path=path,
+            field=fld,
+            expected=str(expected),
+            found=str(found),
+            remedy="point data.path at the dataset the run started with (or regenerate it with "
+            "the same settings), or start a new run_dir" + remedy,
+        )
+
+    if state.n_rows != source.n_rows:
+        raise fail("the dataset has a different number of rows", "n_rows", state.n_rows, source.n_rows)
+    if state.seed != source.seed:
+        raise fail("the permutation seed differs", "seed", state.seed, source.seed)
+    if state.epochs != source.epochs:
+        raise fail("the number of epochs differs", "epochs", state.epochs, source.epochs)
+    bad = []
+    for gid, rec in sorted(state.groups.items(), key=lambda kv: kv[1].key):
+        problem = source.check_ref(rec.key, rec.idx, rec.task, rec.row_fingerprint)
+        if problem is not None:
+            bad.append(f"{gid}: {problem}")
+    if bad:
+        raise fail(
+            f"{len(bad)} in-flight or buffered prompt(s) no longer match the dataset: " + "; ".join(bad[:3]),
+            "groups[].row_fingerprint",
+            "each group's row as recorded",
+            f"{len(bad)} changed row(s)",
+        )
+    saved = ck.manifest.get("dataset", {}).get("fingerprint")
+    if saved is not None and not allow_dataset_change and saved != source.fingerprint():
+        raise fail(
+            "the dataset's content changed since the checkpoint (rows not in flight were edited)",
+            "dataset.fingerprint",
+            saved,
+            source.fingerprint(),
+            "; or pass --allow-dataset-change to resume on the edited rows (in-flight rows are "
+            "still checked one by one)",
+        )
+
+
+def restore_chain(
+    target: CheckpointStore | Path,
+    *,
+    name: str | None = None,
+    source: PromptSource | None,
+    config: Mapping[str, Any] | None,
+    allow_config_change: Iterable[str] = (),
+    allow_dataset_change: bool = False,
+) -> Restored:
+    """Run steps 1–8. `source=None` / `config=None` skip steps 7 / 8 (`rollkeep audit`)."""
+    ck = open_checkpoint(target, name)
+    state = check_custody(ck)
+    rows = check_rows(ck, state)
+    if source is not None:
+        check_dataset(ck, state, source, allow_dataset_change=allow_dataset_change)
+    changes: list = []
+    if config is not None:
+        changes = check_compatible(
+            ck.manifest.get("config", {}),
+            config,
+            allow=allow_config_change,
+            path=str(ck.path / "MANIFEST.json"),
+        )
+    return Restored(checkpoint=ck, ledger=state, rows=rows, plan=plan(state), config_changes=changes)

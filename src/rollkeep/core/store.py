@@ -1,0 +1,1073 @@
+"""The checkpoint store: publish a checkpoint atomically, open one read-only and verified.
+
+Layout (DESIGN.md §4)::
+
+    RUN_DIR/checkpoints/                  the store's `root`
+        LATEST                            "step_000012\\n": the newest published checkpoint
+        step_000012/
+            MANIFEST.json                 written last; lists every other file
+            ledger.msgpack                (the caller's files; names may have one
+            trainer/model.safetensors      level of subdirectory)
+
+A checkpoint is *published* when LATEST names it. Nothing else makes it so: a `step_*`
+directory that LATEST does not name is a leftover (a publication that crashed before its
+commit point, or an older checkpoint kept by retention) and no restore starts from it
+unless a person points LATEST at it.
+
+
+Atomic publication
+==================
+
+Written down the way SQLite's "Atomic Commit In SQLite" argues its rollback journal.
+
+Assumptions
+-----------
+
+A1. `rename(2)` within one filesystem is atomic: after a crash, a reader finds the old
+    name or the new one, never both or neither; renaming a file over an existing file
+    replaces the target atomically.
+A2. `fsync(2)` of a file makes its contents durable. `fsync(2)` of a directory makes its
+    entries (creations, renames, removals) durable. Without fsync, the order in which
+    data and names reach the disk is unspecified, and this protocol never relies on it.
+A3. The whole `checkpoints/` tree is on one filesystem (temporary names live next to
+    their final names, so every rename is within one directory of it).
+A4. One writer per `checkpoints/` directory (the controller). Readers (`rollkeep inspect`)
+    may run at any time; they never write.
+A5. The process can stop between any two system calls (SIGKILL, preemption, power loss).
+    Bit rot and hand edits are not prevented; they are detected (sha256 in the manifest,
+    the manifest's own checksum) and refused by `open`.
+A6. An fsync that returns an error may have lost the data ("fsyncgate"): the publication
+    is abandoned, never retried on the same file.
+
+Steps of `publish(step, files, meta, keep_last=...)`
+----------------------------------------------------
+
+Let N = `step_000012`, and HEX a fresh random suffix each time one is needed.
+
+P1. Validate the arguments and build MANIFEST.json in memory (sizes, sha256s, its own
+    checksum); refuse to republish the step LATEST names. Nothing on disk has changed
+    yet; a bad argument raises ValueError (TypeError for content that is not bytes).
+P2. Create `N.tmp-HEX/` (and its subdirectories). Create `checkpoints/` first if needed
+    and fsync its parent.
+P3. Write each file and fsync it.                              [crash point publish.file_written]
+    Then fsync each subdirectory, so the files' names are durable.
+P4. Write MANIFEST.json, fsync it, fsync `N.tmp-HEX/`.         [publish.manifest_written]
+    The manifest is written last, so a directory with a manifest has all its files.
+P5. If a directory N already exists, it is a leftover that LATEST does not name (see
+    "Republishing a step" below): rename it aside to `N.tmp-HEX`.
+P6. Rename `N.tmp-HEX/` to `N/`, fsync `checkpoints/`.          [publish.dir_renamed]
+P7. Write `LATEST.tmp-HEX` containing "N\\n", fsync it.        [publish.latest_written]
+P8. **Rename `LATEST.tmp-HEX` over `LATEST`. This is the commit point.** Then fsync
+    `checkpoints/` so the commit is durable.                  [publish.latest_replaced]
+P9. Delete the directory moved aside in P5. Retention: every `step_*` directory that is
+    neither among the `keep_last` newest (by step number) nor named by LATEST is renamed to
+    `step_*.tmp-HEX`, `checkpoints/` is fsynced, then the renamed tree is deleted.
+                                                  [publish.retention, once per deleted one]
+
+What a crash leaves
+-------------------
+
+- Before P8 (in P2-P7): LATEST still names the previous checkpoint, whose directory no
+  step touched (P5 moves aside only a directory that LATEST does not name). A restore
+  opens the previous checkpoint, or finds a fresh run if there was none. Leftovers:
+  `N.tmp-HEX/` (P2-P5, complete or not), the aside `N.tmp-HEX/` (P5-P7), a complete but
+  unpublished `N/` (P6-P7), `LATEST.tmp-HEX` (P7). `cleanup_tmp()` removes every
+  `*.tmp-*`; an unpublished `N/` stays until the next publication of step N moves it
+  aside (P5) or retention deletes it.
+- After P8: LATEST names N, whose files and manifest were made durable in P3-P4 and whose
+  name was made durable in P6 before LATEST could name it. Power loss after the rename
+  but before the fsync of P8 leaves the old LATEST or the new one (A1), and each names a
+  complete, durable directory.
+- In P9: directories being deleted are first renamed to `*.tmp-*` names, with the rename
+  made durable before the first file is removed, so a crash never leaves a half-deleted
+  `step_*` directory, only a `*.tmp-*` one for `cleanup_tmp()`.
+
+So at every instant LATEST names a complete checkpoint or does not exist: the old one
+before the commit point, the new one after it. Never a torn one. The tests in
+`tests/test_store_crash.py` SIGKILL a real process at every crash point above and fail
+every n-th write, fsync, rename and mkdir of a publication.
+
+Errors during publication
+-------------------------
+
+An OSError (or any exception) before the commit point undoes what this publication did, as
+far as it can (best effort: the tmp directory and LATEST.tmp are removed, an unpublished N
+it created is removed, a directory moved aside in P5 is moved back), then propagates.
+The previous checkpoint stays published. An error after the commit point also propagates,
+but the new checkpoint *is* published (`latest()` says so); what remains are leftovers for
+`cleanup_tmp()` or checkpoints retention did not get to delete.
+
+Republishing a step
+-------------------
+
+A crash between P6 and P8 leaves a complete `N/` that LATEST does not name; after the
+restart, training reaches step N again and publishes it again. P5 renames the old `N/`
+aside before P6 renames the new one in. That is safe because LATEST does not name the old
+`N/` (P1 checks, below): no reader can be sent to it, so the instant at which the name N is
+missing or refers to the new directory harms nobody. The old directory is deleted only
+after the commit point, so until then a failed publication can put it back as it found it.
+
+Republishing the step LATEST names is refused with ValueError in P1: replacing a published
+directory takes two renames (aside, then in), and a crash between them would leave LATEST
+naming nothing. A caller that wants a new checkpoint of the same step has nothing to do:
+the published one is already of that step.
+
+Why the manifest checks itself, and LATEST does not
+---------------------------------------------------
+
+Every file's sha256 is in MANIFEST.json, and MANIFEST.json carries `manifest_sha256`, the
+sha256 of its canonical compact JSON without that key; `open` also requires the file to be
+byte-for-byte the canonical form rollkeep writes. So any change to the manifest, down to
+one flipped bit in a timestamp, is refused. LATEST carries no checksum: it holds only a
+name, and the documented remedy for a bad checkpoint is a person writing an earlier
+checkpoint's name into it. A corruption that turns it into the name of another complete,
+verified checkpoint is indistinguishable from that edit, and restores a consistent
+checkpoint; anything else is refused (LATEST must be exactly `step_NNNNNN` and a newline).
+
+
+Opening a checkpoint (restore steps 1-3 of DESIGN.md §5)
+========================================================
+
+`open` and `open_path` modify nothing on disk, ever: they never clean up, repair or
+rename. Each refusal is an exception naming the file, the field, what was expected, what
+was found, and what to do:
+
+1. `CheckpointNotFound`: LATEST exists, holds a valid name, and names a directory that
+   exists and has a MANIFEST.json.
+2. `ManifestMismatch`: MANIFEST.json is a JSON object in canonical form with a correct
+   checksum and the reserved keys with the right types; its name and step match the
+   directory; every listed path is relative, normalised and at most one directory deep;
+   every listed file is a regular file with the listed size and sha256; nothing else is in
+   the directory (no unlisted file or directory is trusted).
+3. `SchemaUnsupported`: `manifest_schema` is 1, and each entry of an optional `schemas`
+   object (e.g. {"ledger": 1, "rows": 1}) is in the `supported` versions the caller
+   passes. `manifest_schema` is read right after the manifest's checksum, before its other
+   fields, because it decides how they are read; so a newer manifest is reported as
+   "written by a newer rollkeep", and a corrupted one as a mismatch.
+
+Time of check and time of use: `open` hashes every listed file (streaming, so memory
+stays small even for model weights) but keeps no bytes; `OpenedCheckpoint.read` reads the
+whole file again and checks its size and sha256 against the manifest before returning the
+bytes. So the bytes a caller gets are exactly the bytes the manifest lists, even if the file
+changed after `open`; the price is hashing the files that are read twice.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import math
+import os
+import re
+import secrets
+import shutil
+import stat
+import time
+from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from rollkeep.core import crashpoints
+from rollkeep.core.errors import CheckpointNotFound, ManifestMismatch, SchemaUnsupported
+
+__all__ = [
+    "FS",
+    "LATEST",
+    "MANIFEST",
+    "MANIFEST_SCHEMA",
+    "CheckpointStore",
+    "OpenedCheckpoint",
+    "Published",
+    "checkpoint_name",
+    "open_path",
+]
+
+MANIFEST = "MANIFEST.json"
+LATEST = "LATEST"
+MANIFEST_SCHEMA = 1
+
+# Keys of MANIFEST.json that belong to the store; `meta` may not set them.
+RESERVED_KEYS = frozenset(
+    {"manifest_schema", "name", "step", "created", "files", "manifest_sha256"}
+)
+
+_NAME_RE = re.compile(r"step_(\d{6,})")
+_TMP_RE = re.compile(r"(?:step_\d{6,}|LATEST)\.tmp-[0-9a-f]+")
+_COMPONENT_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+_CHUNK = 1 << 20
+_NO_SCHEMA_CHECK: Mapping[str, AbstractSet[int]] = MappingProxyType({})
+
+
+def checkpoint_name(step: int) -> str:
+    """`step_{step:06d}`: the directory name of the checkpoint taken after `step`."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"checkpoint step must be an int >= 0, got {step!r}")
+    return f"step_{step:06d}"
+
+
+def _step_of(name: str) -> int | None:
+    """The step a canonical checkpoint name stands for, or None if it is not one."""
+    m = _NAME_RE.fullmatch(name)
+    if m is None:
+        return None
+    step = int(m.group(1))
+    return step if checkpoint_name(step) == name else None
+
+
+def _tmp_suffix() -> str:
+    return ".tmp-" + secrets.token_hex(8)
+
+
+def _relpath_problem(rel: object) -> str | None:
+    """Why `rel` is not an acceptable file path inside a checkpoint, or None if it is."""
+    if not isinstance(rel, str):
+        return f"a path must be a string, not {type(rel).__name__}"
+    parts = rel.split("/")
+    if len(parts) > 2:
+        return "at most one level of subdirectory is allowed"
+    for part in parts:
+        if not _COMPONENT_RE.fullmatch(part):
+            return (
+                "each path component must be non-empty, start with a letter, digit or '_', "
+                "and use only letters, digits, '.', '_', '-' (relative, normalised, no '..')"
+            )
+    if rel == MANIFEST:
+        return f"{MANIFEST} is written by the store itself"
+    return None
+
+
+# -- the manifest's own encoding ---------------------------------------------------------
+
+
+def _canonical_compact(obj: Mapping[str, Any]) -> bytes:
+    return json.dumps(
+        obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+    ).encode("ascii")
+
+
+def _encode_manifest(fields: Mapping[str, Any]) -> bytes:
+    """MANIFEST.json bytes for `fields`: canonical indented JSON with `manifest_sha256`
+    set to the sha256 of the canonical compact JSON of the other keys."""
+    body = {k: v for k, v in fields.items() if k != "manifest_sha256"}
+    full = dict(body, manifest_sha256=hashlib.sha256(_canonical_compact(body)).hexdigest())
+    text = json.dumps(full, sort_keys=True, indent=2, ensure_ascii=True, allow_nan=False)
+    return (text + "\n").encode("ascii")
+
+
+def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _decode_json(raw: bytes) -> Any:
+    """Strict JSON: UTF-8, no duplicate keys, no NaN/Infinity. Raises ValueError."""
+    return json.loads(
+        raw.decode("utf-8"),
+        object_pairs_hook=_reject_duplicates,
+        parse_constant=_reject_constant,
+    )
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+# -- the filesystem seam -----------------------------------------------------------------
+
+
+class FS:
+    """Every filesystem call that `publish` and `cleanup_tmp` make, and nothing else.
+
+    Tests substitute a subclass that raises OSError at the n-th call of a kind, to check
+    that a failure at any point leaves the previous checkpoint published. Reading (`open`,
+    `latest`, `list`) does not go through it: it never writes.
+    """
+
+    def mkdir(self, path: Path) -> None:
+        os.mkdir(path, 0o755)
+
+    def write(self, path: Path, data: bytes | bytearray | memoryview) -> None:
+        """Create `path` (it must not exist) and write all of `data`; no fsync."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            view = memoryview(data).cast("B")
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+
+    def fsync(self, path: Path) -> None:
+        """fsync a file or a directory by path."""
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def rename(self, src: Path, dst: Path) -> None:
+        os.rename(src, dst)
+
+    def rmtree(self, path: Path) -> None:
+        shutil.rmtree(path)
+
+    def unlink(self, path: Path) -> None:
+        os.unlink(path)
+
+
+# -- results -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Published:
+    """What `publish` wrote: `bytes` counts the files and MANIFEST.json; `write_seconds` is
+    the wall time of the whole `publish` call."""
+
+    name: str
+    path: Path
+    bytes: int
+    write_seconds: float
+
+
+@dataclass(frozen=True)
+class OpenedCheckpoint:
+    """A checkpoint that passed restore steps 1-3. `manifest` is the parsed MANIFEST.json."""
+
+    name: str
+    path: Path
+    manifest: dict[str, Any]
+    _expected: Mapping[str, tuple[int, str]] = field(repr=False, compare=False)
+
+    def files(self) -> list[str]:
+        """The listed files, sorted."""
+        return sorted(self._expected)
+
+    def read(self, relpath: str) -> bytes:
+        """The bytes of a listed file, checked again against its size and sha256 (so they
+        are exactly the bytes the manifest lists, whatever happened since `open`)."""
+        file = self.path / relpath
+        if relpath not in self._expected:
+            raise ManifestMismatch(
+                f"checkpoint {self.name} has no file {relpath!r}",
+                path=str(file),
+                field=f"files[{relpath!r}]",
+                expected=f"a file listed in {MANIFEST}",
+                found=f"listed: {', '.join(self.files()) or 'none'}",
+                remedy=_earlier_remedy(self.path),
+            )
+        size, digest = self._expected[relpath]
+        try:
+            data = _read_regular(file)
+        except OSError as e:
+            raise ManifestMismatch(
+                f"{relpath} of checkpoint {self.name} cannot be read any more",
+                path=str(file),
+                expected="the file verified when the checkpoint was opened",
+                found=_oserror_text(e),
+                remedy=_earlier_remedy(self.path),
+            ) from e
+        found = hashlib.sha256(data).hexdigest()
+        if len(data) != size or found != digest:
+            raise ManifestMismatch(
+                f"{relpath} of checkpoint {self.name} changed after it was opened",
+                path=str(file),
+                field=f"files[{relpath!r}]",
+                expected=f"size {size}, sha256 {digest}",
+                found=f"size {len(data)}, sha256 {found}",
+                remedy="make sure nothing else writes into the checkpoint directory; "
+                + _earlier_remedy(self.path),
+            )
+        return data
+
+
+# -- the store ---------------------------------------------------------------------------
+
+
+class CheckpointStore:
+    """The `checkpoints/` directory of one run. See the module docstring for the protocol.
+
+    `fs` is the filesystem seam (tests pass one that fails on purpose); the default does
+    the real system calls.
+    """
+
+    def __init__(self, root: Path, *, fs: FS | None = None) -> None:
+        self.root = Path(root)
+        self._fs = fs if fs is not None else FS()
+
+    def __repr__(self) -> str:
+        return f"CheckpointStore({str(self.root)!r})"
+
+    # -- writing -------------------------------------------------------------------------
+
+    def publish(
+        self,
+        step: int,
+        files: Mapping[str, bytes],
+        meta: Mapping[str, Any],
+        *,
+        keep_last: int | None,
+    ) -> Published:
+        """Publish a checkpoint of `step` holding `files` (relative path -> bytes), with
+        `meta` merged into its MANIFEST.json; then keep only the `keep_last` newest
+        checkpoints (None keeps all). Steps P1-P9 of the module docstring."""
+        t0 = time.perf_counter()
+        fs, root = self._fs, self.root
+
+        # P1: validate everything and build the manifest before touching the disk.
+        name = checkpoint_name(step)
+        if keep_last is not None and (not _is_int(keep_last) or keep_last < 1):
+            raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
+        entries = _check_files(files)
+        fields = _manifest_fields(name, step, entries, meta)
+        manifest_bytes = _encode_manifest(fields)
+        if _encode_manifest(_decode_json(manifest_bytes)) != manifest_bytes:
+            raise ValueError("meta does not survive a JSON round trip unchanged")
+        if self._latest_or_none() == name:
+            raise ValueError(
+                f"{name} is the published checkpoint (LATEST names it); replacing it in "
+                f"place cannot be made atomic, and it already is a checkpoint of step {step}"
+            )
+        subdirs = sorted({rel.split("/")[0] for rel, _ in entries if "/" in rel})
+        final = root / name
+
+        self._ensure_root()
+        tmp = root / (name + _tmp_suffix())
+        made_tmp = False
+        aside: Path | None = None
+        renamed = False
+        latest_tmp: Path | None = None
+        committed = False
+        try:
+            # P2-P3: every file, durable, under a name no reader looks at.
+            fs.mkdir(tmp)
+            made_tmp = True
+            for d in subdirs:
+                fs.mkdir(tmp / d)
+            for rel, view in entries:
+                fs.write(tmp / rel, view)
+                fs.fsync(tmp / rel)
+                crashpoints.hit(crashpoints.PUBLISH_FILE_WRITTEN)
+            for d in subdirs:
+                fs.fsync(tmp / d)
+            # P4: the manifest last, so a manifest vouches for files already durable.
+            fs.write(tmp / MANIFEST, manifest_bytes)
+            fs.fsync(tmp / MANIFEST)
+            fs.fsync(tmp)
+            crashpoints.hit(crashpoints.PUBLISH_MANIFEST_WRITTEN)
+            # P5: an unpublished leftover of the same step goes aside (LATEST does not
+            # name it: checked in P1).
+            if os.path.lexists(final):
+                aside_path = root / (name + _tmp_suffix())
+                fs.rename(final, aside_path)
+                aside = aside_path
+            # P6: the directory gets its final name, durably, before LATEST can name it.
+            fs.rename(tmp, final)
+            renamed = True
+            fs.fsync(root)
+            crashpoints.hit(crashpoints.PUBLISH_DIR_RENAMED)
+            # P7
+            latest_tmp = root / (LATEST + _tmp_suffix())
+            fs.write(latest_tmp, (name + "\n").encode("ascii"))
+            fs.fsync(latest_tmp)
+            crashpoints.hit(crashpoints.PUBLISH_LATEST_WRITTEN)
+            # P8: THE COMMIT POINT.
+            fs.rename(latest_tmp, root / LATEST)
+            committed = True
+            fs.fsync(root)
+            crashpoints.hit(crashpoints.PUBLISH_LATEST_REPLACED)
+        except BaseException:
+            if not committed:
+                self._undo(
+                    final,
+                    tmp=tmp if made_tmp and not renamed else None,
+                    ours=renamed,
+                    aside=aside,
+                    latest_tmp=latest_tmp,
+                )
+            raise
+
+        # P9: only now may anything older go.
+        if aside is not None:
+            fs.rmtree(aside)
+        self._retain(keep_last, name)
+        total = sum(len(view) for _, view in entries) + len(manifest_bytes)
+        return Published(name, final, total, time.perf_counter() - t0)
+
+    def cleanup_tmp(self) -> list[str]:
+        """Remove the `*.tmp-*` leftovers of interrupted publications and deletions, and
+        return their names (sorted) for the caller to report. Call it at start-up, never
+        while a publication may be running; `open` never calls it."""
+        removed: list[str] = []
+        for entry in self._scan():
+            if _TMP_RE.fullmatch(entry.name) is None:
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                self._fs.rmtree(Path(entry.path))
+            else:
+                self._fs.unlink(Path(entry.path))
+            removed.append(entry.name)
+        return sorted(removed)
+
+    # -- reading -------------------------------------------------------------------------
+
+    def latest(self) -> str | None:
+        """The name in LATEST, or None when there is no LATEST (a fresh run). A LATEST that
+        does not hold exactly one valid name and a newline raises CheckpointNotFound."""
+        path = self.root / LATEST
+        try:
+            raw = _read_regular(path)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise CheckpointNotFound(
+                "LATEST cannot be read",
+                path=str(path),
+                expected="a regular file holding a checkpoint name",
+                found=_oserror_text(e),
+                remedy=self._latest_remedy(),
+            ) from e
+        name = _parse_latest(raw)
+        if name is None:
+            shown = raw[:80]
+            hint = " (truncated?)" if raw and not raw.endswith(b"\n") else ""
+            raise CheckpointNotFound(
+                "LATEST does not hold a checkpoint name",
+                path=str(path),
+                expected="'step_NNNNNN' followed by one newline",
+                found=f"{shown!r}{'...' if len(raw) > 80 else ''}{hint}",
+                remedy=self._latest_remedy(),
+            )
+        return name
+
+    def list(self) -> list[str]:
+        """Names of the checkpoint directories present (`step_NNNNNN`, not `*.tmp-*`),
+        sorted by step. Unverified: `open` one to trust it."""
+        names = [
+            e.name
+            for e in self._scan()
+            if _step_of(e.name) is not None and e.is_dir(follow_symlinks=False)
+        ]
+        return sorted(names, key=lambda n: _step_of(n) or 0)
+
+    def open(
+        self,
+        name: str | None = None,
+        *,
+        supported: Mapping[str, AbstractSet[int]] = _NO_SCHEMA_CHECK,
+    ) -> OpenedCheckpoint:
+        """Open and verify a checkpoint (restore steps 1-3), modifying nothing on disk.
+        `name` None opens the one LATEST names. `supported` maps each component of the
+        manifest's `schemas` to the versions the caller reads (empty: no check)."""
+        if name is None:
+            name = self.latest()
+            if name is None:
+                names = self.list()
+                raise CheckpointNotFound(
+                    "no checkpoint is published: LATEST is missing",
+                    path=str(self.root / LATEST),
+                    expected="a LATEST file naming the newest checkpoint",
+                    found="no LATEST"
+                    + (f" (checkpoint directories present: {', '.join(names)})" if names else ""),
+                    remedy=self._latest_remedy(),
+                )
+            return _open_dir(self.root / name, supported, via_latest=True)
+        if _step_of(name) is None:
+            raise CheckpointNotFound(
+                f"{name!r} is not a checkpoint name",
+                path=str(self.root / name),
+                expected="a name of the form step_NNNNNN",
+                found=repr(name),
+                remedy=self._latest_remedy(),
+            )
+        return _open_dir(self.root / name, supported, via_latest=False)
+
+    def open_path(
+        self,
+        path: Path,
+        *,
+        supported: Mapping[str, AbstractSet[int]] = _NO_SCHEMA_CHECK,
+    ) -> OpenedCheckpoint:
+        """Same as the module function `open_path` (any checkpoint directory, anywhere)."""
+        return open_path(path, supported=supported)
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _scan(self) -> list[os.DirEntry[str]]:
+        try:
+            with os.scandir(self.root) as it:
+                return list(it)
+        except FileNotFoundError:
+            return []
+
+    def _latest_or_none(self) -> str | None:
+        """LATEST's name, or None if it is missing or not a valid name (publish only
+        needs to know which directory must not be touched)."""
+        try:
+            return _parse_latest(_read_regular(self.root / LATEST))
+        except OSError:
+            return None
+
+    def _latest_remedy(self) -> str:
+        return _latest_remedy(self.root, self.list())
+
+    def _ensure_root(self) -> None:
+        missing: list[Path] = []
+        p = self.root
+        while not os.path.lexists(p):
+            missing.append(p)
+            p = p.parent
+        for d in reversed(missing):
+            self._fs.mkdir(d)
+            self._fs.fsync(d.parent)
+
+    def _undo(
+        self,
+        final: Path,
+        *,
+        tmp: Path | None,
+        ours: bool,
+        aside: Path | None,
+        latest_tmp: Path | None,
+    ) -> None:
+        """Best-effort undo of a publication that failed before its commit point: remove
+        what it created (`tmp`; `final` if `ours`, i.e. the rename of P6 happened; the
+        LATEST temp file) and move back the directory it moved aside in P5. Each step may
+        fail (the disk that failed may keep failing); what stays behind is then a
+        `*.tmp-*` for `cleanup_tmp()` or an unpublished `step_*` for the next publish."""
+        fs = self._fs
+
+        def attempt(fn: Any, *args: Any) -> bool:
+            try:
+                fn(*args)
+                return True
+            except OSError:
+                return False
+
+        if latest_tmp is not None and os.path.lexists(latest_tmp):
+            attempt(fs.unlink, latest_tmp)
+        if ours:
+            # Rename our unpublished directory out of the way before deleting it, so that
+            # no half-deleted step_* directory is ever visible.
+            doomed = final.with_name(final.name + _tmp_suffix())
+            if attempt(fs.rename, final, doomed):
+                attempt(fs.rmtree, doomed)
+        if tmp is not None and os.path.lexists(tmp):
+            attempt(fs.rmtree, tmp)
+        if aside is not None and not os.path.lexists(final):
+            attempt(fs.rename, aside, final)
+
+    def _retain(self, keep_last: int | None, latest: str) -> None:
+        if keep_last is None:
+            return
+        names = self.list()
+        keep = set(names[-keep_last:]) | {latest}
+        for old in names:
+            if old in keep:
+                continue
+            doomed = self.root / (old + _tmp_suffix())
+            self._fs.rename(self.root / old, doomed)
+            self._fs.fsync(self.root)
+            crashpoints.hit(crashpoints.PUBLISH_RETENTION)
+            self._fs.rmtree(doomed)
+
+
+def open_path(
+    path: Path,
+    *,
+    supported: Mapping[str, AbstractSet[int]] = _NO_SCHEMA_CHECK,
+) -> OpenedCheckpoint:
+    """Open and verify the checkpoint directory `path` (restore steps 1-3 without LATEST;
+    for `rollkeep inspect PATH`). Modifies nothing on disk."""
+    path = Path(path)
+    if _step_of(path.name) is None:
+        raise CheckpointNotFound(
+            f"{path} is not a checkpoint directory",
+            path=str(path),
+            expected="a directory named step_NNNNNN holding a MANIFEST.json",
+            found=f"a path named {path.name!r}",
+            remedy="pass a checkpoint directory such as RUN_DIR/checkpoints/step_000012 "
+            "(a copied checkpoint keeps its step_NNNNNN name)",
+        )
+    return _open_dir(path, supported, via_latest=False)
+
+
+# -- publication helpers -----------------------------------------------------------------
+
+
+def _check_files(files: Mapping[str, bytes]) -> list[tuple[str, memoryview]]:
+    entries: list[tuple[str, memoryview]] = []
+    for rel, data in files.items():
+        problem = _relpath_problem(rel)
+        if problem is not None:
+            raise ValueError(f"checkpoint file name {rel!r}: {problem}")
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"checkpoint file {rel!r}: expected bytes, got {type(data).__name__}")
+        entries.append((rel, memoryview(data).cast("B")))
+    entries.sort()
+    names = {rel for rel, _ in entries}
+    for rel, _ in entries:
+        if "/" in rel and rel.split("/")[0] in names:
+            raise ValueError(f"checkpoint file {rel.split('/')[0]!r} is also a directory")
+    return entries
+
+
+def _manifest_fields(
+    name: str, step: int, entries: list[tuple[str, memoryview]], meta: Mapping[str, Any]
+) -> dict[str, Any]:
+    for key in meta:
+        if not isinstance(key, str):
+            raise ValueError(f"meta keys must be strings, got {key!r}")
+        if key in RESERVED_KEYS:
+            raise ValueError(
+                f"meta key {key!r} is reserved by the store "
+                f"(reserved: {', '.join(sorted(RESERVED_KEYS))})"
+            )
+    fields: dict[str, Any] = {
+        "manifest_schema": MANIFEST_SCHEMA,
+        "name": name,
+        "step": step,
+        "created": time.time(),
+        "files": {
+            rel: {"size": len(view), "sha256": hashlib.sha256(view).hexdigest()}
+            for rel, view in entries
+        },
+        **meta,
+    }
+    try:
+        _canonical_compact(fields)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"meta must be JSON-serialisable (no NaN): {e}") from e
+    return fields
+
+
+def _parse_latest(raw: bytes) -> str | None:
+    if not raw.endswith(b"\n"):
+        return None
+    try:
+        name = raw[:-1].decode("ascii")
+    except UnicodeDecodeError:
+        return None
+    return name if _step_of(name) is not None else None
+
+
+# -- verification (restore steps 1-3) ----------------------------------------------------
+
+
+def _read_regular(path: Path) -> bytes:
+    """The bytes of a regular file, refusing symlinks (OSError)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        chunks = []
+        while chunk := os.read(fd, _CHUNK):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _hash_regular(path: Path) -> tuple[int, str]:
+    """(size, sha256) of a regular file, streaming; refuses symlinks (OSError)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        h = hashlib.sha256()
+        size = 0
+        while chunk := os.read(fd, _CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+        return size, h.hexdigest()
+    finally:
+        os.close(fd)
+
+
+def _oserror_text(e: OSError) -> str:
+    return e.strerror or str(e)
+
+
+def _earlier_remedy(ckdir: Path) -> str:
+    """What to do about a bad checkpoint: name the newest earlier one, if any."""
+    root, step = ckdir.parent, _step_of(ckdir.name)
+    try:
+        with os.scandir(root) as it:
+            names = [e.name for e in it if e.is_dir(follow_symlinks=False)]
+    except OSError:
+        names = []
+    earlier = sorted(
+        (s, n) for n in names if (s := _step_of(n)) is not None and (step is None or s < step)
+    )
+    if earlier:
+        prev = earlier[-1][1]
+        return (
+            f"restore from an earlier checkpoint: check it with "
+            f"`rollkeep inspect {root / prev}`, then set LATEST to it "
+            f"(write '{prev}' and a newline into {root / LATEST})"
+        )
+    return (
+        f"no earlier checkpoint exists in {root}; start a fresh run in a new RUN_DIR "
+        f"and keep this one for inspection"
+    )
+
+
+def _latest_remedy(root: Path, names: list[str]) -> str:
+    if names:
+        return (
+            f"checkpoint directories present: {', '.join(names)}; check one with "
+            f"`rollkeep inspect {root / names[-1]}`, then set LATEST to it (write "
+            f"'{names[-1]}' and a newline into {root / LATEST}); or start a fresh run in "
+            f"a new RUN_DIR"
+        )
+    return f"there is nothing to restore in {root}; start a fresh run"
+
+
+def _open_dir(
+    ckdir: Path, supported: Mapping[str, AbstractSet[int]], *, via_latest: bool
+) -> OpenedCheckpoint:
+    name = ckdir.name
+    step = _step_of(name)
+    assert step is not None
+    remedy = _earlier_remedy(ckdir)
+    named = f"LATEST names {name}, but" if via_latest else f"checkpoint {name}:"
+
+    # Step 1: the directory exists and has a manifest.
+    try:
+        st = os.lstat(ckdir)
+    except OSError as e:
+        raise CheckpointNotFound(
+            f"{named} its directory does not exist",
+            path=str(ckdir),
+            expected="a checkpoint directory",
+            found=_oserror_text(e),
+            remedy=remedy,
+        ) from e
+    if not stat.S_ISDIR(st.st_mode):
+        raise CheckpointNotFound(
+            f"{named} it is not a directory",
+            path=str(ckdir),
+            expected="a directory (not a symlink)",
+            found=stat.filemode(st.st_mode),
+            remedy=remedy,
+        )
+    mpath = ckdir / MANIFEST
+    try:
+        raw = _read_regular(mpath)
+    except FileNotFoundError as e:
+        raise CheckpointNotFound(
+            f"{named} it has no {MANIFEST} (the manifest is written last, so the "
+            f"checkpoint is incomplete or damaged)",
+            path=str(mpath),
+            expected=f"{MANIFEST} in the checkpoint directory",
+            found="no such file",
+            remedy=remedy,
+        ) from e
+    except OSError as e:
+        raise ManifestMismatch(
+            f"{MANIFEST} of {name} cannot be read",
+            path=str(mpath),
+            expected="a readable regular file",
+            found=_oserror_text(e),
+            remedy=remedy,
+        ) from e
+
+    # Step 2 (first half): the manifest itself.
+    def bad(what: str, field: str | None, expected: str, found: str) -> ManifestMismatch:
+        return ManifestMismatch(
+            f"{MANIFEST} of {name}: {what}",
+            path=str(mpath),
+            field=field,
+            expected=expected,
+            found=found,
+            remedy=remedy,
+        )
+
+    try:
+        manifest = _decode_json(raw)
+    except ValueError as e:  # includes UnicodeDecodeError and JSONDecodeError
+        raise bad("it does not parse as JSON", None, "a UTF-8 JSON object", str(e)) from e
+    if not isinstance(manifest, dict):
+        raise bad("it is not a JSON object", None, "a JSON object", type(manifest).__name__)
+    if "manifest_sha256" in manifest:
+        claimed = manifest["manifest_sha256"]
+        body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+        actual = hashlib.sha256(_canonical_compact(body)).hexdigest()
+        if claimed != actual:
+            raise bad(
+                "its checksum does not match its content (corrupted or edited)",
+                "manifest_sha256",
+                f"sha256 of the other keys' canonical JSON, {actual}",
+                repr(claimed),
+            )
+        if _encode_manifest(manifest) != raw:
+            raise bad(
+                "it is not byte-for-byte in the form rollkeep writes (corrupted or edited)",
+                None,
+                "canonical JSON: sorted keys, 2-space indent, ASCII, one final newline",
+                f"{len(raw)} bytes that differ from it",
+            )
+
+    # Step 3 (first half): manifest_schema decides how the rest is read.
+    schema = manifest.get("manifest_schema")
+    if not _is_int(schema):
+        raise bad("manifest_schema is missing or not an int", "manifest_schema", "1", repr(schema))
+    if schema != MANIFEST_SCHEMA:
+        newer = schema > MANIFEST_SCHEMA
+        raise SchemaUnsupported(
+            f"{MANIFEST} of {name} has manifest_schema {schema}"
+            + ("; it was written by a newer rollkeep" if newer else ""),
+            path=str(mpath),
+            field="manifest_schema",
+            expected=str(MANIFEST_SCHEMA),
+            found=str(schema),
+            remedy=("upgrade rollkeep (pip install -U rollkeep), or " if newer else "") + remedy,
+        )
+
+    # Step 2 (second half): reserved keys and their types.
+    if "manifest_sha256" not in manifest:
+        raise bad("manifest_sha256 is missing", "manifest_sha256", "a sha256 hex string", "none")
+    if manifest.get("name") != name:
+        raise bad(
+            "it belongs to another checkpoint (swapped or copied in?)",
+            "name",
+            repr(name),
+            repr(manifest.get("name")),
+        )
+    if manifest.get("step") != step or not _is_int(manifest.get("step")):
+        raise bad(
+            "its step does not match the directory", "step", str(step), repr(manifest.get("step"))
+        )
+    created = manifest.get("created")
+    if not (_is_int(created) or isinstance(created, float)) or not math.isfinite(created):
+        raise bad("created is not a unix time", "created", "a finite number", repr(created))
+    listed = manifest.get("files")
+    if not isinstance(listed, dict):
+        raise bad(
+            "files is not an object", "files", "an object path -> {size, sha256}", repr(listed)
+        )
+    expected: dict[str, tuple[int, str]] = {}
+    for rel, entry in listed.items():
+        fld = f"files[{rel!r}]"
+        problem = _relpath_problem(rel)
+        if problem is not None:
+            raise bad(f"listed path {rel!r} is not allowed", fld, problem, repr(rel))
+        if not isinstance(entry, dict) or set(entry) != {"size", "sha256"}:
+            raise bad(f"the entry of {rel} is malformed", fld, "{size, sha256}", repr(entry))
+        size, digest = entry["size"], entry["sha256"]
+        if not _is_int(size) or size < 0:
+            raise bad(f"the size of {rel} is malformed", fld + ".size", "an int >= 0", repr(size))
+        if not isinstance(digest, str) or not _SHA256_RE.fullmatch(digest):
+            raise bad(
+                f"the sha256 of {rel} is malformed", fld + ".sha256", "64 hex digits", repr(digest)
+            )
+        expected[rel] = (size, digest)
+    subdirs = {rel.split("/")[0] for rel in expected if "/" in rel}
+    for d in subdirs:
+        if d in expected:
+            raise bad(
+                f"{d} is listed both as a file and as a directory",
+                f"files[{d!r}]",
+                "distinct file and directory names",
+                d,
+            )
+
+    # Step 2 (second half): the directory holds exactly the listed files.
+    def mismatch(rel: str, what: str, exp: str, found: str) -> ManifestMismatch:
+        return ManifestMismatch(
+            f"{rel} of checkpoint {name}: {what}",
+            path=str(ckdir / rel),
+            field=f"files[{rel!r}]",
+            expected=exp,
+            found=found,
+            remedy=remedy,
+        )
+
+    unlisted_remedy = (
+        "an unlisted file is never trusted; if you added it by hand, move it out of the "
+        "checkpoint directory; otherwise " + remedy
+    )
+    for rel in _walk(ckdir, subdirs):
+        if rel not in expected and rel != MANIFEST:
+            raise ManifestMismatch(
+                f"{rel} in checkpoint {name} is not listed in {MANIFEST}",
+                path=str(ckdir / rel),
+                field="files",
+                expected=f"only the files listed in {MANIFEST}",
+                found=f"an unlisted entry {rel!r}",
+                remedy=unlisted_remedy,
+            )
+    for rel, (size, digest) in sorted(expected.items()):
+        try:
+            found_size, found_digest = _hash_regular(ckdir / rel)
+        except OSError as e:
+            raise mismatch(
+                rel,
+                "it is missing" if isinstance(e, FileNotFoundError) else "it cannot be read",
+                f"a regular file of {size} bytes",
+                _oserror_text(e),
+            ) from e
+        if found_size != size:
+            raise mismatch(
+                rel, "wrong size (truncated or replaced?)", f"{size} bytes", f"{found_size} bytes"
+            )
+        if found_digest != digest:
+            raise mismatch(rel, "wrong sha256 (corrupted or replaced)", digest, found_digest)
+
+    # Step 3 (second half): component schema versions.
+    schemas = manifest.get("schemas")
+    if schemas is not None:
+        if not isinstance(schemas, dict) or not all(_is_int(v) for v in schemas.values()):
+            raise bad(
+                "schemas is malformed", "schemas", "an object component -> int", repr(schemas)
+            )
+        if supported:
+            for comp, version in sorted(schemas.items()):
+                versions = supported.get(comp)
+                if versions is not None and version in versions:
+                    continue
+                newer = versions is None or (bool(versions) and version > max(versions))
+                raise SchemaUnsupported(
+                    f"checkpoint {name} holds {comp} in schema version {version}, which this "
+                    f"rollkeep cannot read"
+                    + ("; it was written by a newer rollkeep" if newer else ""),
+                    path=str(mpath),
+                    field=f"schemas.{comp}",
+                    expected=(
+                        f"one of the versions {sorted(versions)}"
+                        if versions is not None
+                        else f"one of the components {sorted(supported)}"
+                    ),
+                    found=str(version),
+                    remedy=("upgrade rollkeep (pip install -U rollkeep), or " if newer else "")
+                    + remedy,
+                )
+
+    return OpenedCheckpoint(name, ckdir, manifest, MappingProxyType(expected))
+
+
+def _walk(ckdir: Path, subdirs: set[str]) -> list[str]:
+    """Every entry of a checkpoint directory, as relative paths; a listed subdirectory is
+    entered (one level), anything else (including a symlink or a deeper directory) is
+    returned as is, to be refused if it is not a listed regular file."""
+    out: list[str] = []
+    with os.scandir(ckdir) as it:
+        top = sorted(it, key=lambda e: e.name)
+    for entry in top:
+        if entry.name in subdirs and entry.is_dir(follow_symlinks=False):
+            with os.scandir(entry.path) as it:
+                out.extend(f"{entry.name}/{sub.name}" for sub in sorted(it, key=lambda e: e.name))
+        else:
+            out.append(entry.name)
+    return out
