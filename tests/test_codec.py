@@ -36,7 +36,7 @@ def sample_ledger() -> Ledger:
     led.apply(Dispatched(group_id="e0.1", generations=(0, 1, 2, 3), version=0))
     led.apply(Sealed(group_id="e0.1", generation=2, attempt=0, version=0, tokens=7))
     led.apply(Admitted(group_id="e0.2", target_step=1, version=0))
-    led.apply(Dropped(group_id="e0.2", reason="data budget spent", shrink=True))
+    led.apply(Dropped(group_id="e0.2", reason="data budget spent", prompt=(0, 2), step=1, shrink=True))
     return led
 
 

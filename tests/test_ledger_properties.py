@@ -200,16 +200,18 @@ class CustodyMachine(RuleBasedStateMachine):
         if not gids:
             return
         gid = data.draw(st.sampled_from(sorted(gids)))
-        if self.led.group(gid).target_step is None:
-            self.apply(Dropped(group_id=gid, reason="budget"))
+        rec = self.led.group(gid)
+        prompt = (rec.epoch, rec.idx)
+        if rec.target_step is None:
+            self.apply(Dropped(group_id=gid, reason="budget", prompt=prompt, step=self.led.version + 1))
             return
         replacement = None
         if data.draw(st.booleans()):
             replacement = self.taken_event(data, data.draw(st.sampled_from(GRANULARITIES)))
             if replacement is not None and replacement.epoch * N_ROWS + replacement.ordinal == -1:
                 replacement = None
-        self.apply(Dropped(group_id=gid, reason="budget", shrink=replacement is None,
-                           replacement=replacement))
+        self.apply(Dropped(group_id=gid, reason="budget", prompt=prompt, step=rec.target_step,
+                           shrink=replacement is None, replacement=replacement))
 
     @rule()
     def checkpoint(self) -> None:
@@ -251,10 +253,12 @@ class CustodyMachine(RuleBasedStateMachine):
             Finalizing(group_id=gid),
             Ready(group_id=gid, advantages=(0.0,) * data.draw(st.integers(0, 4))),
             Claimed(step=data.draw(small), group_ids=(gid,)),
-            StepCommitted(step=data.draw(small), group_ids=(gid,), prompts=((0, data.draw(small)),)),
+            StepCommitted(step=data.draw(small), weight_version=data.draw(small), group_ids=(gid,),
+                          prompts=((0, data.draw(small)),)),
             Released(group_id=gid),
             Evicted(group_id=gid, reason="r"),
-            Dropped(group_id=gid, reason="r", shrink=data.draw(st.booleans())),
+            Dropped(group_id=gid, reason="r", prompt=(0, data.draw(small)), step=data.draw(small),
+                    shrink=data.draw(st.booleans())),
             Spared(epoch=data.draw(small), ordinal=data.draw(small)),
             Taken(epoch=data.draw(small), ordinal=data.draw(small), idx=data.draw(small), task="t",
                   row_fingerprint=0, group_size=data.draw(small), origin=data.draw(st.sampled_from([FROM_SOURCE, FROM_SPARE]))),
@@ -306,6 +310,14 @@ class CustodyMachine(RuleBasedStateMachine):
         states = [r.state for _, r in self.led.groups()]
         assert self.led.n_ready() == states.count(GroupState.READY)
         assert self.led.n_claimed() == states.count(GroupState.CLAIMED)
+        groups = list(self.led.groups())
+        assert self.led.reserved_ids() == sorted(
+            (g for g, r in groups if r.state == GroupState.RESERVED), key=lambda g: self.led.group(g).key)
+        assert set(self.led.pending_ids()) == {
+            g for g, r in groups if r.state == GroupState.GENERATING and AttemptStatus.RESERVED in r.status}
+        for shadow in self.shadows:
+            assert shadow.pending_ids() == self.led.pending_ids()
+            assert shadow.reserved_ids() == self.led.reserved_ids()
 
 
 TestCustody = CustodyMachine.TestCase

@@ -89,10 +89,11 @@ def group_event(edge: str, led: Ledger):
         "finalizing": Finalizing(group_id=GID),
         "ready": Ready(group_id=GID, advantages=(0.0,) * G),
         "claimed": Claimed(step=1, group_ids=(GID,)),
-        "step_committed": StepCommitted(step=1, group_ids=(GID,), prompts=((0, 0),)),
+        "step_committed": StepCommitted(step=1, weight_version=1, group_ids=(GID,), prompts=((0, 0),)),
         "released": Released(group_id=GID),
         "evicted": Evicted(group_id=GID, reason="stale"),
-        "dropped": Dropped(group_id=GID, reason="test", shrink=rec.target_step is not None),
+        "dropped": Dropped(group_id=GID, reason="test", prompt=(0, 0), step=1,
+                           shrink=rec.target_step is not None),
     }[edge]
 
 
@@ -216,7 +217,7 @@ def test_stale_attempt_results_are_refused() -> None:
         Taken(epoch=0, ordinal=0, idx=0, task="t", row_fingerprint=0, group_size=G, origin="spare"),
         Spared(epoch=0, ordinal=3),
         Claimed(step=2, group_ids=("e0.0",)),
-        StepCommitted(step=1, group_ids=(), prompts=()),
+        StepCommitted(step=1, weight_version=1, group_ids=(), prompts=()),
         Admitted(group_id="e0.5", target_step=1, version=0),
     ],
     ids=lambda e: type(e).__name__,
@@ -259,7 +260,7 @@ def test_commit_must_match_the_claim_exactly() -> None:
     led = ledger_in(GroupState.CLAIMED)
     before = fingerprint(led)
     with pytest.raises(IllegalTransition):
-        led.apply(StepCommitted(step=1, group_ids=(GID,), prompts=((0, 5),)))
+        led.apply(StepCommitted(step=1, weight_version=1, group_ids=(GID,), prompts=((0, 5),)))
     assert fingerprint(led) == before
     freed = led.apply(led.commit_event(1))
     assert set(freed) == {(GID, g, 0) for g in range(G)}

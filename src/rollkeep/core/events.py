@@ -129,6 +129,7 @@ class StepCommitted(Event, tag="step_committed"):
     """
 
     step: int
+    weight_version: int  # = step: the version this commit creates
     group_ids: tuple[str, ...]
     prompts: tuple[tuple[int, int], ...]
 
@@ -159,10 +160,14 @@ class Dropped(Event, tag="dropped"):
     For a group stamped with a target step, exactly one of `shrink` (the step trains on
     one group fewer) or `replacement` (a prompt from the spare pool or the source is taken
     and admitted to the same step). Unstamped groups have neither: the pump keeps taking.
+    `prompt` ([epoch, idx]) and `step` (the target step, or the next step if unstamped)
+    are what DROPPED records; build the event with `handout.drop_event`.
     """
 
     group_id: str
     reason: str
+    prompt: tuple[int, int]
+    step: int
     shrink: bool = False
     replacement: Taken | None = None
 

@@ -70,15 +70,18 @@ def drop_event(
     `on_dropped_prompt="replace"` takes a replacement (spare pool first, then the
     source) into the same step; when nothing is left to take it shrinks instead.
     """
-    if ledger.group(gid).target_step is None:
-        return Dropped(group_id=gid, reason=reason)
+    rec = ledger.group(gid)
+    prompt = (rec.epoch, rec.idx)
+    if rec.target_step is None:
+        return Dropped(group_id=gid, reason=reason, prompt=prompt, step=ledger.version + 1)
+    step = rec.target_step
     if on_dropped_prompt == "replace":
         taken = take_event(ledger, source, group_size=group_size, granularity=granularity)
         if taken is not None:
-            return Dropped(group_id=gid, reason=reason, replacement=taken)
+            return Dropped(group_id=gid, reason=reason, prompt=prompt, step=step, replacement=taken)
     elif on_dropped_prompt != "shrink":
         raise ValueError(f"on_dropped_prompt must be 'replace' or 'shrink', got {on_dropped_prompt!r}")
-    return Dropped(group_id=gid, reason=reason, shrink=True)
+    return Dropped(group_id=gid, reason=reason, prompt=prompt, step=step, shrink=True)
 
 
 def check_step_size(ledger: Ledger, limits: Limits, step: int) -> None:

@@ -278,6 +278,8 @@ class Ledger:
         self._ready: dict[str, None] = {}
         self._by_step: dict[int, dict[str, None]] = {}
         self._n_claimed = 0
+        self._reserved: dict[str, None] = {}  # groups in state RESERVED (awaiting admission)
+        self._pending: dict[str, None] = {}  # GENERATING groups with a RESERVED sibling
         self._sinks: list[Any] = []
         self._handlers = {
             Taken: self._taken,
@@ -425,6 +427,14 @@ class Ledger:
         """READY groups: finished, waiting for a train step (not claimed)."""
         return len(self._ready)
 
+    def reserved_ids(self) -> list[str]:
+        """Groups waiting for admission (state RESERVED), by key."""
+        return sorted(self._reserved, key=lambda g: self._groups[g].key)
+
+    def pending_ids(self) -> list[str]:
+        """Admitted, generating groups with a sibling to dispatch, by key."""
+        return sorted(self._pending, key=lambda g: self._groups[g].key)
+
     def n_claimed(self) -> int:
         """Groups claimed by the open train step."""
         return self._n_claimed
@@ -502,17 +512,17 @@ class Ledger:
         """The `StepCommitted` event for the groups claimed by `step`, in key order."""
         gids = sorted(self.claimed(step), key=lambda g: self._groups[g].key)
         prompts = tuple((self._groups[g].epoch, self._groups[g].idx) for g in gids)
-        return StepCommitted(step=step, group_ids=tuple(gids), prompts=prompts)
+        return StepCommitted(step=step, weight_version=step, group_ids=tuple(gids), prompts=prompts)
 
     def normalize_for_restart(self) -> list[Event]:
-        """Events that turn a restored ledger into one ready to run (DESIGN §5):
+        """The events that turn a restored ledger into one ready to run (DESIGN §5):
 
         - a claimed step or a running finalization is released (they had no effect
           outside the ledger);
         - current DISPATCHED attempts are ABANDONED(restart) and get fresh attempts;
         - a PROMPT_GROUP group that is not complete also abandons its sealed siblings.
 
-        Applies them and returns them (the caller traces them and frees their rows).
+        The caller applies them (tracing them and freeing the rows they return).
         """
         events: list[Event] = []
         for gid, rec in sorted(self._groups.items(), key=lambda kv: kv[1].key):
@@ -609,6 +619,10 @@ class Ledger:
             self._by_step.setdefault(rec.target_step, {})[gid] = None
         if rec.state == _READY:
             self._ready[gid] = None
+        elif rec.state == _RESERVED:
+            self._reserved[gid] = None
+        elif rec.state == _GENERATING and _A_RESERVED in rec.status:
+            self._pending[gid] = None
 
     def _index_remove(self, gid: str, rec: GroupRecord) -> None:
         if rec.target_step is not None:
@@ -618,6 +632,8 @@ class Ledger:
                 if not bucket:
                     del self._by_step[rec.target_step]
         self._ready.pop(gid, None)
+        self._reserved.pop(gid, None)
+        self._pending.pop(gid, None)
 
     def _sealed_rows(self, gid: str, rec: GroupRecord) -> FreedRows:
         return tuple((gid, g, rec.attempts[g]) for g, s in enumerate(rec.status) if s == _A_SEALED)
@@ -728,6 +744,7 @@ class Ledger:
         rec.state = _GENERATING
         rec.target_step = ev.target_step
         rec.start_version = ev.version
+        self._reserved.pop(ev.group_id, None)
         self._index_add(ev.group_id, rec)
         return _NO_ROWS
 
@@ -743,6 +760,8 @@ class Ledger:
         status = self._writable(gid).status
         for g in gens:
             status[g] = _A_DISPATCHED
+        if _A_RESERVED not in status:
+            del self._pending[gid]
         return _NO_ROWS
 
     def _sealed(self, ev: Sealed) -> FreedRows | None:
@@ -783,6 +802,7 @@ class Ledger:
         counters[g] += 1
         rec.attempts[g] += 1
         rec.status[g] = _A_RESERVED
+        self._pending[gid] = None
         if rec.granularity != _PROMPT_GROUP:
             return _NO_ROWS
         # All-or-nothing: the other siblings' work is abandoned with it.
@@ -833,6 +853,7 @@ class Ledger:
                 freed.append((gid, g, rec.attempts[g]))
             rec.attempts[g] += 1
             rec.status[g] = _A_RESERVED
+        self._pending[gid] = None
         return tuple(freed)
 
     def _finalizing(self, ev: Finalizing) -> FreedRows:
@@ -937,6 +958,7 @@ class Ledger:
         for g in range(len(rec.status)):
             rec.attempts[g] += 1
             rec.status[g] = _A_RESERVED
+        self._reserved[gid] = None
         return freed
 
     def _dropped_event(self, ev: Dropped) -> FreedRows:
@@ -957,12 +979,19 @@ class Ledger:
                 expected="no shrink and no replacement (the pump keeps taking)",
                 found=f"shrink={ev.shrink}, replacement={ev.replacement is not None}",
             )
+        step = rec.target_step if stamped else self._version + 1
+        if tuple(ev.prompt) != (rec.epoch, rec.idx) or ev.step != step:
+            raise self._illegal(
+                ev,
+                f"prompt or step of group {gid}",
+                expected=f"prompt {[rec.epoch, rec.idx]}, step {step}",
+                found=f"prompt {list(ev.prompt)}, step {ev.step}",
+            )
         if ev.replacement is not None:
             self._check_take(ev, ev.replacement)
             if group_id((ev.replacement.epoch, ev.replacement.ordinal)) == gid:
                 raise self._illegal(ev, "a group cannot replace itself", expected="another key", found=gid)
         self._containers()
-        step = rec.target_step if stamped else self._version + 1
         freed = self._sealed_rows(gid, rec)
         del self._groups[gid]
         self._owned.discard(gid)

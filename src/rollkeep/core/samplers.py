@@ -109,8 +109,11 @@ class Sampler(Protocol):
     stamps: bool  # whether admission stamps target steps
     limits: Limits
 
-    def admission(self, ledger: Ledger) -> tuple[bool, int | None]:
-        """(open, target_step): may the pump admit one more group now, and for which step."""
+    def admission(self, ledger: Ledger, *, new: bool = True) -> tuple[bool, int | None]:
+        """(open, target_step): may the pump admit one more group now, and for which step.
+
+        `new=False` asks for a group already taken (RESERVED): it is in flight already,
+        so only the step gate applies, not the in-flight and buffer limits."""
         ...
 
     def select(self, ledger: Ledger, step: int, *, final: bool) -> list[str] | None:
@@ -148,9 +151,9 @@ class InOrder:
             k += 1
         return k
 
-    def admission(self, ledger: Ledger) -> tuple[bool, int | None]:
+    def admission(self, ledger: Ledger, *, new: bool = True) -> tuple[bool, int | None]:
         k = self.next_target(ledger)
-        open_ = k <= ledger.version + 1 + self.limits.window and _room(ledger, self.limits)
+        open_ = k <= ledger.version + 1 + self.limits.window and (not new or _room(ledger, self.limits))
         return open_, k
 
     def select(self, ledger: Ledger, step: int, *, final: bool) -> list[str] | None:
@@ -173,9 +176,9 @@ class _Windowed:
     gated: bool
     stamps: bool = False
 
-    def admission(self, ledger: Ledger) -> tuple[bool, int | None]:
-        open_ = _room(ledger, self.limits)
-        if self.gated:
+    def admission(self, ledger: Ledger, *, new: bool = True) -> tuple[bool, int | None]:
+        open_ = not new or _room(ledger, self.limits)
+        if self.gated and new:
             live = len(ledger) - ledger.n_claimed()
             open_ = open_ and live < self.limits.capacity
         return open_, None

@@ -1,0 +1,75 @@
+"""The toy engine: deterministic fake generation for testing and benchmarking the
+control plane. Completions, latencies and injected failures are pure functions of the
+request's seed, so kills land while many groups are in every state and a regenerated
+rollout reproduces the lost one exactly."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from .base import Completion, DataError, GenRequest, InfraError
+
+VOCAB = 10  # digits: a completion's text is its token ids, so rewards can parse numbers
+
+
+def _unit(*parts: object) -> float:
+    """A uniform number in [0, 1) from the parts, stable across processes."""
+    return xxhash.xxh3_64_intdigest("/".join(map(str, parts)).encode()) / 2.0**64
+
+
+class ToyEngine:
+    name = "toy"
+
+    def __init__(
+        self,
+        *,
+        latency_ms: float = 0.0,
+        latency_jitter_ms: float = 0.0,
+        infra_fail_rate: float = 0.0,
+        data_fail_rate: float = 0.0,
+        completion_tokens: int = 8,
+    ) -> None:
+        self.latency_ms = latency_ms
+        self.latency_jitter_ms = latency_jitter_ms
+        self.infra_fail_rate = infra_fail_rate
+        self.data_fail_rate = data_fail_rate
+        self.completion_tokens = completion_tokens
+        self._version = 0
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def generate(self, req: GenRequest) -> Completion:
+        delay = self.latency_ms + self.latency_jitter_ms * _unit(req.seed, "latency", req.attempt)
+        if delay > 0:
+            await asyncio.sleep(delay / 1000.0)
+        # Infra failures are keyed by the sibling's infra-retry count, not the attempt
+        # number (restarts add attempts), so the same failures happen in every lineage.
+        if _unit(req.seed, "infra", req.infra_retries) < self.infra_fail_rate:
+            raise InfraError(f"toy engine: injected infra failure ({req.group_id}/{req.generation})")
+        if _unit(req.seed, "data") < self.data_fail_rate:
+            raise DataError(f"toy engine: injected data failure ({req.group_id}/{req.generation})")
+        rng = np.random.default_rng(req.seed)
+        n = int(rng.integers(1, self.completion_tokens + 1))
+        ids = rng.integers(0, VOCAB, n).astype(np.int32)
+        prompt_ids = np.frombuffer(req.prompt.prompt.encode(), dtype=np.uint8).astype(np.int32)
+        version = self._version if req.version is None else req.version
+        return Completion(
+            prompt_ids=prompt_ids,
+            completion_ids=ids,
+            logprobs=(-rng.random(n)).astype(np.float32),
+            versions=np.full(n, version, np.int32),
+            finish_reason="stop" if n < self.completion_tokens else "length",
+            text="".join(str(int(t)) for t in ids),
+        )
+
+    async def update_weights(self, weights: Any, version: int) -> None:
+        self._version = version
+
+    async def close(self) -> None:
+        pass

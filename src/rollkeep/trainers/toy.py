@@ -1,0 +1,83 @@
+"""The toy trainer: its "weights" are a running sha256 over the canonical encoding of
+every batch it trained (keys in order, completions, rewards, advantages). Two runs end
+with equal `weights_sha256` iff they trained the same batches in the same order — a cheap
+proof of resume equivalence for the control plane."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import msgspec
+
+from ..core.errors import CheckpointError
+from .base import Batch
+
+STATE_FILE = "toy_trainer.json"
+
+
+def canonical(batch: Batch) -> bytes:
+    return msgspec.msgpack.encode(
+        [
+            batch.step,
+            [
+                [g.epoch, g.ordinal, g.idx, list(g.advantages),
+                 [[r.completion_ids.tolist(), r.reward, r.versions.tolist()] for r in g.rows]]
+                for g in batch.groups
+            ],
+        ]
+    )
+
+
+@dataclass(frozen=True)
+class ToySnapshot:
+    digest: str
+    steps: int
+
+    def files(self) -> dict[str, bytes]:
+        return {STATE_FILE: json.dumps({"digest": self.digest, "steps": self.steps}).encode()}
+
+
+class ToyTrainer:
+    name = "toy"
+
+    def __init__(self, *, step_sleep_ms: float = 0.0) -> None:
+        self.step_sleep_ms = step_sleep_ms
+        self._digest = hashlib.sha256(b"rollkeep toy trainer").hexdigest()
+        self._steps = 0
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        if self.step_sleep_ms > 0:
+            time.sleep(self.step_sleep_ms / 1000.0)
+        self._digest = hashlib.sha256(self._digest.encode() + canonical(batch)).hexdigest()
+        self._steps += 1
+        rewards = [r.reward for g in batch.groups for r in g.rows]
+        return {"loss": 0.0, "reward_mean": sum(rewards) / max(1, len(rewards))}
+
+    def snapshot(self) -> ToySnapshot:
+        return ToySnapshot(self._digest, self._steps)
+
+    def load(self, files: Mapping[str, bytes]) -> None:
+        try:
+            state = json.loads(files[STATE_FILE])
+            digest, steps = state["digest"], state["steps"]
+            if not (isinstance(digest, str) and len(digest) == 64 and isinstance(steps, int)):
+                raise ValueError("bad field types")
+        except (KeyError, ValueError, TypeError) as e:
+            raise CheckpointError(
+                "the toy trainer state is unreadable",
+                path=f"trainer/{STATE_FILE}",
+                expected='{"digest": <64 hex>, "steps": <int>}',
+                found=str(e),
+                remedy="restore from another checkpoint",
+            ) from None
+        self._digest, self._steps = digest, steps
+
+    def weights(self) -> str:
+        return self._digest
+
+    def weights_sha256(self) -> str:
+        return self._digest
