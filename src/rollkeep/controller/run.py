@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from ..config import Config, semantic
+from ..config import Config, dump_yaml, semantic
 from ..core import crashpoints
 from ..core.checkpoint import Cut, cut, write_checkpoint
 from ..core.configdiff import fingerprint
@@ -150,7 +150,7 @@ class Controller:
             self._published_step = self.ledger.version
         else:
             self.ledger = Ledger(n_rows=self.source.n_rows, seed=self.source.seed, epochs=self.source.epochs)
-            (self.run_dir / "config.yaml").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+            (self.run_dir / "config.yaml").write_text(dump_yaml(cfg))
         with open(self.run_dir / "config-history.jsonl", "a") as f:
             f.write(json.dumps({"t": time.time(), "run_id": self.trace.run_id, "config": cfg.to_dict()}) + "\n")
         self.ledger.subscribe(self.trace.ledger_event)
@@ -587,6 +587,7 @@ class Controller:
         """The atomic cut of custody and trainer state (synchronous, O(1) + trainer copy)."""
         c = cut(self.ledger, self.rows)
         snapshot = self.trainer.snapshot()
+        self.trace.flush()  # every commit this checkpoint covers is in the trace first
         self._published_step = c.ledger.version  # no second cut of this step
         crashpoints.hit("checkpoint.after_cut")
         return c, snapshot

@@ -1,0 +1,7 @@
+"""`python -m rollkeep ...` is the `rollkeep` command."""
+
+import sys
+
+from rollkeep.cli import main
+
+sys.exit(main())

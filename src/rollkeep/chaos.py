@@ -1,0 +1,274 @@
+"""Kill/resume torture runs: the proof of the promise, from the outside.
+
+`run_chaos` runs `rollkeep train` as a subprocess, kills it N times, resumes it each time
+until it finishes, and then checks, from the trace and the final checkpoint alone:
+
+  - no prompt was trained twice in the surviving lineage (`lineage.py`);
+  - every prompt of every completed epoch was trained or dropped, exactly once;
+  - the final checkpoint passes the restore chain and the custody audit;
+  - with `deterministic: true`, the final `weights_sha256` equals that of a run of the
+    same config that was never killed.
+
+Kills alternate between two kinds: SIGKILL at a random instant of the run (uniform over
+the reference run's duration), and a named crash point (`ROLLKEEP_CRASH_AT`): a ledger
+transition after a random number of occurrences, or a step of checkpoint publication
+(deliberately mid-write), chosen at random.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .config import Config, load_config
+from .core.errors import RollkeepError
+from .core.restore import restore_chain
+from .core.source import PromptSource
+from .core.store import CheckpointStore
+from .lineage import lineage
+from .trace import read_trace
+
+PUBLISH_POINTS = (
+    "publish.file_written",
+    "publish.manifest_written",
+    "publish.dir_renamed",
+    "publish.latest_written",
+    "publish.latest_replaced",
+    "checkpoint.after_cut",
+)
+LEDGER_POINTS = ("taken", "admitted", "dispatched", "sealed", "failed", "finalizing", "ready",
+                 "claimed", "step_committed", "dropped")
+
+
+@dataclass
+class Kill:
+    kind: str  # "timer" or "crash point"
+    detail: str  # "after 1.23 s" or "ledger.sealed:140"
+    killed: bool  # False if the run finished before the kill landed
+    resumed_from: int | None  # the step the killed run had resumed from
+
+
+@dataclass
+class ChaosReport:
+    kills: list[Kill] = field(default_factory=list)
+    restarts: int = 0
+    steps: int = 0
+    trained: int = 0
+    dropped: int = 0
+    duplicates: list[tuple[int, int]] = field(default_factory=list)
+    lost: list[tuple[int, int]] = field(default_factory=list)
+    completed_epochs: list[int] = field(default_factory=list)
+    weights_sha256: str | None = None
+    reference_sha256: str | None = None
+    deterministic: bool = False
+    problems: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+    def lines(self) -> list[str]:
+        landed = sum(k.killed for k in self.kills)
+        out = [
+            f"kills: {landed} landed of {len(self.kills)} attempted "
+            f"({sum(k.kind == 'timer' and k.killed for k in self.kills)} at random instants, "
+            f"{sum(k.kind == 'crash point' and k.killed for k in self.kills)} at crash points)",
+        ]
+        out += [f"  - {k.kind:11} {k.detail:32} {'killed' if k.killed else 'finished first'}"
+                f" (run resumed from step {k.resumed_from})" for k in self.kills]
+        out.append(f"lineage: {self.steps} steps, {self.trained} prompts trained, {self.dropped} dropped, "
+                   f"{self.restarts} restarts")
+        out.append(f"completed epochs checked: {self.completed_epochs or 'none'}")
+        out.append(f"duplicates: {len(self.duplicates)}   lost: {len(self.lost)}")
+        if self.deterministic:
+            same = self.weights_sha256 == self.reference_sha256
+            out.append(f"weights_sha256: {self.weights_sha256} ({'==' if same else '!='} uninterrupted run)")
+        out += [f"PROBLEM: {p}" for p in self.problems]
+        out.append("PASS" if self.passed else "FAIL")
+        return out
+
+
+def _train_cmd(config: str | None, overrides: list[str]) -> list[str]:
+    return [sys.executable, "-m", "rollkeep", "train", *([config] if config else []), *overrides]
+
+
+def _env(crash_at: str | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("ROLLKEEP_CRASH_AT", None)
+    if crash_at:
+        env["ROLLKEEP_CRASH_AT"] = crash_at
+    return env
+
+
+def _run_started_count(trace: Path) -> int:
+    if not trace.exists():
+        return 0
+    return trace.read_bytes().count(b'"event":"run_started"')
+
+
+def _wait_started(proc: subprocess.Popen, trace: Path, before: int, timeout: float) -> bool:
+    """Poll (a supervisor, not a test) until the child has traced `run_started`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _run_started_count(trace) > before:
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.01)
+    return False
+
+
+def run_chaos(
+    config: str | None,
+    overrides: list[str],
+    *,
+    kills: int,
+    seed: int = 0,
+    workdir: Path | None = None,
+    timeout: float = 600.0,
+    log: Any = print,
+) -> ChaosReport:
+    t0 = time.monotonic()
+    rng = random.Random(seed)
+    cfg = load_config(config, overrides)
+    root = Path(workdir) if workdir is not None else Path(cfg.run_dir) / "chaos"
+    ref_dir, run_dir = root / "reference", root / "killed"
+    for d in (ref_dir, run_dir):
+        shutil.rmtree(d, ignore_errors=True)
+    report = ChaosReport(deterministic=cfg.deterministic)
+    quiet = ["logger.progress=none"]
+
+    # 1. The uninterrupted reference run: its duration sizes the kill instants, its event
+    #    counts size the crash points, its weights are the deterministic yardstick.
+    log(f"chaos: reference run in {ref_dir}")
+    ref = subprocess.run(_train_cmd(config, [*overrides, f"run_dir={ref_dir}", *quiet]),
+                         env=_env(None), capture_output=True, text=True, timeout=timeout)
+    if ref.returncode != 0:
+        raise RollkeepError("the uninterrupted reference run failed",
+                            found=(ref.stderr or ref.stdout)[-2000:],
+                            remedy="run `rollkeep train` with this config and fix the error first")
+    ref_lines, _ = read_trace(ref_dir / "trace.jsonl")
+    started = next(x["t"] for x in ref_lines if x["event"] == "run_started")
+    finished = next(x for x in ref_lines if x["event"] == "run_finished")
+    duration = max(0.05, finished["t"] - started)
+    report.reference_sha256 = finished["weights_sha256"]
+    counts = Counter(x["event"] for x in ref_lines)
+    n_checkpoints = counts["checkpoint_published"]
+
+    # 2. Kill and resume.
+    trace = run_dir / "trace.jsonl"
+    cmd = _train_cmd(config, [*overrides, f"run_dir={run_dir}", *quiet])
+    for i in range(kills):
+        crash_at = None
+        if i % 2 == 1:  # every other kill is a named crash point
+            if n_checkpoints and rng.random() < 0.5:
+                crash_at = f"{rng.choice(PUBLISH_POINTS)}:{rng.randint(1, max(1, n_checkpoints // 3))}"
+            else:
+                point = rng.choice([p for p in LEDGER_POINTS if counts[p]] or ["taken"])
+                crash_at = f"ledger.{point}:{rng.randint(1, max(1, counts[point] // 3))}"
+        before = _run_started_count(trace)
+        proc = subprocess.Popen(cmd, env=_env(crash_at), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        if crash_at is None:
+            delay = rng.uniform(0.0, 0.6 * duration)  # resumed runs have less left to do
+            if _wait_started(proc, trace, before, timeout):
+                try:
+                    proc.wait(timeout=delay)
+                except subprocess.TimeoutExpired:
+                    proc.send_signal(signal.SIGKILL)
+            detail = f"after {delay:.3f} s"
+        else:
+            detail = crash_at
+        try:
+            _, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+        killed = proc.returncode == -signal.SIGKILL
+        if not killed and proc.returncode != 0:
+            raise RollkeepError(f"run {i + 1} failed with exit code {proc.returncode}",
+                                found=err.decode(errors="replace")[-2000:],
+                                remedy="this is a bug unless the config is wrong")
+        lines, _ = read_trace(trace) if trace.exists() else ([], 0)
+        runs = [x for x in lines if x["event"] == "run_started"]
+        report.kills.append(Kill("timer" if crash_at is None else "crash point", detail, killed,
+                                 runs[-1].get("resumed_from_step") if runs else None))
+        log(f"chaos: kill {i + 1}/{kills}: {report.kills[-1].kind} {detail}: "
+            f"{'killed' if killed else 'finished first'}")
+        if not killed:
+            break
+    final = subprocess.run(cmd, env=_env(None), capture_output=True, text=True, timeout=timeout)
+    if final.returncode != 0:
+        report.problems.append(f"the final resume failed (exit {final.returncode}): {final.stderr[-1000:]}")
+        report.seconds = time.monotonic() - t0
+        return report
+
+    # 3. Verify from the trace and the final checkpoint alone.
+    verify(cfg, run_dir, report)
+    report.seconds = time.monotonic() - t0
+    return report
+
+
+def verify(cfg: Config, run_dir: Path, report: ChaosReport) -> None:
+    from .controller.build import build_data
+
+    lines, _ = read_trace(run_dir / "trace.jsonl")
+    lin = lineage(lines)
+    report.restarts = max(0, len(lin.runs) - 1)
+    report.steps = len(lin.steps)
+    trained = lin.trained()
+    report.trained = sum(trained.values())
+    report.duplicates = lin.duplicates()
+    if report.duplicates:
+        report.problems.append(f"{len(report.duplicates)} prompt(s) trained twice: {report.duplicates[:5]}")
+    if lin.finished is None:
+        report.problems.append("the last run did not finish")
+    else:
+        report.weights_sha256 = lin.finished["weights_sha256"]
+    dataset, _ = build_data(cfg)
+    source = PromptSource(dataset, seed=cfg.seed, epochs=cfg.data.epochs)
+    try:
+        restored = restore_chain(CheckpointStore(Path(run_dir) / "checkpoints"), source=source, config=None)
+    except RollkeepError as e:
+        report.problems.append(f"the final checkpoint fails the restore chain: {e}")
+        return
+    state = restored.ledger
+    if state.version != report.steps:
+        report.problems.append(f"final checkpoint is at step {state.version}, the lineage has {report.steps} steps")
+    # Trained per the checkpoint must be trained per the trace, key for key.
+    ckpt_trained = Counter()
+    for epoch, bm in state.trained.items():
+        for ordinal in bm:
+            ckpt_trained[(epoch, source.idx((epoch, ordinal)))] += 1
+    if ckpt_trained != trained:
+        report.problems.append("the final checkpoint's TRAINED set differs from the trace's lineage")
+    dropped = {(k[0], source.idx(k)) for k in state.dropped}
+    report.dropped = len(dropped)
+    cursor_epoch = state.cursor[0]
+    report.completed_epochs = [e for e in range(cursor_epoch)
+                               if not any(r.epoch == e for r in state.groups.values())
+                               and not any(k[0] == e for k in state.spare)]
+    both = []
+    for e in report.completed_epochs:
+        for idx in range(source.n_rows):
+            owners = trained.get((e, idx), 0) + ((e, idx) in dropped)
+            if owners == 0:
+                report.lost.append((e, idx))
+            elif trained.get((e, idx)) and (e, idx) in dropped:
+                both.append((e, idx))
+    if both:
+        report.problems.append(f"{len(both)} prompt(s) both trained and dropped: {both[:5]}")
+    if report.lost:
+        report.problems.append(f"{len(report.lost)} prompt(s) of completed epochs neither trained nor dropped: "
+                               f"{report.lost[:5]}")
+    if report.deterministic and report.weights_sha256 != report.reference_sha256:
+        report.problems.append("deterministic run: final weights differ from the uninterrupted run's")

@@ -1,0 +1,116 @@
+"""`rollkeep audit PATH`: does a checkpoint pass restore steps 1-6?
+
+The same chain `rollkeep train` runs on resume (`rollkeep.core.restore`), minus steps 7-8
+which need the run's dataset and config: every listed file has its size and sha256, the
+schemas are supported, the ledger decodes, the custody audit passes, the rows match. One
+line per checkpoint; exit 0 iff every audited checkpoint passes. Modifies nothing on disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from rollkeep.cli import exit_code, print_error
+from rollkeep.cli.inspect import STEPS_RUN, Target, custody, resolve
+from rollkeep.core.errors import CheckpointNotFound, RollkeepError
+from rollkeep.core.restore import Restored, restore_chain
+
+_EXAMPLES = """\
+PATH is a run dir, its checkpoints/ dir, or one checkpoint dir (as for `rollkeep inspect`).
+Without --all, the checkpoint LATEST names (or the one given) is audited; with --all, every
+step_* directory of the store, and LATEST itself.
+
+examples:
+  rollkeep audit runs/a
+      step_000040: ok (trained 320, ledger 12, replay 8, spare 0, dropped 1, cursor e0.341, version 40)
+  rollkeep audit --all runs/a/checkpoints
+  rollkeep audit runs/a/checkpoints/step_000030
+
+Exit 0 iff every audited checkpoint passes; otherwise the code of the first failure
+(3 for a damaged or mismatched checkpoint; see `rollkeep --help`), with one paragraph on
+stderr per failure naming the file and what to do.
+"""
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "audit",
+        help="verify checkpoints: files, schemas, ledger, custody audit, rows (read-only)",
+        description="Check a checkpoint the way a restore does (restore steps 1-6: manifest, "
+        "file hashes, schema versions, ledger decoding, custody audit, rows).",
+        epilog=_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("path", metavar="PATH", type=Path, help="run dir, checkpoints dir, or checkpoint dir")
+    p.add_argument("--all", action="store_true", help="audit every checkpoint in the store")
+    return p
+
+
+def ok_line(r: Restored) -> str:
+    c = custody(r.ledger)
+    return (
+        f"{r.name}: ok (trained {c['trained']}, ledger {c['ledger']['total']}, "
+        f"replay {c['replay']['total']}, spare {c['spare']}, dropped {c['dropped']}, "
+        f"cursor {c['cursor_key']}, version {c['version']})"
+    )
+
+
+def failed_line(name: str, err: RollkeepError) -> str:
+    step = getattr(err, "step", 0)
+    where = f"restore step {step}, {STEPS_RUN[step]}" if step in STEPS_RUN else type(err).__name__
+    return f"{name}: FAILED at {where} (see the error on stderr)"
+
+
+def _audit_one(target: Target) -> int:
+    r = restore_chain(target.chain_target, source=None, config=None)
+    print(ok_line(r))
+    return 0
+
+
+def _audit_all(target: Target) -> int:
+    store = target.store
+    names = store.list()
+    codes: list[int] = []
+
+    def failed(name: str, err: RollkeepError) -> None:
+        print(failed_line(name, err))
+        print_error(err)
+        codes.append(exit_code(err))
+
+    try:
+        latest = store.latest()
+    except RollkeepError as err:
+        failed("LATEST", err)
+    else:
+        if latest is None:
+            print("LATEST: missing (no checkpoint is published)")
+        elif latest not in names:
+            try:  # raises CheckpointNotFound with the store's own wording and remedy
+                restore_chain(store, source=None, config=None)
+            except RollkeepError as err:
+                failed("LATEST", err)
+        else:
+            print(f"LATEST: {latest}")
+    if not names:
+        raise CheckpointNotFound(
+            f"{store.root} holds no checkpoint directory",
+            path=str(store.root),
+            expected="one or more step_NNNNNN directories",
+            found="none",
+            remedy="nothing to audit yet; check the path, or let the run publish a checkpoint",
+        )
+    for name in names:
+        try:
+            r = restore_chain(store, name=name, source=None, config=None)
+        except RollkeepError as err:
+            failed(name, err)
+        else:
+            print(ok_line(r))
+    return codes[0] if codes else 0
+
+
+def run(args: argparse.Namespace) -> int:
+    target = resolve(args.path)
+    return _audit_all(target) if args.all else _audit_one(target)

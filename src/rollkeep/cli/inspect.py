@@ -1,0 +1,340 @@
+"""`rollkeep inspect PATH`: what a checkpoint holds and what a restore from it would do.
+
+It runs restore steps 1-6 of DESIGN §5, the same code `rollkeep train` runs when it
+resumes (`rollkeep.core.restore`), and modifies nothing on disk. Steps 7 (dataset) and 8
+(config) need the run's dataset and config, which inspect does not load; the output says
+so. PATH is resolved by `resolve()`, shared with `rollkeep audit`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections import Counter
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from rollkeep.core.errors import (
+    CheckpointError,
+    CheckpointNotFound,
+    RollkeepError,
+    UserInputError,
+)
+from rollkeep.core.keys import group_id
+from rollkeep.core.ledger import GroupState, LedgerState
+from rollkeep.core.restore import Restored, restore_chain
+from rollkeep.core.store import LATEST, MANIFEST, RESERVED_KEYS, CheckpointStore
+
+CHECKPOINTS = "checkpoints"  # RUN_DIR/checkpoints (DESIGN §4)
+_CHECKPOINT_NAME = re.compile(r"step_\d{6,}")
+
+#: Restore steps this command runs, and the two it cannot.
+STEPS_RUN = {
+    1: "the checkpoint (the one LATEST names, or the one given) has a manifest",
+    2: "every file has its listed size and sha256, nothing unlisted",
+    3: "schema versions supported",
+    4: "ledger decodes strictly",
+    5: "custody audit",
+    6: "rows match the ledger's sealed attempts",
+}
+STEPS_NOT_RUN = {
+    7: "dataset unchanged",
+    8: "semantic config unchanged",
+}
+NOT_RUN_REASON = (
+    "inspect does not load the run's dataset or config; `rollkeep train` checks them "
+    "when it resumes"
+)
+
+_LEDGER_STATES = [s for s in GroupState if s < GroupState.READY]
+_REPLAY_STATES = [s for s in GroupState if s >= GroupState.READY]
+
+_EXAMPLES = """\
+PATH is one of:
+  RUN_DIR                      the checkpoint LATEST names in RUN_DIR/checkpoints
+  RUN_DIR/checkpoints          the same
+  RUN_DIR/checkpoints/step_N   that checkpoint, whatever LATEST says
+
+examples:
+  rollkeep inspect runs/a
+  rollkeep inspect runs/a/checkpoints/step_000040
+  rollkeep inspect --json runs/a | jq .custody
+
+Nothing on disk is modified. Exit codes as in `rollkeep --help` (3: the checkpoint fails
+a check; the message names the file and what to do).
+"""
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "inspect",
+        help="show what a checkpoint holds and what a restore from it would do (read-only)",
+        description="Verify a checkpoint the way a restore does (restore steps 1-6) and "
+        "show its custody state, what a restart would reuse, regenerate and read from the "
+        "source, and the other checkpoints of its run.",
+        epilog=_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("path", metavar="PATH", type=Path, help="run dir, checkpoints dir, or checkpoint dir")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    return p
+
+
+# -- PATH --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Target:
+    """What PATH points at: a store whose LATEST to open, or one checkpoint directory."""
+
+    kind: str  # "run dir" | "checkpoints dir" | "checkpoint dir"
+    store: CheckpointStore  # the store to list (a checkpoint dir's parent)
+    checkpoint: Path | None  # the checkpoint directory, or None: the one LATEST names
+
+    @property
+    def chain_target(self) -> CheckpointStore | Path:
+        return self.checkpoint if self.checkpoint is not None else self.store
+
+
+_PATH_FORMS = "a run dir (holding checkpoints/), a checkpoints/ dir, or a checkpoint dir (step_NNNNNN)"
+
+
+def resolve(path: Path) -> Target:
+    """Decide which of the three PATH forms `path` is. Reads directory entries only."""
+    if not path.exists():
+        raise UserInputError(
+            f"{path} does not exist",
+            path=str(path),
+            expected=_PATH_FORMS,
+            found="no such file or directory",
+            remedy="check the path (a run's checkpoints live in RUN_DIR/checkpoints)",
+        )
+    if not path.is_dir():
+        raise UserInputError(
+            f"{path} is not a directory",
+            path=str(path),
+            expected=_PATH_FORMS,
+            found="a file",
+            remedy="pass the directory that holds it",
+        )
+    if _CHECKPOINT_NAME.fullmatch(path.name) or (path / MANIFEST).exists():
+        return Target("checkpoint dir", CheckpointStore(path.parent), path)
+    if (path / CHECKPOINTS).is_dir():
+        return Target("run dir", CheckpointStore(path / CHECKPOINTS), None)
+    entries = [e.name for e in os.scandir(path)]
+    if (
+        path.name == CHECKPOINTS
+        or LATEST in entries
+        or any(_CHECKPOINT_NAME.fullmatch(n) for n in entries)
+    ):
+        return Target("checkpoints dir", CheckpointStore(path), None)
+    if any(n in entries for n in ("config.yaml", "trace.jsonl", "metrics.jsonl")):
+        raise CheckpointNotFound(
+            f"run dir {path} has no {CHECKPOINTS}/ directory: it never published a checkpoint",
+            path=str(path / CHECKPOINTS),
+            expected=f"{CHECKPOINTS}/ with a LATEST file",
+            found="no such directory",
+            remedy="nothing to inspect yet; `rollkeep train` starts this run from scratch",
+        )
+    raise UserInputError(
+        f"{path} is not a run dir, a checkpoints dir or a checkpoint dir",
+        path=str(path),
+        expected=_PATH_FORMS,
+        found=f"a directory holding {len(entries)} entr{'y' if len(entries) == 1 else 'ies'}"
+        + (f" ({', '.join(sorted(entries)[:5])}{', ...' if len(entries) > 5 else ''})" if entries else ""),
+        remedy="point at RUN_DIR, RUN_DIR/checkpoints or RUN_DIR/checkpoints/step_NNNNNN",
+    )
+
+
+def store_listing(store: CheckpointStore) -> dict[str, Any]:
+    """The checkpoint directories of a store (unverified) and what LATEST says."""
+    try:
+        latest, latest_problem = store.latest(), None
+    except CheckpointError as err:
+        latest, latest_problem = None, err.what
+    return {
+        "root": str(store.root),
+        "latest": latest,
+        "latest_problem": latest_problem,
+        "checkpoints": store.list(),
+    }
+
+
+# -- the report --------------------------------------------------------------------------
+
+
+def custody(state: LedgerState) -> dict[str, Any]:
+    """Who owns what: the numbers of the owner table (DESIGN §1)."""
+    by_state = Counter(GroupState(r.state) for r in state.groups.values())
+    dropped_by_reason = Counter(reason for reason, _ in state.dropped.values())
+    cursor = tuple(state.cursor)
+    left = None
+    if state.epochs is not None:
+        left = max(0, (state.epochs - cursor[0]) * state.n_rows - cursor[1])
+    return {
+        "spare": len(state.spare),
+        "ledger": {
+            "total": sum(by_state[s] for s in _LEDGER_STATES),
+            **{s.name: by_state[s] for s in _LEDGER_STATES},
+        },
+        "replay": {
+            "total": sum(by_state[s] for s in _REPLAY_STATES),
+            **{s.name: by_state[s] for s in _REPLAY_STATES},
+        },
+        "trained": sum(len(b) for b in state.trained.values()),
+        "trained_by_epoch": {str(e): len(b) for e, b in sorted(state.trained.items())},
+        "dropped": len(state.dropped),
+        "dropped_by_reason": dict(sorted(dropped_by_reason.items())),
+        "cursor": list(cursor),
+        "cursor_key": group_id(cursor),
+        "source_left": left,
+        "version": state.version,
+        "shortfall": {str(s): n for s, n in sorted(state.shortfall.items())},
+        "dataset": {"n_rows": state.n_rows, "seed": state.seed, "epochs": state.epochs},
+    }
+
+
+def report(target: Target, r: Restored) -> dict[str, Any]:
+    m = r.manifest
+    files = {rel: int(info["size"]) for rel, info in sorted(m["files"].items())}
+    files[MANIFEST] = (r.checkpoint.path / MANIFEST).stat().st_size
+    created = float(m["created"])
+    return {
+        "ok": True,
+        "checkpoint": r.name,
+        "path": str(r.checkpoint.path),
+        "via": "path" if target.checkpoint is not None else "LATEST",
+        "step": m["step"],
+        "weight_version": m.get("weight_version"),
+        "created": created,
+        "created_utc": datetime.fromtimestamp(created, timezone.utc).isoformat(timespec="seconds"),
+        "bytes": sum(files.values()),
+        "files": files,
+        "meta": {k: v for k, v in m.items() if k not in RESERVED_KEYS and k != "config"},
+        "checks": {
+            "passed": {str(k): v for k, v in STEPS_RUN.items()},
+            "not_run": {str(k): v for k, v in STEPS_NOT_RUN.items()},
+            "not_run_reason": NOT_RUN_REASON,
+        },
+        "custody": custody(r.ledger),
+        "rows": len(r.rows),
+        "plan": {**asdict(r.plan), "source_cursor": list(r.plan.source_cursor), "lines": r.plan.lines()},
+        "store": store_listing(target.store),
+    }
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def render(rep: dict[str, Any]) -> str:
+    """The report as text, in the order a person reads it."""
+    c = rep["custody"]
+    out: list[str] = []
+
+    def row(label: str, text: str) -> None:
+        out.append(f"{label:<12}{text}")
+
+    store = rep["store"]
+    via = f"LATEST of {store['root']}" if rep["via"] == "LATEST" else "given by path"
+    row("checkpoint", f"{rep['checkpoint']}  ({via})")
+    row("path", rep["path"])
+    wv = rep["weight_version"]
+    row("step", f"{rep['step']}" + (f"  (weight version {wv})" if wv is not None else ""))
+    row("created", rep["created_utc"])
+    row("size", f"{_size(rep['bytes'])} in {len(rep['files'])} files")
+    for rel, n in rep["files"].items():
+        row("", f"{_size(n):>10}  {rel}")
+    ds = rep["meta"].get("dataset")
+    if isinstance(ds, dict):
+        row("dataset", ", ".join(f"{k} {v}" for k, v in ds.items() if k != "fingerprint")
+            + (f", fingerprint {ds['fingerprint']}" if "fingerprint" in ds else ""))
+    checks = rep["checks"]
+    for i, (n, what) in enumerate(checks["passed"].items()):
+        row("checks" if i == 0 else "", f"{'passed' if i == 0 else '':<9}{n}  {what}")
+    for i, (n, what) in enumerate(checks["not_run"].items()):
+        row("", f"{'not run' if i == 0 else '':<9}{n}  {what}")
+    row("", f"{'':<9}   ({checks['not_run_reason']})")
+
+    out.append("")
+    out.append("custody     owner      count")
+
+    def owner(name: str, count: int, detail: str = "") -> None:
+        row("", f"{name:<9}{count:>7}" + (f"   {detail}" if detail else ""))
+
+    owner("spare", c["spare"])
+    for name in ("ledger", "replay"):
+        states = {k: v for k, v in c[name].items() if k != "total"}
+        owner(name, c[name]["total"], ", ".join(f"{k} {v}" for k, v in states.items()))
+    owner("trained", c["trained"], ", ".join(f"epoch {e}: {n}" for e, n in c["trained_by_epoch"].items()))
+    owner("dropped", c["dropped"], ", ".join(f"{k} {v}" for k, v in c["dropped_by_reason"].items()))
+    d = c["dataset"]
+    epochs = "unbounded epochs" if d["epochs"] is None else f"{d['epochs']} epoch(s)"
+    left = "unbounded" if c["source_left"] is None else f"{c['source_left']} left"
+    row("", f"{'source':<9}{'':>7}   from {c['cursor_key']}: {left} ({d['n_rows']} rows x {epochs}, seed {d['seed']})")
+    row("", f"{'cursor':<9}{c['cursor_key']:>7}")
+    row("", f"{'version':<9}{c['version']:>7}")
+    if c["shortfall"]:
+        row("", f"{'shortfall':<9}{'':>7}   " + ", ".join(f"step {s}: {n}" for s, n in c["shortfall"].items()))
+    row("", f"{'rows':<9}{rep['rows']:>7}   stored rows of sealed attempts")
+
+    out.append("")
+    out.append("restore plan (what a restart from this checkpoint does)")
+    for line in rep["plan"]["lines"]:
+        row("", line)
+
+    out.append("")
+    out.append(f"checkpoints in {store['root']} (unverified but for the one inspected; "
+               "`rollkeep audit --all` checks each)")
+    if store["latest_problem"] is not None:
+        row("", f"LATEST is unusable: {store['latest_problem']}")
+    for name in store["checkpoints"]:
+        marks = [m for m, on in (("LATEST", name == store["latest"]),
+                                 ("inspected", name == rep["checkpoint"])) if on]
+        row("", name + (f"  <- {', '.join(marks)}" if marks else ""))
+    if not store["checkpoints"]:
+        row("", "(none)")
+    return "\n".join(out)
+
+
+def failure(err: RollkeepError, code: int) -> dict[str, Any]:
+    """A failed check, for `--json`."""
+    return {
+        "ok": False,
+        "exit_code": code,
+        "error": {
+            "type": type(err).__name__,
+            "restore_step": getattr(err, "step", None),
+            "message": str(err),
+            "what": err.what,
+            "path": err.path,
+            "field": err.field,
+            "expected": err.expected,
+            "found": err.found,
+            "remedy": err.remedy,
+        },
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        target = resolve(args.path)
+        restored = restore_chain(target.chain_target, source=None, config=None)
+    except RollkeepError as err:
+        if args.json:
+            from rollkeep.cli import exit_code
+
+            print(json.dumps(failure(err, exit_code(err)), indent=2))
+        raise
+    rep = report(target, restored)
+    sys.stdout.write((json.dumps(rep, indent=2) if args.json else render(rep)) + "\n")
+    return 0

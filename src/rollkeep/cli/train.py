@@ -1,0 +1,61 @@
+"""`rollkeep train [CONFIG] [key=value ...]`: run or resume the main job."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = """\
+Run the job CONFIG describes (default: the built-in arithmetic GRPO job, configs/arith.yaml
+settings). If RUN_DIR/checkpoints/LATEST exists, the run resumes from it after the full
+restore chain; a semantic config change is refused unless named with
+--allow-config-change.
+
+examples:
+  rollkeep train                                   # the built-in job
+  rollkeep train configs/toy.yaml                  # toy engine + toy trainer, seconds
+  rollkeep train configs/toy.yaml train.total_steps=50 sampler.name=windowed
+  rollkeep train configs/toy.yaml --allow-config-change train.num_prompts_per_step \\
+      train.num_prompts_per_step=16
+"""
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "train",
+        help="run or resume a training job",
+        description=HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("config", nargs="?", help="YAML config file (optional)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
+    p.add_argument(
+        "--allow-config-change",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="accept a change of this semantic key on resume (repeatable)",
+    )
+    p.add_argument(
+        "--allow-dataset-change",
+        action="store_true",
+        help="resume although rows not in flight were edited (in-flight rows are still checked)",
+    )
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..config import load_config
+    from ..controller import train
+
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config:  # `rollkeep train key=value` without a file
+        overrides.insert(0, config)
+        config = None
+    cfg = load_config(config, overrides)
+    result = train(
+        cfg,
+        allow_config_change=tuple(args.allow_config_change),
+        allow_dataset_change=args.allow_dataset_change,
+    )
+    print(f"done: step {result.step} ({result.reason}), weights_sha256 {result.weights_sha256}")
+    return 0
