@@ -99,7 +99,7 @@ def test_override_values_are_parsed_as_yaml():
         None,
         [
             "seed=3",
-            "deterministic=true",
+            "deterministic=true", "rollout.on_dropped_prompt=shrink",
             "data.path=prompts.jsonl",
             "data.epochs=null",
             "max_inflight_prompts=12",
@@ -354,7 +354,7 @@ def test_many_problems_are_all_reported_in_one_error(tmp_path):
         "sed: 1\n"
         "deterministic: true\n"
         "engine:\n  name: torch\n  temprature: 0.5\n"
-        "rollout:\n  group_size: 0\n"
+        "rollout:\n  group_size: 0\n  on_dropped_prompt: shrink\n"
         "sampler:\n  name: weight_fifo\n",
     )
     err = problems("train.total_steps=zero", "checkpoint", "trainer.name=hf", path=path)
@@ -386,19 +386,25 @@ def test_many_problems_are_all_reported_in_one_error(tmp_path):
 
 
 def test_deterministic_requires_in_order():
-    err = problems("deterministic=true", "sampler.name=weight_fifo")
+    err = problems("deterministic=true", "rollout.on_dropped_prompt=shrink", "sampler.name=weight_fifo")
     assert err.field == "sampler.name"
     assert "`deterministic: true` needs `sampler.name: in_order`" in str(err)
-    assert problems("deterministic=true", "sampler.name=windowed").field == "sampler.name"
-    cfg = load_config(None, ["deterministic=true", "sampler.name=in_order"])
+    assert problems("deterministic=true", "rollout.on_dropped_prompt=shrink", "sampler.name=windowed").field == "sampler.name"
+    cfg = load_config(None, ["deterministic=true", "rollout.on_dropped_prompt=shrink", "sampler.name=in_order"])
     assert cfg.deterministic and cfg.sampler.name == "in_order"
     # without deterministic, any sampler is fine
     assert load_config(None, ["sampler.name=weight_fifo"]).sampler.name == "weight_fifo"
 
 
+def test_deterministic_refuses_replacement_of_dropped_prompts():
+    err = problems("deterministic=true")
+    assert err.field == "rollout.on_dropped_prompt"
+    assert "needs `rollout.on_dropped_prompt: shrink`" in str(err)
+
+
 def test_deterministic_refuses_in_flight_weight_updates():
     err = problems(
-        "deterministic=true", "engine.name=torch", "engine.update_weights_in_flight=true"
+        "deterministic=true", "rollout.on_dropped_prompt=shrink", "engine.name=torch", "engine.update_weights_in_flight=true"
     )
     assert err.field == "engine.update_weights_in_flight"
     cfg = load_config(None, ["engine.name=torch", "engine.update_weights_in_flight=true"])
@@ -411,7 +417,7 @@ def test_cross_field_rule_also_guards_direct_construction():
 
 
 def test_cross_field_rule_is_skipped_when_its_key_is_already_reported():
-    err = problems("deterministic=true", "sampler.name=fifo")
+    err = problems("deterministic=true", "rollout.on_dropped_prompt=shrink", "sampler.name=fifo")
     assert err.field == "sampler.name"
     assert str(err).startswith("1 problem in")
 

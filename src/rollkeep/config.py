@@ -577,6 +577,15 @@ def _cross_field_problems(get: Callable[[str], Any]) -> list[_Problem]:
                     "(only in_order pins which weight version generates each step)",
                 )
             )
+        if get("rollout.on_dropped_prompt") == "replace":
+            problems.append(
+                _Problem(
+                    "rollout.on_dropped_prompt",
+                    "`deterministic: true` needs `rollout.on_dropped_prompt: shrink`; found "
+                    "`replace` (which prompt refills a step depends on how far generation ran "
+                    "ahead when the drop happened, which is timing)",
+                )
+            )
         if get("engine.name") == "torch" and get("engine.update_weights_in_flight") is True:
             problems.append(
                 _Problem(

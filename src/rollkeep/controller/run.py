@@ -98,7 +98,7 @@ class Controller:
         self.trainer = trainer
         self.run_dir = Path(cfg.run_dir)
         self.store = CheckpointStore(self.run_dir / "checkpoints")
-        self.trace = Trace(self.run_dir / "trace.jsonl")
+        self.trace: Trace  # opened once the restore chain has passed: a refused restore writes nothing
         self.rows = RowStore()
         self.limits = check_limits(
             cfg.sampler.name,
@@ -131,8 +131,6 @@ class Controller:
 
     def _start(self) -> None:
         cfg = self.cfg
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        leftovers = self.store.cleanup_tmp()
         latest = self.store.latest()
         restored = None
         if latest is not None:
@@ -150,7 +148,11 @@ class Controller:
             self._published_step = self.ledger.version
         else:
             self.ledger = Ledger(n_rows=self.source.n_rows, seed=self.source.seed, epochs=self.source.epochs)
+            self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(dump_yaml(cfg))
+        # Only now that the restore chain passed does anything on disk change.
+        leftovers = self.store.cleanup_tmp()
+        self.trace = Trace(self.run_dir / "trace.jsonl")
         with open(self.run_dir / "config-history.jsonl", "a") as f:
             f.write(json.dumps({"t": time.time(), "run_id": self.trace.run_id, "config": cfg.to_dict()}) + "\n")
         self.ledger.subscribe(self.trace.ledger_event)

@@ -10,6 +10,9 @@ no atexit handler runs, exactly as if the machine had been preempted there. (A S
 what the kernel already holds in its page cache; power loss does not. The store's
 docstring argues the fsyncs that cover that difference.)
 
+`ROLLKEEP_CRASH_SIGNAL=TERM` (or INT) sends that signal instead of SIGKILL: the same
+deterministic instant, used to test graceful shutdown.
+
 The variable is read once, at import, into a module global, so `hit` costs one global
 lookup and one comparison when it is unset. Tests that change the variable in-process call
 `_reload_from_env()`.
@@ -25,6 +28,7 @@ import os
 import signal
 
 ENV_VAR = "ROLLKEEP_CRASH_AT"
+SIGNAL_VAR = "ROLLKEEP_CRASH_SIGNAL"
 
 POINTS: set[str] = set()
 
@@ -32,6 +36,7 @@ POINTS: set[str] = set()
 _target: tuple[str, int] | None = None
 # How many times the target name has been hit in this process.
 _count = 0
+_signal = signal.SIGKILL
 
 
 def register(name: str) -> str:
@@ -58,9 +63,10 @@ def _parse(value: str | None) -> tuple[str, int] | None:
 
 def _reload_from_env() -> None:
     """Re-read ENV_VAR and reset the hit counter (for tests that change the variable)."""
-    global _target, _count
+    global _target, _count, _signal
     _target = _parse(os.environ.get(ENV_VAR))
     _count = 0
+    _signal = getattr(signal, "SIG" + os.environ.get(SIGNAL_VAR, "KILL").upper())
 
 
 def hit(name: str) -> None:
@@ -71,7 +77,7 @@ def hit(name: str) -> None:
         return
     _count += 1
     if _count == _target[1]:
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), _signal)
 
 
 # The checkpoint publication protocol (rollkeep.core.store), in the order they are hit.
