@@ -21,7 +21,13 @@ import tracemalloc
 from rollkeep.core import codec
 from rollkeep.core.audit import audit
 from rollkeep.core.events import (
-    Admitted, Claimed, Dispatched, Finalizing, Ready, Sealed, Taken,
+    Admitted,
+    Claimed,
+    Dispatched,
+    Finalizing,
+    Ready,
+    Sealed,
+    Taken,
 )
 from rollkeep.core.ledger import Ledger
 

@@ -8,7 +8,6 @@ Each crash is a real SIGKILL of a forked child process; the resume is another ch
 from __future__ import annotations
 
 import pytest
-
 from run_harness import check, config, event_counts, final_sha, killed, run_child, run_to_end
 
 SAMPLERS = ["in_order", "weight_fifo", "windowed"]

@@ -234,7 +234,7 @@ class CustodyMachine(RuleBasedStateMachine):
         """What a resumed process does right after restore."""
         for ev in self.led.normalize_for_restart():
             self.apply(ev)
-        for gid, rec in self.led.groups():
+        for _, rec in self.led.groups():
             assert AttemptStatus.DISPATCHED not in rec.status
             assert rec.state not in (GroupState.CLAIMED, GroupState.FINALIZING)
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import msgspec
 import pytest
-
 from run_harness import FAST
+
 from rollkeep.trace import read_trace
 
 pytestmark = pytest.mark.slow

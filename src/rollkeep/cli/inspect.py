@@ -15,7 +15,7 @@ import re
 import sys
 from collections import Counter
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -212,7 +212,7 @@ def report(target: Target, r: Restored) -> dict[str, Any]:
         "step": m["step"],
         "weight_version": m.get("weight_version"),
         "created": created,
-        "created_utc": datetime.fromtimestamp(created, timezone.utc).isoformat(timespec="seconds"),
+        "created_utc": datetime.fromtimestamp(created, UTC).isoformat(timespec="seconds"),
         "bytes": sum(files.values()),
         "files": files,
         "meta": {k: v for k, v in m.items() if k not in RESERVED_KEYS and k != "config"},

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from ..advantages import group_advantages
 from ..config import Config, dump_yaml, semantic
 from ..core import crashpoints
 from ..core.checkpoint import Cut, cut, write_checkpoint
@@ -60,12 +61,11 @@ from ..core.rows import Row, RowId, RowStore
 from ..core.samplers import check_limits, make_sampler
 from ..core.source import PromptSource
 from ..core.store import CheckpointStore
-from ..advantages import group_advantages
 from ..engines import Completion, DataError, Engine, GenRequest, sampling_seed
 from ..progress import RunProgress
 from ..tasks import reward_fn
 from ..trace import Trace
-from ..trainers import Batch, TrainGroup, Trainer
+from ..trainers import Batch, Trainer, TrainGroup
 
 for _ev in ALL_EVENTS:
     crashpoints.register("ledger." + event_name(_ev))

@@ -74,7 +74,8 @@ def check_limits(
     if num_prompts_per_step < 1:
         problems.append(f"train.num_prompts_per_step is {num_prompts_per_step}; it must be >= 1")
     if window < 0:
-        problems.append(f"the sampler window is {window}; it must be >= 0")
+        key = "sampler.max_lookahead_versions" if sampler == "in_order" else "sampler.max_staleness_versions"
+        problems.append(f"{key} (the {sampler} window) is {window}; it must be >= 0")
     capacity = max(1, num_prompts_per_step) * (max(0, window) + 1)
     inflight = capacity if max_inflight_prompts is None else max_inflight_prompts
     buffered = capacity if max_buffered_rollouts is None else max_buffered_rollouts

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import Batch, TrainGroup, Trainer, TrainerSnapshot
+from .base import Batch, Trainer, TrainerSnapshot, TrainGroup
 
 __all__ = ["Batch", "TrainGroup", "Trainer", "TrainerSnapshot", "make_trainer"]
 
