@@ -757,7 +757,9 @@ class Ledger:
             if not gens:
                 raise self._illegal(ev, "no generations", expected="at least one index", found="()")
             self._require_attempts(ev, rec, gid, gens, "dispatched")
-        status = self._writable(gid).status
+        if gid not in self._owned:
+            rec = self._writable(gid)
+        status = rec.status
         for g in gens:
             status[g] = _A_DISPATCHED
         if _A_RESERVED not in status:
@@ -780,7 +782,8 @@ class Ledger:
             rec = self._require_group(ev, gid, "sealed")
             self._require_current(ev, rec, g, ev.attempt)
             self._require_attempts(ev, rec, gid, (g,), "sealed")
-        rec = self._writable(gid)
+        if gid not in self._owned:
+            rec = self._writable(gid)
         status = rec.status
         status[g] = _A_SEALED
         if status.count(_A_SEALED) == len(status):

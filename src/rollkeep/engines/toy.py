@@ -21,6 +21,17 @@ def _unit(*parts: object) -> float:
     return xxhash.xxh3_64_intdigest("/".join(map(str, parts)).encode()) / 2.0**64
 
 
+def _sample(seed: int, max_tokens: int) -> tuple[int, np.ndarray, np.ndarray]:
+    """A completion as a pure function of the seed: length, digit tokens, log-probs.
+    (xxhash rather than a numpy Generator: seeding one costs more than the whole sample.)"""
+    need = 1 + 2 * max_tokens
+    raw = b"".join(xxhash.xxh3_128_digest(f"{seed}/{i}".encode()) for i in range(-(-need // 16)))
+    n = 1 + raw[0] % max_tokens
+    ids = (np.frombuffer(raw, np.uint8, n, 1) % VOCAB).astype(np.int32)
+    logprobs = (np.frombuffer(raw, np.uint8, n, 1 + max_tokens) / -256.0).astype(np.float32)
+    return n, ids, logprobs
+
+
 class ToyEngine:
     name = "toy"
 
@@ -54,18 +65,16 @@ class ToyEngine:
             raise InfraError(f"toy engine: injected infra failure ({req.group_id}/{req.generation})")
         if _unit(req.seed, "data") < self.data_fail_rate:
             raise DataError(f"toy engine: injected data failure ({req.group_id}/{req.generation})")
-        rng = np.random.default_rng(req.seed)
-        n = int(rng.integers(1, self.completion_tokens + 1))
-        ids = rng.integers(0, VOCAB, n).astype(np.int32)
+        n, ids, logprobs = _sample(req.seed, self.completion_tokens)
         prompt_ids = np.frombuffer(req.prompt.prompt.encode(), dtype=np.uint8).astype(np.int32)
         version = self._version if req.version is None else req.version
         return Completion(
             prompt_ids=prompt_ids,
             completion_ids=ids,
-            logprobs=(-rng.random(n)).astype(np.float32),
+            logprobs=logprobs,
             versions=np.full(n, version, np.int32),
             finish_reason="stop" if n < self.completion_tokens else "length",
-            text="".join(str(int(t)) for t in ids),
+            text="".join(map(str, ids.tolist())),
         )
 
     async def update_weights(self, weights: Any, version: int) -> None:

@@ -1,4 +1,5 @@
-"""Ledger benchmarks (DESIGN §13). Run: python benchmarks/bench_ledger.py [--quick] [--json PATH]
+"""Ledger benchmarks (DESIGN §13). Part of `rollkeep bench`; alone:
+`python -m rollkeep.bench.ledger [--quick] [--json PATH]`.
 
 Measures, on one core:
   lifecycle      full group lifecycle (take → admit → G dispatch → G seal → finalize →
@@ -111,27 +112,32 @@ def memory_per_group(n: int) -> float:
     return cur / n
 
 
+def run(quick: bool = False, log=print) -> dict:
+    sizes = [1000] if quick else [1000, 10_000, 100_000]
+    out: dict = {}
+    runs = [lifecycle(2000 if quick else 20_000) for _ in range(1 if quick else 5)]
+    out["lifecycle_groups_per_s"] = statistics.median(runs)
+    log(f"lifecycle (G={G}): {out['lifecycle_groups_per_s']:,.0f} groups/s  (target >= 20,000)")
+    out["inflight"] = []
+    for n in sizes:
+        r = measure_inflight(n)
+        out["inflight"].append(r)
+        log(
+            f"{n:>7} in flight: capture {r['capture_s_median'] * 1e6:8.1f} us (target <= 2 ms)  "
+            f"encode {r['encode_s'] * 1e3:7.1f} ms  {r['bytes_per_group']:6.1f} B/group (target <= 320)  "
+            f"decode+validate+audit {r['decode_validate_audit_s'] * 1e3:7.1f} ms (target <= 200 ms at 10k)"
+        )
+    out["memory_bytes_per_group"] = memory_per_group(sizes[-1] if quick else 10_000)
+    log(f"memory per in-flight group: {out['memory_bytes_per_group']:,.0f} B (target <= 2 KB)")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
     ap.add_argument("--json", help="write results here")
     a = ap.parse_args()
-    sizes = [1000] if a.quick else [1000, 10_000, 100_000]
-    out: dict = {}
-    runs = [lifecycle(2000 if a.quick else 20_000) for _ in range(1 if a.quick else 5)]
-    out["lifecycle_groups_per_s"] = statistics.median(runs)
-    print(f"lifecycle (G={G}): {out['lifecycle_groups_per_s']:,.0f} groups/s  (target >= 20,000)")
-    out["inflight"] = []
-    for n in sizes:
-        r = measure_inflight(n)
-        out["inflight"].append(r)
-        print(
-            f"{n:>7} in flight: capture {r['capture_s_median'] * 1e6:8.1f} us (target <= 2 ms)  "
-            f"encode {r['encode_s'] * 1e3:7.1f} ms  {r['bytes_per_group']:6.1f} B/group (target <= 320)  "
-            f"decode+validate+audit {r['decode_validate_audit_s'] * 1e3:7.1f} ms (target <= 200 ms at 10k)"
-        )
-    out["memory_bytes_per_group"] = memory_per_group(sizes[-1] if a.quick else 10_000)
-    print(f"memory per in-flight group: {out['memory_bytes_per_group']:,.0f} B (target <= 2 KB)")
+    out = run(a.quick)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=2)

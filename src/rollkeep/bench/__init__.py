@@ -1,0 +1,1 @@
+"""`rollkeep bench`: benchmarks measured against DESIGN.md §13, never asserted in tests."""

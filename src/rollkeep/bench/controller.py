@@ -1,0 +1,123 @@
+"""Controller benchmarks: what a checkpoint costs and how fast the control plane runs.
+
+  checkpoint    for N in-flight groups (16 siblings, half sealed, 64-token rows): the cut's
+                hold of the loop, the background write (encode + fsync + publish), and
+                the restore (chain + ledger + rows + normalisation)
+  ceiling       steps/s and groups/s of the toy engine and toy trainer at zero latency:
+                the most the control plane can drive; `cut_hold_seconds` of the
+                checkpoints taken while both pumps ran
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..core.checkpoint import cut, write_checkpoint
+from ..core.ledger import Ledger
+from ..core.restore import restore_chain
+from ..core.rows import Row, RowId, RowStore
+from ..core.store import CheckpointStore
+from ..trace import read_trace
+from .ledger import G, inflight_ledger
+
+
+def _row(tokens: int) -> Row:
+    return Row(
+        prompt_ids=np.arange(16, dtype=np.int32),
+        completion_ids=np.arange(tokens, dtype=np.int32),
+        logprobs=np.full(tokens, -1.0, np.float32),
+        versions=np.zeros(tokens, np.int32),
+        reward=1.0,
+        finish_reason="stop",
+    )
+
+
+def checkpoint_costs(n: int, tokens: int = 64) -> dict:
+    led = inflight_ledger(n)
+    rows = RowStore()
+    for gid, rec in led.groups():
+        for g in rec.sealed_generations():
+            rows.put(RowId(gid, g, 0), _row(tokens))
+    with tempfile.TemporaryDirectory() as tmp:
+        store = CheckpointStore(Path(tmp) / "checkpoints")
+        holds = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            c = cut(led, rows)
+            holds.append(time.perf_counter() - t0)
+            c.rows.release()
+        c = cut(led, rows)
+        t0 = time.perf_counter()
+        published = write_checkpoint(store, c, trainer_files={"model.bin": b"\0" * 1024}, meta={}, keep_last=2)
+        write_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        restored = restore_chain(store, source=None, config=None)
+        ledger = Ledger.from_state(restored.ledger)
+        store2 = RowStore()
+        for rid, row in restored.rows.items():
+            store2.put(rid, row)
+        for ev in ledger.normalize_for_restart():
+            ledger.apply(ev)
+        restore_s = time.perf_counter() - t0
+    return {
+        "groups": n,
+        "rows": len(rows),
+        "cut_hold_s_median": statistics.median(holds),
+        "write_s": write_s,
+        "bytes": published.bytes,
+        "restore_s": restore_s,
+    }
+
+
+def ceiling(steps: int = 40, prompts_per_step: int = 64, group_size: int = G) -> dict:
+    from ..config import load_config
+    from ..controller import train
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = load_config(None, [
+            f"run_dir={tmp}/run", "engine.name=toy", "trainer.name=toy", "logger.progress=none",
+            f"data.generated.n_rows={prompts_per_step * (steps + 2)}", "data.epochs=1",
+            f"rollout.group_size={group_size}", f"train.num_prompts_per_step={prompts_per_step}",
+            f"train.total_steps={steps}", "checkpoint.every_steps=10", "eval.every_steps=0",
+        ])
+        train(cfg)
+        lines, _ = read_trace(Path(tmp) / "run" / "trace.jsonl")
+    t0 = next(x["t"] for x in lines if x["event"] == "run_started")
+    t1 = next(x["t"] for x in lines if x["event"] == "run_finished")
+    holds = [x["cut_hold_seconds"] for x in lines if x["event"] == "checkpoint_published"]
+    events = sum(1 for x in lines if x["event"] in ("sealed", "dispatched", "taken", "admitted"))
+    return {
+        "steps": steps,
+        "prompts_per_step": prompts_per_step,
+        "group_size": group_size,
+        "seconds": t1 - t0,
+        "steps_per_s": steps / (t1 - t0),
+        "groups_per_s": steps * prompts_per_step / (t1 - t0),
+        "ledger_events": events,
+        "cut_hold_s_median_while_running": statistics.median(holds) if holds else None,
+    }
+
+
+def run(quick: bool = False, log=print) -> dict:
+    out: dict = {"checkpoint": []}
+    for n in [1000] if quick else [1000, 10_000]:
+        r = checkpoint_costs(n)
+        out["checkpoint"].append(r)
+        log(
+            f"checkpoint at {n:>6} in-flight groups ({r['rows']} rows): cut holds the loop "
+            f"{r['cut_hold_s_median'] * 1e6:.1f} us, background write {r['write_s']:.2f} s "
+            f"({r['bytes'] / 1e6:.1f} MB), restore {r['restore_s']:.2f} s"
+        )
+    c = ceiling(steps=10 if quick else 40)
+    out["ceiling"] = c
+    log(
+        f"control-plane ceiling (toy engine and trainer, zero latency, P={c['prompts_per_step']}, "
+        f"G={c['group_size']}): {c['steps_per_s']:.1f} steps/s, {c['groups_per_s']:.0f} groups/s; "
+        f"cut hold while running {c['cut_hold_s_median_while_running'] * 1e6:.0f} us"
+    )
+    return out
