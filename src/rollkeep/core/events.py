@@ -26,7 +26,7 @@ PROMPT_GROUP = "prompt_group"
 GRANULARITIES = (SIBLING, PROMPT_GROUP)
 
 
-class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="event"):
+class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="event", gc=False):
     """Base of all ledger events."""
 
 

@@ -108,6 +108,8 @@ class Owner(enum.Enum):
 _RESERVED, _GENERATING, _RTF, _FINALIZING, _READY, _CLAIMED = (int(s) for s in GroupState)
 _A_RESERVED, _A_DISPATCHED, _A_SEALED = 0, 1, 2
 _GONE = -1  # the record leaves the ledger (TRAINED or DROPPED)
+# The two hot handlers (`_dispatched`, `_sealed`) inline these values as literals.
+assert (_GENERATING, _RTF, _A_RESERVED, _A_DISPATCHED, _A_SEALED) == (1, 2, 0, 1, 2)
 
 #: (group state, event) → next group state. Pairs not listed are illegal.
 GROUP_TABLE: dict[tuple[GroupState, str], int] = {
@@ -148,7 +150,7 @@ _PROMPT_GROUP = PROMPT_GROUP_CODE
 _MAX_COUNTER = 255  # failure counters are stored as bytes
 
 
-class GroupRecord(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+class GroupRecord(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):
     """One group in LEDGER or REPLAY. Persisted as is (a msgpack array), so a field change
     is a schema change (see `rollkeep.core.codec`).
 
@@ -221,7 +223,7 @@ def _copy_record(r: GroupRecord) -> GroupRecord:
 def _all_reserved(status: bytearray, gens: tuple[int, ...]) -> bool:
     n = len(status)
     for g in gens:
-        if not (0 <= g < n) or status[g] != _A_RESERVED:
+        if g < 0 or g >= n or status[g]:  # status 0 = RESERVED
             return False
     return len(gens) == 1 or (len(gens) > 1 and len(set(gens)) == len(gens))
 
@@ -761,21 +763,22 @@ class Ledger:
             rec = self._writable(gid)
         status = rec.status
         for g in gens:
-            status[g] = _A_DISPATCHED
-        if _A_RESERVED not in status:
+            status[g] = 1  # _A_DISPATCHED
+        if 0 not in status:  # no sibling left RESERVED
             del self._pending[gid]
-        return _NO_ROWS
+        return ()
 
     def _sealed(self, ev: Sealed) -> FreedRows | None:
         gid, g = ev.group_id, ev.generation
         rec = self._groups.get(gid)
-        # Fast path: the current attempt of a generating group, dispatched.
+        # Fast path: the current, dispatched attempt of a generating group.
         if (
             rec is None
-            or rec.state != _GENERATING
-            or not (0 <= g < len(rec.status))
+            or rec.state != 1  # _GENERATING
+            or g < 0
+            or g >= len(rec.status)
+            or rec.status[g] != 1  # _A_DISPATCHED
             or rec.attempts[g] != ev.attempt
-            or rec.status[g] != _A_DISPATCHED
         ):
             if rec is not None and self._special_rules_duplicate_seal(rec, ev):
                 return None
@@ -785,10 +788,10 @@ class Ledger:
         if gid not in self._owned:
             rec = self._writable(gid)
         status = rec.status
-        status[g] = _A_SEALED
-        if status.count(_A_SEALED) == len(status):
-            rec.state = _RTF
-        return _NO_ROWS
+        status[g] = 2  # _A_SEALED
+        if status.count(2) == len(status):
+            rec.state = 2  # _RTF
+        return ()
 
     def _failed(self, ev: Failed) -> FreedRows:
         gid, g = ev.group_id, ev.generation

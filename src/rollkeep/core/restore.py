@@ -142,8 +142,8 @@ def open_checkpoint(target: CheckpointStore | Path, name: str | None = None) -> 
 def check_custody(ck: OpenedCheckpoint) -> LedgerState:
     """Steps 4–5."""
     path = str(ck.path / LEDGER_FILE)
-    state = codec.decode(ck.read(LEDGER_FILE), path=path)
-    audit(state).raise_if_failed(
+    state = codec.decode(ck.read(LEDGER_FILE), path=path)  # checks the records (I3, I4)
+    audit(state, records=False).raise_if_failed(
         CheckpointCustodyError,
         path=path,
         remedy=_REMEDY_OLDER + "; a checkpoint that fails the audit was damaged or edited",
