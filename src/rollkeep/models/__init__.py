@@ -1,0 +1,1 @@
+"""The built-in model (a tiny GPT) and its character tokenizer."""

@@ -1,0 +1,120 @@
+"""A small GPT (after nanoGPT's model.py): token and position embeddings, pre-norm
+transformer blocks, a tied output head. It serves both sides of RL:
+
+  training    `forward(idx)` over whole sequences (causal), logits for every position
+  generation  `forward(idx, cache=..., start=...)`: a prefill, then one token at a time
+              with a key/value cache
+
+Attention is written with plain matmul and softmax (no fused kernel), so the engine's
+result for one sequence does not depend on what else is in its batch. Sequences in one
+batch have equal length (the engine buckets prompts by length), so there is no padding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 128
+    block_size: int = 64
+    dropout: float = 0.0
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, cache: list | None, layer: int) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        if cache is not None:
+            if cache[layer] is not None:  # append to the keys and values of earlier tokens
+                k = torch.cat([cache[layer][0], k], dim=2)
+                v = torch.cat([cache[layer][1], v], dim=2)
+            cache[layer] = (k, v)
+        S = k.size(2)  # keys: earlier tokens (cache) + these T
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, S)
+        # Query i (absolute position S - T + i) sees keys 0 .. S - T + i.
+        mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
+        att = att.masked_fill(~mask, float("-inf"))
+        att = self.dropout(F.softmax(att, dim=-1))
+        y = (att @ v).transpose(1, 2).contiguous().view(B, T, C)
+        return self.proj(y)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = Attention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.n_embd, 4 * cfg.n_embd),
+            nn.GELU(),
+            nn.Linear(4 * cfg.n_embd, cfg.n_embd),
+            nn.Dropout(cfg.dropout),
+        )
+
+    def forward(self, x: torch.Tensor, cache: list | None, layer: int) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, layer)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.head.weight = self.wte.weight  # weight tying
+        self.apply(self._init)
+        for name, p in self.named_parameters():  # GPT-2's scaled init of residual projections
+            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    def new_cache(self) -> list:
+        return [None] * self.cfg.n_layer
+
+    def forward(self, idx: torch.Tensor, cache: list | None = None, start: int = 0) -> torch.Tensor:
+        """idx (B, T) token ids at positions start .. start+T-1 → logits (B, T, vocab)."""
+        B, T = idx.shape
+        if start + T > self.cfg.block_size:
+            raise ValueError(f"sequence of {start + T} tokens exceeds block_size {self.cfg.block_size}")
+        pos = torch.arange(start, start + T, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for i, block in enumerate(self.blocks):
+            x = block(x, cache, i)
+        return self.head(self.ln_f(x))
+
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.parameters()) - self.wpe.weight.numel()
