@@ -10,6 +10,7 @@ import pytest
 from rollkeep.config import (
     Config,
     HFEngineConfig,
+    HFTrainerConfig,
     SamplerConfig,
     TorchEngineConfig,
     TorchTrainerConfig,
@@ -104,6 +105,7 @@ def test_override_values_are_parsed_as_yaml():
             "data.epochs=null",
             "max_inflight_prompts=12",
             "trainer.name=torch",
+            "engine.name=torch",
             "trainer.betas=[0.8, 0.99]",
             "trainer.lr=3e-4",  # PyYAML alone would read this as a string
             "run_dir='2024'",  # quoted: a string, not an integer
@@ -117,25 +119,29 @@ def test_override_values_are_parsed_as_yaml():
 
 
 def test_exponent_floats_in_yaml_files_are_numbers(tmp_path):
-    path = write(tmp_path, "trainer:\n  name: torch\n  lr: 3e-4\nwarmup:\n  sft_lr: 1E-3\n")
+    path = write(
+        tmp_path, "engine:\n  name: torch\ntrainer:\n  name: torch\n  lr: 3e-4\nwarmup:\n  sft_lr: 1E-3\n"
+    )
     cfg = load_config(path)
     assert cfg.trainer.lr == pytest.approx(3e-4) and cfg.warmup.sft_lr == pytest.approx(1e-3)
 
 
 def test_override_switches_the_engine_variant(tmp_path):
-    cfg = load_config(None, ["engine.name=torch", "engine.temperature=0.7"])
+    cfg = load_config(None, ["engine.name=torch", "engine.temperature=0.7", "trainer.name=torch"])
     assert isinstance(cfg.engine, TorchEngineConfig)
     assert cfg.engine.temperature == 0.7 and cfg.engine.max_batch_size == 64
 
     path = write(tmp_path, "engine:\n  name: toy\n  completion_tokens: 4\n")
     # a key of the old variant is still there, so the switch is refused, by name
-    err = problems("engine.name=vllm", "engine.model_path=/m", path=path)
+    err = problems("engine.name=vllm", "engine.model_path=/m", "trainer.name=hf",
+                   "trainer.model_path=/m", path=path)
     assert "engine.completion_tokens" in err.field
     assert "is a setting of engine toy; this engine is `vllm`" in str(err)
 
 
 def test_variant_switch_to_hf_with_model_path():
-    cfg = load_config(None, ["engine.name=hf", "engine.model_path=/models/tiny"])
+    cfg = load_config(None, ["engine.name=hf", "engine.model_path=/models/tiny", "trainer.name=hf",
+                             "trainer.model_path=/models/tiny"])
     assert isinstance(cfg.engine, HFEngineConfig)
     assert cfg.engine.model_path == "/models/tiny" and cfg.engine.max_batch_size == 16
 
@@ -143,7 +149,7 @@ def test_variant_switch_to_hf_with_model_path():
 def test_nested_override_creates_sections(tmp_path):
     # `trainer:` is present but empty (null) in the file; the override builds under it
     path = write(tmp_path, "trainer:\n")
-    cfg = load_config(path, ["trainer.name=torch", "trainer.model.n_layer=3"])
+    cfg = load_config(path, ["trainer.name=torch", "trainer.model.n_layer=3", "engine.name=torch"])
     assert isinstance(cfg.trainer, TorchTrainerConfig) and cfg.trainer.model.n_layer == 3
     assert cfg.trainer.model.n_head == 4
     assert load_config(None, ["eval.n_rows=5"]).eval.n_rows == 5
@@ -214,12 +220,12 @@ def test_unknown_key_far_from_any_lists_the_valid_keys():
 
 
 def test_unknown_key_inside_a_variant_uses_that_variants_keys(tmp_path):
-    path = write(tmp_path, "engine:\n  name: torch\n  temprature: 0.5\n")
+    path = write(tmp_path, "engine:\n  name: torch\n  temprature: 0.5\ntrainer:\n  name: torch\n")
     err = problems(path=path)
     assert "unknown key `engine.temprature`; did you mean `engine.temperature`?" in str(err)
     assert err.path == str(path)
     # `latency_ms` is valid for toy only
-    err = problems("engine.name=torch", "engine.latency_ms=2")
+    err = problems("engine.name=torch", "engine.latency_ms=2", "trainer.name=torch")
     assert "unknown key `engine.latency_ms`" in str(err)
     assert "is a setting of engine toy; this engine is `torch`" in str(err)
     # and a key of the torch trainer is unknown on the toy trainer
@@ -267,21 +273,22 @@ def test_out_of_range_values_are_refused(override, field, fragment):
 
 
 def test_out_of_range_inside_a_variant_names_the_path_without_the_tag():
-    err = problems("engine.name=torch", "engine.top_p=0")
+    err = problems("engine.name=torch", "engine.top_p=0", "trainer.name=torch")
     assert err.field == "engine.top_p" and "expected a value > 0.0; found 0" in str(err)
-    err = problems("trainer.name=torch", "trainer.betas=[0.9, 1.0]")
+    err = problems("trainer.name=torch", "trainer.betas=[0.9, 1.0]", "engine.name=torch")
     assert err.field == "trainer.betas[1]" and "< 1.0" in str(err)
 
 
 @pytest.mark.parametrize("section", ["engine", "trainer"])
 def test_hf_without_model_path_is_refused(section):
-    err = problems(f"{section}.name=hf")
+    other = "trainer" if section == "engine" else "engine"
+    err = problems(f"{section}.name=hf", f"{other}.name=hf", f"{other}.model_path=/m")
     assert err.field == f"{section}.model_path"
     assert f"`{section}.model_path` is required" in str(err)
 
 
 def test_vllm_without_model_path_is_refused():
-    assert problems("engine.name=vllm").field == "engine.model_path"
+    assert problems("engine.name=vllm", "trainer.name=hf", "trainer.model_path=/m").field == "engine.model_path"
 
 
 def test_bad_variant_name_lists_the_valid_names():
@@ -367,10 +374,11 @@ def test_many_problems_are_all_reported_in_one_error(tmp_path):
         '`train.total_steps`: expected an integer; found "zero"',
         "`trainer.model_path` is required",
         "`deterministic: true` needs `sampler.name: in_order`; found `weight_fifo`",
+        "`engine.name: torch` needs `trainer.name: torch`; found `hf`",
     ]
     for fragment in expected:
         assert fragment in text, fragment
-    assert text.startswith(f"7 problems in config file {path} with overrides")
+    assert text.startswith(f"8 problems in config file {path} with overrides")
     assert set(err.field.split(", ")) == {
         "checkpoint",
         "sed",
@@ -379,6 +387,7 @@ def test_many_problems_are_all_reported_in_one_error(tmp_path):
         "train.total_steps",
         "trainer.model_path",
         "sampler.name",
+        "trainer.name",
     }
 
 
@@ -404,10 +413,11 @@ def test_deterministic_refuses_replacement_of_dropped_prompts():
 
 def test_deterministic_refuses_in_flight_weight_updates():
     err = problems(
-        "deterministic=true", "rollout.on_dropped_prompt=shrink", "engine.name=torch", "engine.update_weights_in_flight=true"
+        "deterministic=true", "rollout.on_dropped_prompt=shrink", "engine.name=torch",
+        "engine.update_weights_in_flight=true", "trainer.name=torch",
     )
     assert err.field == "engine.update_weights_in_flight"
-    cfg = load_config(None, ["engine.name=torch", "engine.update_weights_in_flight=true"])
+    cfg = load_config(None, ["engine.name=torch", "engine.update_weights_in_flight=true", "trainer.name=torch"])
     assert cfg.engine.update_weights_in_flight
 
 
@@ -429,7 +439,7 @@ def test_backoff_max_below_backoff_is_refused():
 
 
 def test_torch_model_heads_must_divide_width():
-    err = problems("trainer.name=torch", "trainer.model.n_embd=130")
+    err = problems("trainer.name=torch", "trainer.model.n_embd=130", "engine.name=torch")
     assert err.field == "trainer.model.n_embd" and "multiple of `trainer.model.n_head`" in str(err)
 
 
@@ -439,13 +449,12 @@ def test_torch_model_heads_must_divide_width():
 def _leaves_of_every_variant() -> set[str]:
     trees = [
         Config(engine=engine, trainer=trainer).to_dict()
-        for engine in (
-            ToyEngineConfig(),
-            TorchEngineConfig(),
-            HFEngineConfig(model_path="m"),
-            VLLMEngineConfig(model_path="m"),
+        for engine, trainer in (
+            (ToyEngineConfig(), ToyTrainerConfig()),
+            (TorchEngineConfig(), TorchTrainerConfig()),
+            (HFEngineConfig(model_path="m"), HFTrainerConfig(model_path="m")),
+            (VLLMEngineConfig(model_path="m"), HFTrainerConfig(model_path="m")),
         )
-        for trainer in (ToyTrainerConfig(), TorchTrainerConfig())
     ]
     return {path for tree in trees for path in flatten(tree)} | {"trainer.model_path"}
 

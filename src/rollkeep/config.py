@@ -595,6 +595,17 @@ def _cross_field_problems(get: Callable[[str], Any]) -> list[_Problem]:
                 )
             )
 
+    engine, trainer = get("engine.name"), get("trainer.name")
+    pairs = {"toy": ("toy",), "torch": ("torch",), "hf": ("hf",), "vllm": ("hf",)}
+    if isinstance(engine, str) and isinstance(trainer, str) and engine in pairs and trainer not in pairs[engine]:
+        problems.append(
+            _Problem(
+                "trainer.name",
+                f"`engine.name: {engine}` needs `trainer.name: {' or '.join(pairs[engine])}`; found "
+                f"`{trainer}` (the trainer's weights must load into the engine's model)",
+            )
+        )
+
     lo, hi = get("rollout.backoff_ms"), get("rollout.backoff_max_ms")
     if _is_number(lo) and _is_number(hi) and hi < lo:
         problems.append(
