@@ -245,7 +245,8 @@ class TorchTrainerConfig(_Section):
     clip_eps: float = Field(0.2, gt=0.0)
     """PPO ratio clip: the ratio is clipped to [1 - eps, 1 + eps]."""
     kl_coef: float = Field(0.0, ge=0.0)
-    """Weight of the KL penalty against the behaviour policy; 0 = no KL term."""
+    """Weight of the KL penalty (k3 estimator) against a frozen reference: the policy as it
+    was when RL started (after the warm start); 0 = no KL term."""
     ppo_epochs: int = Field(1, ge=1)
     """Optimizer passes over each step's batch."""
     micro_batch_size: int = Field(64, ge=1)
@@ -270,7 +271,8 @@ class HFTrainerConfig(_Section):
     clip_eps: float = Field(0.2, gt=0.0)
     """PPO ratio clip: the ratio is clipped to [1 - eps, 1 + eps]."""
     kl_coef: float = Field(0.0, ge=0.0)
-    """Weight of the KL penalty against the behaviour policy; 0 = no KL term."""
+    """Weight of the KL penalty (k3 estimator) against a frozen reference: the policy as it
+    was when RL started (after the warm start); 0 = no KL term."""
     ppo_epochs: int = Field(1, ge=1)
     """Optimizer passes over each step's batch."""
     micro_batch_size: int = Field(8, ge=1)

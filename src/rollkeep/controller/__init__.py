@@ -10,6 +10,7 @@ from ..config import Config
 from ..core.errors import RollkeepError
 from .build import build
 from .run import Controller, RunResult
+from .warmup import run_warmup
 
 __all__ = ["Controller", "RunResult", "train"]
 
@@ -22,7 +23,8 @@ def train(
     on_step: Callable[[int, dict[str, Any]], None] | None = None,
 ) -> RunResult:
     """Run (or resume) the job `cfg` describes until `train.total_steps`, the end of the
-    data, or SIGINT/SIGTERM. Resumes from RUN_DIR/checkpoints/LATEST when it exists."""
+    data, or SIGINT/SIGTERM. Resumes from RUN_DIR/checkpoints/LATEST when it exists; a
+    supervised warm start (`warmup.sft_steps`) runs first, as its own checkpointed phase."""
     parts = build(cfg)
     controller = Controller(
         cfg,
@@ -31,14 +33,16 @@ def train(
         trainer=parts.trainer,
         allow_config_change=allow_config_change,
         allow_dataset_change=allow_dataset_change,
-        on_step=on_step if on_step is not None else parts.on_step,
+        on_step=on_step,
+        evaluator=parts.evaluator,
     )
+    run_warmup(cfg, dataset=parts.dataset, trainer=parts.trainer, tokenizer=parts.tokenizer,
+               log=lambda line: print(line, flush=True) if cfg.logger.progress != "none" else None)
     try:
         return asyncio.run(controller.run())
     except BaseExceptionGroup as group:
         # A TaskGroup wraps the pump's error; surface a single rollkeep error as itself.
-        leaves = _leaves(group)
-        for leaf in leaves:
+        for leaf in _leaves(group):
             if isinstance(leaf, RollkeepError):
                 raise leaf from group
         raise

@@ -1,14 +1,17 @@
 """Build a run's components from its config (the recipe's ingredients, torchtune-style):
-the dataset and prompt source, the engine, the trainer. Each gets only its own section."""
+the dataset and prompt source, the engine, the trainer, the evaluator. Each gets only its
+own config section, plus what it must share with the others (the tokenizer, the model's
+initial weights, the sampling temperature)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import copy
 from dataclasses import dataclass
 from typing import Any
 
 from ..config import Config
-from ..core.source import Dataset, PromptSource, load_dataset
+from ..core.errors import ConfigError
+from ..core.source import Dataset, PromptSource, SequenceDataset, load_dataset
 from ..engines import Engine, make_engine
 from ..tasks import arith, check_tasks
 from ..trainers import Trainer, make_trainer
@@ -16,11 +19,13 @@ from ..trainers import Trainer, make_trainer
 
 @dataclass
 class Parts:
+    dataset: Dataset
     source: PromptSource
     eval_rows: list[dict] | None
     engine: Engine
     trainer: Trainer
-    on_step: Callable[[int, dict[str, Any]], None] | None = None
+    tokenizer: Any = None
+    evaluator: Any = None
 
 
 def build_data(cfg: Config) -> tuple[Dataset, list[dict] | None]:
@@ -29,8 +34,6 @@ def build_data(cfg: Config) -> tuple[Dataset, list[dict] | None]:
         return load_dataset(cfg.data.path), None
     gen = cfg.data.generated
     if gen.task != arith.TASK:
-        from ..core.errors import ConfigError
-
         raise ConfigError(
             f"unknown built-in dataset task {gen.task!r}",
             field="data.generated.task",
@@ -39,8 +42,6 @@ def build_data(cfg: Config) -> tuple[Dataset, list[dict] | None]:
             remedy="set data.generated.task=arith or point data.path at a JSONL file",
         )
     rows = arith.make_rows(gen.n_rows + gen.eval_rows, digits=gen.digits, seed=cfg.seed)
-    from ..core.source import SequenceDataset
-
     return SequenceDataset(rows[: gen.n_rows]), rows[gen.n_rows :]
 
 
@@ -48,6 +49,69 @@ def build(cfg: Config) -> Parts:
     dataset, eval_rows = build_data(cfg)
     check_tasks(str(dataset[i].get("task", "default")) for i in range(len(dataset)))
     source = PromptSource(dataset, seed=cfg.seed, epochs=cfg.data.epochs)
-    trainer = make_trainer(cfg.trainer)
-    engine = make_engine(cfg.engine)
-    return Parts(source=source, eval_rows=eval_rows, engine=engine, trainer=trainer)
+    if cfg.trainer.name == "torch":
+        return _build_torch(cfg, dataset, source, eval_rows)
+    if cfg.trainer.name == "hf":
+        return _build_hf(cfg, dataset, source, eval_rows)
+    return Parts(dataset, source, eval_rows, make_engine(cfg.engine), make_trainer(cfg.trainer))
+
+
+def _build_torch(cfg: Config, dataset: Dataset, source: PromptSource, eval_rows) -> Parts:
+    import torch
+
+    from ..engines.torch_gpt import TorchEngine
+    from ..models.gpt import GPT, GPTConfig
+    from ..models.tokenizer import CharTokenizer
+    from ..trainers.grpo import TorchTrainer
+    from .evaluate import Evaluator
+
+    # One intra-op thread each: the engine's thread and the trainer's thread then run
+    # side by side on two cores instead of fighting over one pool.
+    torch.set_num_threads(1)
+    tokenizer = CharTokenizer()
+    m = cfg.trainer.model
+    model_cfg = GPTConfig(
+        vocab_size=m.vocab_size or tokenizer.vocab_size,
+        n_layer=m.n_layer,
+        n_head=m.n_head,
+        n_embd=m.n_embd,
+        block_size=m.block_size,
+        dropout=m.dropout,
+    )
+    torch.manual_seed(cfg.seed)
+    model = GPT(model_cfg)
+    e = cfg.engine
+    trainer = TorchTrainer(cfg.trainer, model=model, tokenizer=tokenizer, temperature=e.temperature, seed=cfg.seed)
+    engine = TorchEngine(
+        temperature=e.temperature,
+        top_p=e.top_p,
+        max_new_tokens=e.max_new_tokens,
+        max_batch_size=e.max_batch_size,
+        update_weights_in_flight=e.update_weights_in_flight,
+        model=copy.deepcopy(model),
+        tokenizer=tokenizer,
+        # Deterministic runs sample in float64: a batch of other size than the one the
+        # uninterrupted run had must not flip a token on a last-bit difference.
+        dtype=torch.float64 if cfg.deterministic else torch.float32,
+    )
+    evaluator = None
+    if eval_rows and cfg.eval.every_steps:
+        rows = eval_rows[: cfg.eval.n_rows] if cfg.eval.n_rows else eval_rows
+        evaluator = Evaluator(rows, model=model, tokenizer=tokenizer, max_new_tokens=e.max_new_tokens)
+    return Parts(dataset, source, eval_rows, engine, trainer, tokenizer, evaluator)
+
+
+def _build_hf(cfg: Config, dataset: Dataset, source: PromptSource, eval_rows) -> Parts:
+    import torch
+
+    from ..trainers.hf import HFTrainer
+
+    if not torch.cuda.is_available():
+        torch.set_num_threads(1)  # as for the built-in model: engine and trainer side by side
+    trainer = HFTrainer(cfg.trainer, temperature=cfg.engine.temperature, seed=cfg.seed)
+    if cfg.engine.name == "hf" and cfg.deterministic:
+        # float64 sampling: a different batch composition must not flip a token (see _build_torch)
+        engine = make_engine(cfg.engine, dtype=torch.float64)
+    else:
+        engine = make_engine(cfg.engine)
+    return Parts(dataset, source, eval_rows, engine, trainer, getattr(trainer, "tokenizer", None))

@@ -91,6 +91,7 @@ class Controller:
         allow_config_change: tuple[str, ...] = (),
         allow_dataset_change: bool = False,
         on_step: Any = None,
+        evaluator: Any = None,
     ) -> None:
         self.cfg = cfg
         self.source = source
@@ -112,7 +113,8 @@ class Controller:
         self.semantic = semantic(cfg)
         self.allow_config_change = allow_config_change
         self.allow_dataset_change = allow_dataset_change
-        self.on_step = on_step  # callback(step, metrics) for callers such as the eval loop
+        self.on_step = on_step  # callback(step, metrics), e.g. for tests and notebooks
+        self.evaluator = evaluator  # greedy accuracy on the held-out set, or None
         self.ledger: Ledger
         self.stopping: str | None = None
         self._wake_rollout = asyncio.Event()
@@ -124,6 +126,7 @@ class Controller:
         self._published_step: int | None = None
         self._progress: RunProgress | None = None
         self._t_start = time.perf_counter()
+        self._last_eval: dict[str, float] = {}
         self._tokens_generated = 0
         self._last_step_time = time.perf_counter()
 
@@ -472,6 +475,7 @@ class Controller:
 
     async def _train_pump(self) -> None:
         cfg, led = self.cfg, self.ledger
+        await self._evaluate(led.version)
         while not self.stopping:
             step = led.version + 1
             if step > cfg.train.total_steps:
@@ -496,6 +500,21 @@ class Controller:
                 await self._checkpoint()
             await self.engine.update_weights(self.trainer.weights(), step)
             self._wake_rollout.set()
+            await self._evaluate(step)
+
+    async def _evaluate(self, step: int) -> None:
+        """Greedy accuracy on the held-out set every `eval.every_steps` (in a thread)."""
+        every = self.cfg.eval.every_steps
+        if self.evaluator is None or every == 0 or step % every:
+            return
+        t0 = time.perf_counter()
+        result = await asyncio.to_thread(self.evaluator.evaluate, self.trainer.weights())
+        self._last_eval = result
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"t": time.time(), "run_id": self.trace.run_id, "step": step, **result,
+                                "eval/seconds": time.perf_counter() - t0}) + "\n")
+        self.trace.emit("eval", step=step, **result)
+        self._progress.note(f"eval at step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in result.items()))
 
     async def _next_batch(self, step: int) -> list[str] | None:
         """Wait until the sampler can fill `step`; None when no batch can ever come."""
@@ -574,6 +593,7 @@ class Controller:
             batch.step,
             {
                 "reward": record["reward_mean"],
+                "acc": self._last_eval.get("eval/accuracy"),
                 "age": age,
                 "tok/s": round(record["tokens_generated_per_s"]),
                 "gen": counts["generating"] + counts["reserved"],

@@ -16,6 +16,7 @@ class CharTokenizer:
 
     def __init__(self) -> None:
         self.vocab_size = _SPECIAL + len(_CHARS)
+        self.eos_id = EOS
         self._to_id = {c: i + _SPECIAL for i, c in enumerate(_CHARS)}
         self._unknown = self._to_id["?"]
 

@@ -1,0 +1,78 @@
+"""The supervised warm start: `warmup.sft_steps` steps of cross-entropy on the dataset's
+answers before RL, so the policy starts with some signal.
+
+It is its own checkpointed phase, in `RUN_DIR/warmup/checkpoints` (same store, same
+atomic publication): a run killed during warmup resumes it; a run killed during RL before
+its first checkpoint starts RL again from the finished warmup; once RL has a checkpoint
+(which holds the trainer state) warmup is never looked at again. Batches are a pure
+function of (seed, step), so a resumed warmup ends with the same weights.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..config import Config, semantic
+from ..core.configdiff import check_compatible
+from ..core.errors import ConfigError
+from ..core.source import Dataset
+from ..core.store import CheckpointStore
+
+CHECKPOINT_EVERY = 100
+
+
+def run_warmup(cfg: Config, *, dataset: Dataset, trainer: Any, tokenizer: Any, log=print) -> None:
+    steps = cfg.warmup.sft_steps
+    run_dir = Path(cfg.run_dir)
+    if CheckpointStore(run_dir / "checkpoints").latest() is not None:
+        return  # RL has started: the trainer state comes from its checkpoint
+    if steps == 0:
+        if hasattr(trainer, "set_reference"):
+            trainer.set_reference()
+        return
+    if not hasattr(trainer, "sft_step"):
+        raise ConfigError(
+            f"warmup.sft_steps is {steps} but the {trainer.name} trainer has no supervised step",
+            field="warmup.sft_steps",
+            expected="0, or a trainer that supports it (torch, hf)",
+            found=str(steps),
+            remedy="set warmup.sft_steps=0",
+        )
+    missing = [i for i in range(len(dataset)) if "answer" not in dataset[i]]
+    if missing:
+        raise ConfigError(
+            f"warmup needs an `answer` field in every row; {len(missing)} row(s) have none (e.g. row {missing[0]})",
+            field="warmup.sft_steps",
+            expected="rows with `answer`",
+            found=f"{len(missing)} row(s) without",
+            remedy="add answers to the dataset or set warmup.sft_steps=0",
+        )
+    store = CheckpointStore(run_dir / "warmup" / "checkpoints")
+    store.cleanup_tmp()
+    done = 0
+    if store.latest() is not None:
+        ck = store.open()
+        check_compatible(ck.manifest.get("config", {}), semantic(cfg), path=str(ck.path / "MANIFEST.json"))
+        trainer.load({f[len("trainer/"):]: ck.read(f) for f in ck.files() if f.startswith("trainer/")})
+        done = int(ck.manifest["step"])
+        log(f"warmup: resumed from {ck.name}")
+    t0 = time.perf_counter()
+    for step in range(done + 1, steps + 1):
+        rng = np.random.default_rng([cfg.seed, 0x5F7, step])
+        idx = rng.integers(0, len(dataset), cfg.warmup.sft_batch_size)
+        seqs = [
+            (tokenizer.encode(dataset[int(i)]["prompt"]),
+             tokenizer.encode(str(dataset[int(i)]["answer"]), bos=False) + [tokenizer.eos_id])
+            for i in idx
+        ]
+        metrics = trainer.sft_step(seqs, lr=cfg.warmup.sft_lr)
+        if step % CHECKPOINT_EVERY == 0 or step == steps:
+            files = {f"trainer/{k}": v for k, v in trainer.snapshot().files().items()}
+            store.publish(step, files, {"phase": "warmup", "config": semantic(cfg)}, keep_last=1)
+            log(f"warmup: step {step}/{steps}, loss {metrics['loss']:.3f}, "
+                f"{(step - done) / (time.perf_counter() - t0):.1f} steps/s")
+    trainer.set_reference()

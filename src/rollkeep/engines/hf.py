@@ -1,0 +1,308 @@
+"""The hf engine: sampling from any transformers causal LM in a local directory.
+
+One worker thread owns the model. It takes queued requests in batches of equal prompt
+length (so there is no padding and no attention mask), runs a prefill and then one token
+per step through the model's key/value cache, and samples every token with
+`rollkeep.models.sampling.sample` from the request's seed and the token's position in its
+completion: a completion is a function of (weights, prompt, seed), never of timing or of
+its batch mates (DESIGN §2).
+
+Conventions shared with the built-in engine:
+  - cancelling the awaiting task aborts the request: the worker drops it from the queue,
+    and stops decoding a batch once every row is finished or cancelled;
+  - a batch that raises fails its requests with InfraError; the worker lives on;
+  - `update_weights` is applied between batches (at once when idle), so every token of a
+    completion was sampled under the version recorded for it;
+  - `close()` fails what is still queued and joins the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import threading
+from collections import deque
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..core.errors import CustodyError, UserInputError
+from .base import Completion, DataError, GenRequest, InfraError
+
+_FIELD = "engine.model_path"
+_EXPECTED = "a local directory with a transformers model (config.json and weights) and its tokenizer"
+
+
+@dataclass(eq=False)
+class _Job:
+    req: GenRequest
+    prompt_ids: list[int]
+    future: Future  # of Completion; cancelled when the awaiting task is
+
+
+@dataclass(eq=False)
+class _Refit:
+    weights: Any  # a state dict: name -> tensor
+    version: int
+    future: Future  # of None
+
+
+class HFEngine:
+    name = "hf"
+
+    def __init__(
+        self,
+        *,
+        model_path: str,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        chat_template: bool,
+        max_batch_size: int,
+        dtype: Any = None,
+        device: Any = None,
+    ) -> None:
+        import torch
+
+        self.temperature = temperature
+        self.top_p = top_p
+        self.max_new_tokens = max_new_tokens
+        self.chat_template = chat_template
+        self.max_batch_size = max_batch_size
+        self.tokenizer, model = _load(model_path)
+        if chat_template and getattr(self.tokenizer, "chat_template", None) is None:
+            raise UserInputError(
+                f"engine.chat_template is true but the tokenizer in {model_path} has no chat template",
+                field="engine.chat_template",
+                expected="a tokenizer with a chat template",
+                found="none",
+                remedy="set engine.chat_template=false, or add a chat template to the tokenizer",
+            )
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        self.model = model.to(self.device, dtype) if dtype is not None else model.to(self.device)
+        self.model.eval()
+        # transformers 5 renamed the cache argument (and output) `past_key_values` -> `cache`.
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self._context = getattr(self.model.config, "max_position_embeddings", None)
+        self._eos = self.tokenizer.eos_token_id  # None: every completion runs to the limit
+        self._version = 0
+        self._cv = threading.Condition()
+        self._jobs: deque[_Job] = deque()
+        self._refits: deque[_Refit] = deque()
+        self._closing = False
+        self._worker = threading.Thread(target=self._work, name="rollkeep-hf-engine", daemon=True)
+        self._worker.start()
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    # ------------------------------------------------------------------ loop side
+
+    async def generate(self, req: GenRequest) -> Completion:
+        text = req.prompt.prompt
+        if self.chat_template:
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+            )
+        ids = self.tokenizer.encode(text, add_special_tokens=not self.chat_template)
+        if not ids or (self._context is not None and len(ids) >= self._context):
+            raise DataError(
+                f"hf engine: prompt of {len(ids)} tokens does not fit the model's context of "
+                f"{self._context} with room to generate ({req.group_id}/{req.generation})"
+            )
+        job = _Job(req, ids, Future())
+        self._submit(self._jobs, job)
+        return await asyncio.wrap_future(job.future)
+
+    async def update_weights(self, weights: Any, version: int) -> None:
+        """Copy the state dict `weights` into the model between batches; then `version`."""
+        refit = _Refit(weights, version, Future())
+        self._submit(self._refits, refit)
+        await asyncio.wrap_future(refit.future)
+
+    async def close(self) -> None:
+        with self._cv:
+            self._closing = True
+            dropped = [*self._jobs, *self._refits]
+            self._jobs.clear()
+            self._refits.clear()
+            self._cv.notify()
+        for item in dropped:
+            _settle(item.future, exception=InfraError("hf engine: closed before the request ran"))
+        await asyncio.to_thread(self._worker.join)
+
+    def _submit(self, queue: deque, item: _Job | _Refit) -> None:
+        with self._cv:
+            if self._closing:
+                raise InfraError("hf engine: used after close()")
+            queue.append(item)
+            self._cv.notify()
+
+    # ------------------------------------------------------------------ worker thread
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._jobs or self._refits or self._closing)
+                if self._refits:
+                    refit, batch = self._refits.popleft(), []
+                elif self._jobs:
+                    refit, batch = None, self._take_batch()
+                else:
+                    return  # closing, and nothing is left
+            if refit is not None:
+                self._refit(refit)
+            elif batch:
+                self._run(batch)
+
+    def _take_batch(self) -> list[_Job]:
+        """The oldest live request and the next ones of its prompt length (queue order).
+        Requests cancelled while queued are dropped here. Called with the lock held."""
+        live = [j for j in self._jobs if not j.future.cancelled()]
+        if not live:
+            self._jobs.clear()
+            return []
+        n = len(live[0].prompt_ids)
+        batch = [j for j in live if len(j.prompt_ids) == n][: self.max_batch_size]
+        self._jobs = deque(j for j in live if j not in batch)
+        return batch
+
+    def _refit(self, refit: _Refit) -> None:
+        if refit.future.cancelled():
+            return
+        try:
+            self.model.load_state_dict(refit.weights, strict=True)
+        except Exception as e:
+            _settle(refit.future, exception=UserInputError(
+                f"the weights for version {refit.version} do not fit the hf engine's model",
+                expected="a state dict with exactly the model's parameter names and shapes",
+                found=f"{type(e).__name__}: {e}",
+                remedy="train the same architecture as engine.model_path",
+            ))
+            return
+        self._version = refit.version
+        _settle(refit.future)
+
+    def _run(self, batch: list[_Job]) -> None:
+        version = self._version
+        try:
+            for job in batch:
+                if job.req.version is not None and job.req.version != version:
+                    raise CustodyError(
+                        f"hf engine: request {job.req.group_id}/{job.req.generation} is pinned to another weight version",
+                        expected=f"version {job.req.version}",
+                        found=f"engine at version {version}",
+                        remedy="this is a bug in the controller's refit ordering",
+                    )
+            completions = self._decode(batch, version)
+        except Exception as e:
+            for job in batch:
+                failure = InfraError(f"hf engine: a batch of {len(batch)} failed: {type(e).__name__}: {e}")
+                failure.__cause__ = e
+                _settle(job.future, exception=failure)
+            return
+        for job, completion in zip(batch, completions, strict=True):
+            _settle(job.future, completion)
+
+    def _decode(self, batch: list[_Job], version: int) -> list[Completion]:
+        import torch
+
+        from ..models.sampling import sample
+
+        # Pad to a multiple of 4 rows with copies of the first (discarded): CPU matmul
+        # kernels round the last bit differently for 1, 2-3 and tail rows, and a completion
+        # must not depend on how many others were generated with it (measured and
+        # explained at `torch_gpt._ROW_QUANTUM`).
+        rows = batch + batch[:1] * (-len(batch) % _ROW_QUANTUM)
+        seeds = [j.req.seed for j in rows]
+        P = len(batch[0].prompt_ids)
+        n_new = self.max_new_tokens if self._context is None else min(self.max_new_tokens, self._context - P)
+        x = torch.tensor([j.prompt_ids for j in rows], dtype=torch.long, device=self.device)  # (B, P)
+        cache, tokens, logprobs = None, [], []
+        done = [False] * len(rows)
+        with torch.inference_mode():
+            for pos in range(n_new):
+                out = self.model(input_ids=x, use_cache=True, **{self._cache_arg: cache})
+                cache = out[self._cache_arg]
+                # `sample` draws its uniforms on the CPU, so the (B, V) logits go there too.
+                tok, lp = sample(out.logits[:, -1, :].cpu(), seeds, pos,
+                                 temperature=self.temperature, top_p=self.top_p)  # (B,), (B,)
+                tokens.append(tok)
+                logprobs.append(lp)
+                done = [d or t == self._eos or j.future.cancelled()
+                        for d, t, j in zip(done, tok.tolist(), rows, strict=True)]
+                if all(done):
+                    break
+                x = tok.unsqueeze(1).to(self.device)  # (B, 1)
+        ids_rows = torch.stack(tokens, dim=1).tolist()  # (B, T)
+        lp_rows = torch.stack(logprobs, dim=1).numpy()  # (B, T) float32
+        completions = []
+        for i, job in enumerate(batch):
+            ids = ids_rows[i]
+            stop = self._eos is not None and self._eos in ids
+            n = ids.index(self._eos) + 1 if stop else len(ids)
+            completions.append(Completion(
+                prompt_ids=np.asarray(job.prompt_ids, dtype=np.int32),
+                completion_ids=np.asarray(ids[:n], dtype=np.int32),
+                logprobs=lp_rows[i, :n].astype(np.float32),
+                versions=np.full(n, version, dtype=np.int32),
+                finish_reason="stop" if stop else "length",
+                text=self.tokenizer.decode(ids[:n], skip_special_tokens=True),
+            ))
+        return completions
+
+
+_ROW_QUANTUM = 4
+
+
+def _settle(future: Future, result: Any = None, *, exception: BaseException | None = None) -> None:
+    """Resolve a future unless its awaiting task cancelled it meanwhile (then the result is dropped)."""
+    with contextlib.suppress(InvalidStateError):
+        if exception is None:
+            future.set_result(result)
+        else:
+            future.set_exception(exception)
+
+
+def _load(model_path: str) -> tuple[Any, Any]:
+    """The tokenizer and the model of a local directory; never downloads."""
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as e:
+        raise UserInputError(
+            "engine 'hf' needs the transformers library, which is not installed",
+            found=f"ImportError: {e}",
+            remedy="pip install 'rollkeep[hf]'",
+        ) from e
+    path = Path(model_path).expanduser()
+    if not path.is_dir() or not (path / "config.json").is_file():
+        if not path.exists():
+            found = "nothing at that path"
+        elif not path.is_dir():
+            found = "a file, not a directory"
+        else:
+            names = sorted(p.name for p in path.iterdir())
+            found = f"a directory without config.json, holding {names[:10] or 'nothing'}"
+        raise UserInputError(
+            f"engine.model_path {str(path)!r} is not a transformers model directory",
+            path=str(path), field=_FIELD, expected=_EXPECTED, found=found,
+            remedy="point engine.model_path at a directory written by save_pretrained (downloads are off)",
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    except Exception as e:
+        raise UserInputError(
+            f"engine.model_path {str(path)!r}: transformers could not load a causal LM and its tokenizer",
+            path=str(path), field=_FIELD, expected=_EXPECTED, found=f"{type(e).__name__}: {e}",
+            remedy="check that the directory is complete and its model type is a causal LM",
+        ) from e
+    return tokenizer, model

@@ -1,0 +1,140 @@
+"""Sampling for the built-in engine, and greedy decoding for evaluation.
+
+Reproducibility (DESIGN §2, §7): a sampled token is a pure function of its logits row,
+the request's seed and the token's position in the completion. Nothing here reads a
+global RNG, and each row is computed only from its own logits row, so the result does not
+depend on what else was in the batch. Two values are part of that contract and must never
+change, or regenerated rollouts stop reproducing the lost ones: the formula of
+`counter_uniform` (tests pin values of it) and the inverse-CDF rule of `sample`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.nn import functional as F
+
+from .gpt import GPT
+from .tokenizer import EOS
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment, 2**64 / golden ratio
+
+
+def _mix64(z: int) -> int:
+    """splitmix64's finaliser (Stafford's "Mix13"), on Python ints masked to 64 bits."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def counter_uniform(seeds: Sequence[int], position: int) -> torch.Tensor:
+    """A uniform number in [0, 1) per seed, a pure function of (seed, position).
+
+    The formula (part of reproducibility; never change it):
+
+        state = mix64(seed mod 2**64)
+        z     = mix64((state + (position + 1) * 0x9E3779B97F4A7C15) mod 2**64)
+        u     = (z >> 11) / 2**53
+
+    i.e. the output number `position` of a splitmix64 generator whose state starts at
+    mix64(seed); `mix64` is splitmix64's finaliser. Mixing the seed first keeps
+    (seed, position) and (seed + increment, position - 1) from colliding. The top 53 bits
+    make u an exact float64 in [0, 1).
+
+    Returns float64 [B].
+    """
+    step = ((position + 1) * _GOLDEN) & _MASK64
+    out = [(_mix64((_mix64(int(s) & _MASK64) + step) & _MASK64) >> 11) / 2.0**53 for s in seeds]
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def sample(
+    logits: torch.Tensor,
+    seeds: Sequence[int],
+    position: int,
+    *,
+    temperature: float,
+    top_p: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row by nucleus sampling with counter-based randomness.
+
+    logits (B, V) of any float dtype; seeds: B ints; position: the index of the token in
+    its completion (0 for the first generated token). All math is float64:
+
+        probs  = softmax(logits / temperature)
+        sort probs descending (stable: ties keep vocabulary order); keep the smallest
+        prefix whose cumulative mass is >= top_p (always at least one token)
+        u      = counter_uniform(seeds, position)
+        token  = the first kept token (in sorted order) whose cumulative kept mass
+                 exceeds u * (kept mass)  -- inverse CDF of the renormalised nucleus
+
+    Returns (tokens int64 [B], logprobs float32 [B]). The log-probability is
+    `log_softmax(logits / temperature)[token]` over the FULL vocabulary, not the truncated
+    and renormalised nucleus: it is the same quantity the trainer computes from its own
+    forward pass (log_softmax of its logits over the temperature), so the importance ratio
+    of an untouched policy is exactly 1 even with top_p < 1.
+    """
+    if logits.dim() != 2 or logits.size(0) != len(seeds):
+        raise ValueError(f"sample: logits {tuple(logits.shape)} do not match {len(seeds)} seeds")
+    x = logits.to(torch.float64) / temperature  # (B, V)
+    logp = F.log_softmax(x, dim=-1)  # (B, V): the reported log-probabilities
+    probs = F.softmax(x, dim=-1)
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)  # (B, V)
+    cum = sorted_p.cumsum(dim=-1)
+    before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)  # mass before each token
+    keep = before < top_p  # the smallest prefix reaching top_p; token 0 always (top_p > 0)
+    kept_cum = (sorted_p * keep).cumsum(dim=-1)  # (B, V), constant past the nucleus
+    mass = kept_cum[:, -1:]  # (B, 1)
+    u = counter_uniform(seeds, position).unsqueeze(1)  # (B, 1)
+    idx = (kept_cum <= u * mass).sum(dim=-1, keepdim=True)  # first index with kept_cum > u * mass
+    # u * mass can round up to mass itself: fall back to the last kept token of non-zero mass.
+    last = (keep & (sorted_p > 0)).sum(dim=-1, keepdim=True) - 1
+    idx = torch.minimum(idx, last)
+    tokens = order.gather(1, idx)  # (B, 1)
+    return tokens.squeeze(1), logp.gather(1, tokens).squeeze(1).to(torch.float32)
+
+
+def greedy(model: GPT, tokenizer, prompts: list[str], *, max_new_tokens: int) -> list[str]:
+    """Argmax decoding with the KV cache; prompts of equal token length run as one batch.
+
+    Returns the decoded completion of each prompt, in order (EOS ends it and is not part
+    of the text). A completion also ends where prompt + completion would exceed
+    `block_size`. Runs in the model's own dtype and mode is restored afterwards."""
+    block = model.cfg.block_size
+    encoded = [tokenizer.encode(p) for p in prompts]
+    by_len: dict[int, list[int]] = {}
+    for i, ids in enumerate(encoded):
+        by_len.setdefault(len(ids), []).append(i)
+    texts = [""] * len(prompts)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            for length, members in by_len.items():
+                n_new = min(max_new_tokens, block - length)
+                if n_new <= 0:
+                    continue  # no room for a single token: the completion is empty
+                rows = members if len(members) > 1 else members * 2  # see TorchEngine: B=1 kernels differ
+                device = next(model.parameters()).device
+                x = torch.tensor([encoded[i] for i in rows], dtype=torch.long, device=device)  # (B, P)
+                cache = model.new_cache()
+                out = torch.empty(len(rows), n_new, dtype=torch.long, device=device)
+                done = torch.zeros(len(rows), dtype=torch.bool, device=device)
+                start = 0
+                for step in range(n_new):
+                    logits = model(x, cache, start)[:, -1, :]  # (B, V)
+                    nxt = logits.argmax(dim=-1)  # (B,)
+                    out[:, step] = nxt
+                    done |= nxt == EOS
+                    if step + 1 == n_new or bool(done.all()):
+                        out = out[:, : step + 1]
+                        break
+                    start += x.size(1)
+                    x = nxt.unsqueeze(1)  # (B, 1)
+                for i, ids in zip(members, out.tolist(), strict=False):
+                    texts[i] = tokenizer.decode(ids)
+    finally:
+        model.train(was_training)
+    return texts

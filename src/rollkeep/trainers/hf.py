@@ -1,0 +1,86 @@
+"""GRPO on any local transformers causal LM (`trainer.name = hf`): the same algorithm as the
+built-in trainer (`grpo.GRPOTrainer`), with the model and tokenizer loaded from
+`trainer.model_path`. Single device (CUDA when available). Loads with
+`local_files_only=True`: nothing is ever downloaded."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..config import HFTrainerConfig
+from ..core.errors import UserInputError
+from .grpo import GRPOTrainer
+
+
+class HFTokenizer:
+    """The two things rollkeep asks of a tokenizer (warm start, evaluation), over a
+    transformers tokenizer."""
+
+    def __init__(self, tok: Any) -> None:
+        self.tok = tok
+        self.eos_id = tok.eos_token_id
+        self.vocab_size = len(tok)
+
+    def encode(self, text: str, *, bos: bool = True) -> list[int]:
+        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        if bos and self.tok.bos_token_id is not None:
+            ids = [self.tok.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+
+def load_hf(model_path: str, *, field: str) -> tuple[Any, Any]:
+    """(tokenizer, model) from a local directory, or a UserInputError naming the key."""
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError:
+        raise UserInputError(
+            "the hf backend needs transformers, which is not installed",
+            field=field,
+            remedy="pip install 'rollkeep[hf]'",
+        ) from None
+    try:
+        tok = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise UserInputError(
+            f"cannot load a causal LM from {model_path!r}",
+            field=field,
+            expected="a local directory written by save_pretrained (config.json, weights, tokenizer)",
+            found=str(e).splitlines()[0][:300],
+            remedy=f"point {field} at such a directory",
+        ) from None
+    return tok, model
+
+
+class HFTrainer(GRPOTrainer):
+    name = "hf"
+
+    def __init__(self, cfg: HFTrainerConfig, *, temperature: float, seed: int) -> None:
+        tok, model = load_hf(cfg.model_path, field="trainer.model_path")
+        if torch.cuda.is_available():
+            model = model.cuda()
+        model.train()
+        self.tokenizer = HFTokenizer(tok)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        super().__init__(
+            model=model,
+            # Right padding with an attention mask: a causal LM's earlier positions never
+            # see the padding.
+            logits_fn=lambda m, ids, mask: m(input_ids=ids, attention_mask=mask).logits,
+            pad_id=pad,
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+            betas=cfg.betas,
+            grad_clip=cfg.grad_clip,
+            clip_eps=cfg.clip_eps,
+            kl_coef=cfg.kl_coef,
+            ppo_epochs=cfg.ppo_epochs,
+            micro_batch_size=cfg.micro_batch_size,
+            temperature=temperature,
+            seed=seed,
+        )
