@@ -4,7 +4,7 @@
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-CONFIG ?= configs/toy.yaml
+CONFIG ?= configs/arith.yaml
 ARGS   ?=
 
 .PHONY: install run test bench chaos lint clean
@@ -28,7 +28,7 @@ bench: $(STAMP)
 	$(PY) -m rollkeep bench $(ARGS)
 
 chaos: $(STAMP)
-	$(PY) -m rollkeep chaos $(CONFIG) --kills 10 $(ARGS)
+	$(PY) -m rollkeep chaos configs/toy.yaml --kills 10 $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks

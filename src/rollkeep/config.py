@@ -333,6 +333,8 @@ class CheckpointConfig(_Section):
     """Number of most recent checkpoints kept on disk."""
     on_shutdown: bool = True
     """Write a checkpoint on a graceful shutdown (SIGINT/SIGTERM)."""
+    warmup_every_steps: int = Field(100, ge=1)
+    """Checkpoint the supervised warm start every this many of its steps."""
 
 
 class SamplerConfig(_Section):
@@ -468,6 +470,7 @@ _SEMANTIC = (
     "engine.max_new_tokens",
     "engine.completion_tokens",
     "engine.model_path",
+    "engine.chat_template",
     "trainer",
     "rollout.group_size",
     "rollout.granularity",
@@ -483,7 +486,6 @@ _NOT_SEMANTIC = (
     "engine.data_fail_rate",
     "engine.max_batch_size",
     "engine.update_weights_in_flight",
-    "engine.chat_template",
     "engine.gpu_memory_utilization",
     "engine.tensor_parallel_size",
     "trainer.step_sleep_ms",

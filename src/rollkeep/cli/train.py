@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 
 HELP = """\
-Run the job CONFIG describes (default: the built-in arithmetic GRPO job, configs/arith.yaml
-settings). If RUN_DIR/checkpoints/LATEST exists, the run resumes from it after the full
+Run the job CONFIG describes (default: configs/arith.yaml, the built-in arithmetic GRPO job
+on a tiny GPT). If RUN_DIR/checkpoints/LATEST exists, the run resumes from it after the full
 restore chain; a semantic config change is refused unless named with
 --allow-config-change.
 
@@ -51,6 +51,10 @@ def run(args: argparse.Namespace) -> int:
     if config is not None and "=" in config:  # `rollkeep train key=value` without a file
         overrides.insert(0, config)
         config = None
+    if config is None:  # the main job: the packaged configs/arith.yaml
+        from importlib.resources import files
+
+        config = str(files("rollkeep") / "configs" / "arith.yaml")
     cfg = load_config(config, overrides)
     result = train(
         cfg,

@@ -66,6 +66,7 @@ from ..progress import RunProgress
 from ..tasks import reward_fn
 from ..trace import Trace
 from ..trainers import Batch, Trainer, TrainGroup
+from .metrics import MetricsLog
 
 for _ev in ALL_EVENTS:
     crashpoints.register("ledger." + event_name(_ev))
@@ -156,6 +157,7 @@ class Controller:
         # Only now that the restore chain passed does anything on disk change.
         leftovers = self.store.cleanup_tmp()
         self.trace = Trace(self.run_dir / "trace.jsonl")
+        self._metrics = MetricsLog(self.run_dir, self.trace.run_id, tensorboard=cfg.logger.tensorboard)
         with open(self.run_dir / "config-history.jsonl", "a") as f:
             f.write(json.dumps({"t": time.time(), "run_id": self.trace.run_id, "config": cfg.to_dict()}) + "\n")
         self.ledger.subscribe(self.trace.ledger_event)
@@ -233,6 +235,7 @@ class Controller:
         result = RunResult(self.ledger.version, self.trainer.weights_sha256(), self.stopping or "finished")
         self.trace.emit("run_finished", step=result.step, weights_sha256=result.weights_sha256, reason=result.reason)
         self.trace.close()
+        self._metrics.close()
         await self.engine.close()
         return result
 
@@ -510,9 +513,7 @@ class Controller:
         t0 = time.perf_counter()
         result = await asyncio.to_thread(self.evaluator.evaluate, self.trainer.weights())
         self._last_eval = result
-        with open(self.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps({"t": time.time(), "run_id": self.trace.run_id, "step": step, **result,
-                                "eval/seconds": time.perf_counter() - t0}) + "\n")
+        self._metrics.write(step, {**result, "eval/seconds": time.perf_counter() - t0})
         self.trace.emit("eval", step=step, **result)
         self._progress.note(f"eval at step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in result.items()))
 
@@ -572,7 +573,6 @@ class Controller:
         now = time.perf_counter()
         counts = self.ledger.counts()
         record = {
-            "step": batch.step,
             "weight_version": batch.step,
             "groups": len(batch.groups),
             "tokens": tokens,
@@ -585,8 +585,7 @@ class Controller:
             **{f"custody/{k}": v for k, v in counts.items()},
         }
         self._last_step_time = now
-        with open(self.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps({"t": time.time(), "run_id": self.trace.run_id, **record}) + "\n")
+        self._metrics.write(batch.step, record)
         if self.on_step is not None:
             self.on_step(batch.step, record)
         self._progress.step(

@@ -22,9 +22,6 @@ from ..core.errors import ConfigError
 from ..core.source import Dataset
 from ..core.store import CheckpointStore
 
-CHECKPOINT_EVERY = 100
-
-
 def run_warmup(cfg: Config, *, dataset: Dataset, trainer: Any, tokenizer: Any, log=print) -> None:
     steps = cfg.warmup.sft_steps
     run_dir = Path(cfg.run_dir)
@@ -70,7 +67,7 @@ def run_warmup(cfg: Config, *, dataset: Dataset, trainer: Any, tokenizer: Any, l
             for i in idx
         ]
         metrics = trainer.sft_step(seqs, lr=cfg.warmup.sft_lr)
-        if step % CHECKPOINT_EVERY == 0 or step == steps:
+        if step % cfg.checkpoint.warmup_every_steps == 0 or step == steps:
             files = {f"trainer/{k}": v for k, v in trainer.snapshot().files().items()}
             store.publish(step, files, {"phase": "warmup", "config": semantic(cfg)}, keep_last=1)
             log(f"warmup: step {step}/{steps}, loss {metrics['loss']:.3f}, "
