@@ -50,7 +50,7 @@ def test_defaults_load_with_the_documented_values():
     assert cfg.data.path is None and cfg.data.epochs == 1
     assert cfg.data.generated.task == "arith" and cfg.data.generated.n_rows == 512
     assert isinstance(cfg.engine, ToyEngineConfig) and isinstance(cfg.trainer, ToyTrainerConfig)
-    assert cfg.rollout.group_size == 4 and cfg.rollout.granularity == "sibling"
+    assert cfg.rollout.group_size == 4 and cfg.recovery.mode == "sibling"
     assert cfg.rollout.on_dropped_prompt == "replace"
     assert cfg.train.num_prompts_per_step == 8 and cfg.train.total_steps == 20
     assert cfg.checkpoint.every_steps == 5 and cfg.checkpoint.keep_last == 3
@@ -243,7 +243,7 @@ def test_unknown_key_inside_a_variant_uses_that_variants_keys(tmp_path):
         ("run_dir=2024", "run_dir", "expected a string; found 2024; YAML reads it"),
         ("engine.latency_ms=fast", "engine.latency_ms", "expected a number"),
         ("data=3", "data", "expected a section"),
-        ("rollout.granularity=step", "rollout.granularity", "one of sibling or prompt_group"),
+        ("recovery.mode=step", "recovery.mode", "one of sibling, prompt_group or cursor_only"),
         ("logger.progress=loud", "logger.progress", "expected one of auto, bar, lines or none"),
     ],
 )
@@ -489,7 +489,6 @@ def test_every_key_is_classified_semantic_or_not():
         "trainer.model.n_layer",
         "trainer.model_path",
         "rollout.group_size",
-        "rollout.granularity",
         "train.num_prompts_per_step",
         "sampler.name",
         "sampler.max_staleness_versions",
@@ -506,6 +505,7 @@ def test_semantic_keys(path):
         "run_dir",
         "train.total_steps",
         "checkpoint.every_steps",
+        "recovery.mode",
         "checkpoint.keep_last",
         "max_inflight_prompts",
         "max_buffered_rollouts",

@@ -39,7 +39,7 @@ def _occurrences(counts: dict[str, int], point: str) -> int:
 def test_crash_at_every_point(tmp_path, sampler, granularity) -> None:
     # Two short epochs: the run rolls over and ends when the data is exhausted.
     over = ["data.generated.n_rows=20", "data.epochs=2",
-            f"sampler.name={sampler}", f"rollout.granularity={granularity}", *FAILURES,
+            f"sampler.name={sampler}", f"recovery.mode={granularity}", *FAILURES,
             "rollout.on_dropped_prompt=shrink", "rollout.min_step_batch_fraction=0.25"]
     deterministic = sampler == "in_order"
     if deterministic:

@@ -253,6 +253,14 @@ def verify(cfg: Config, run_dir: Path, report: ChaosReport) -> None:
         report.problems.append("the final checkpoint's TRAINED set differs from the trace's lineage")
     dropped = {(k[0], source.idx(k)) for k in state.dropped}
     report.dropped = len(dropped)
+    # Prompts a run without a ledger loses (recovery.mode=cursor_only) are recorded as
+    # drops with a "lost" reason: they count as lost, not as failures.
+    lost_in_flight = sorted((k[0], source.idx(k)) for k, (reason, _) in state.dropped.items()
+                            if reason.startswith("lost"))
+    if lost_in_flight:
+        report.lost.extend(lost_in_flight)
+        report.problems.append(f"{len(lost_in_flight)} prompt(s) in flight at a checkpoint were lost on "
+                               f"restore: {lost_in_flight[:5]}")
     cursor_epoch = state.cursor[0]
     report.completed_epochs = [e for e in range(cursor_epoch)
                                if not any(r.epoch == e for r in state.groups.values())
@@ -267,8 +275,9 @@ def verify(cfg: Config, run_dir: Path, report: ChaosReport) -> None:
                 both.append((e, idx))
     if both:
         report.problems.append(f"{len(both)} prompt(s) both trained and dropped: {both[:5]}")
-    if report.lost:
-        report.problems.append(f"{len(report.lost)} prompt(s) of completed epochs neither trained nor dropped: "
-                               f"{report.lost[:5]}")
+    never = [k for k in report.lost if k not in set(lost_in_flight)]
+    if never:
+        report.problems.append(f"{len(never)} prompt(s) of completed epochs neither trained nor dropped: "
+                               f"{never[:5]}")
     if report.deterministic and report.weights_sha256 != report.reference_sha256:
         report.problems.append("deterministic run: final weights differ from the uninterrupted run's")

@@ -293,8 +293,6 @@ class RolloutConfig(_Section):
 
     group_size: int = Field(4, ge=1)
     """Completions (siblings) generated per prompt; GRPO normalises rewards within a group."""
-    granularity: Literal["sibling", "prompt_group"] = "sibling"
-    """Unit of regeneration after a failure or restart: one sibling, or the whole group."""
     max_infra_attempts: int = Field(3, ge=1)
     """Attempts per sibling that may fail as infra (engine error, timeout) before the group
     is dropped."""
@@ -313,6 +311,17 @@ class RolloutConfig(_Section):
     ceil(fraction x num_prompts_per_step) groups. In (0, 1]."""
     spare_prompts: int = Field(0, ge=0)
     """Prompts kept in the spare pool for `replace`."""
+
+
+class RecoveryConfig(_Section):
+    """What a restart reuses (DESIGN §1 granularity; issue: restart cost made visible)."""
+
+    mode: Literal["sibling", "prompt_group", "cursor_only"] = "sibling"
+    """`sibling`: a restart keeps finished siblings and regenerates only those in flight.
+    `prompt_group`: a group is all-or-nothing; an unfinished group regenerates every
+    sibling. `cursor_only`: the behaviour of systems without a ledger, for comparison only:
+    groups in flight at the checkpoint are lost on restore (recorded as DROPPED with reason
+    "lost in flight at the cut", and refilled from the source)."""
 
 
 class TrainConfig(_Section):
@@ -411,6 +420,8 @@ class Config(_Section):
     """Training backend, chosen by `trainer.name`: toy, torch, hf."""
     rollout: RolloutConfig = RolloutConfig()
     """Groups, retries, drops."""
+    recovery: RecoveryConfig = RecoveryConfig()
+    """What a restart reuses."""
     train: TrainConfig = TrainConfig()
     """Steps."""
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -473,7 +484,6 @@ _SEMANTIC = (
     "engine.chat_template",
     "trainer",
     "rollout.group_size",
-    "rollout.granularity",
     "train.num_prompts_per_step",
     "sampler",
     "warmup",
@@ -498,6 +508,7 @@ _NOT_SEMANTIC = (
     "rollout.min_step_batch_fraction",
     "rollout.spare_prompts",
     "train.total_steps",
+    "recovery",
     "checkpoint",
     "max_inflight_prompts",
     "max_buffered_rollouts",

@@ -41,6 +41,8 @@ from ..core.events import (
     ALL_EVENTS,
     DATA,
     INFRA,
+    PROMPT_GROUP,
+    SIBLING,
     Abandoned,
     Admitted,
     Claimed,
@@ -72,6 +74,9 @@ for _ev in ALL_EVENTS:
     crashpoints.register("ledger." + event_name(_ev))
 for _point in ("train.before_commit", "train.after_commit", "checkpoint.after_cut"):
     crashpoints.register(_point)
+
+
+LOST_REASON = "lost in flight at the cut (recovery.mode=cursor_only)"
 
 
 @dataclass(frozen=True)
@@ -112,6 +117,8 @@ class Controller:
         )
         self.sampler = make_sampler(cfg.sampler.name, self.limits)
         self.semantic = semantic(cfg)
+        # cursor_only emulates systems without a ledger; its groups are plain sibling groups.
+        self._granularity = PROMPT_GROUP if cfg.recovery.mode == "prompt_group" else SIBLING
         self.allow_config_change = allow_config_change
         self.allow_dataset_change = allow_dataset_change
         self.on_step = on_step  # callback(step, metrics), e.g. for tests and notebooks
@@ -180,6 +187,7 @@ class Controller:
         """Normalise the restored ledger (DESIGN §5) and say what the restart reuses."""
         for ev in self.ledger.normalize_for_restart():
             self._free(self.ledger.apply(ev))
+        lost = self._lose_inflight() if self.cfg.recovery.mode == "cursor_only" else 0
         p = restored.plan
         self.trace.emit(
             "restored",
@@ -193,6 +201,8 @@ class Controller:
             siblings_pending=p.siblings_pending,
             groups_readmitted=p.groups_readmitted,
             spare_prompts=p.spare_prompts,
+            groups_lost=lost,
+            recovery_mode=self.cfg.recovery.mode,
             config_changes=[list(c) for c in restored.config_changes],
         )
         self._progress.note(
@@ -200,6 +210,7 @@ class Controller:
             f"{p.siblings_reused} sealed sibling(s); regenerate "
             f"{p.siblings_regenerated + p.siblings_discarded} sibling(s); re-admit "
             f"{p.groups_readmitted} group(s); {p.spare_prompts} spare"
+            + (f"; LOST {lost} group(s) in flight (recovery.mode=cursor_only)" if lost else "")
         )
         # Groups sealed but not finalized at the cut are finalized again (no side effects).
         for gid, rec in self.ledger.groups():
@@ -284,6 +295,17 @@ class Controller:
             for task in list(self._gen_tasks.values()):
                 task.cancel()
 
+    def _lose_inflight(self) -> int:
+        """recovery.mode=cursor_only: what a system without a ledger does on restore. Its
+        checkpoint holds the source cursor and finished groups only, so every group still
+        in flight at the cut is gone; the source has moved past it and the step is filled
+        from later prompts. Here the loss is recorded (DROPPED, reason "lost ..."), so the
+        trace and `rollkeep chaos` show it instead of hiding it."""
+        lost = [g for g, r in self.ledger.groups() if r.state < GroupState.READY]
+        for gid in sorted(lost, key=lambda g: self.ledger.group(g).key):
+            self._drop(gid, LOST_REASON, on_dropped_prompt="replace")
+        return len(lost)
+
     def _top_up_spare(self) -> None:
         while len(self.ledger.spare) < self.cfg.rollout.spare_prompts:
             ev = spare_event(self.ledger)
@@ -318,7 +340,7 @@ class Controller:
             if not ok or not self._step_wanted(target) or not self._more_wanted():
                 return
             taken = take_event(led, self.source, group_size=self.cfg.rollout.group_size,
-                               granularity=self.cfg.rollout.granularity)
+                               granularity=self._granularity)
             if taken is None:
                 return
             led.apply(taken)
@@ -449,16 +471,16 @@ class Controller:
         rewards = [self.rows.get(RowId(gid, g, rec.attempts[g])).reward for g in range(rec.group_size)]
         led.apply(Ready(group_id=gid, advantages=group_advantages(rewards)))
 
-    def _drop(self, gid: str, reason: str) -> None:
+    def _drop(self, gid: str, reason: str, *, on_dropped_prompt: str | None = None) -> None:
         """Drop a group and refill or shrink its step, in one transition (DESIGN §6)."""
         ev = drop_event(
             self.ledger,
             self.source,
             gid,
             reason,
-            on_dropped_prompt=self.cfg.rollout.on_dropped_prompt,
+            on_dropped_prompt=on_dropped_prompt or self.cfg.rollout.on_dropped_prompt,
             group_size=self.cfg.rollout.group_size,
-            granularity=self.cfg.rollout.granularity,
+            granularity=self._granularity,
         )
         for key, task in list(self._gen_tasks.items()):
             if key[0] == gid:

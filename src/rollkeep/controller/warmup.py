@@ -22,6 +22,7 @@ from ..core.errors import ConfigError
 from ..core.source import Dataset
 from ..core.store import CheckpointStore
 
+
 def run_warmup(cfg: Config, *, dataset: Dataset, trainer: Any, tokenizer: Any, log=print) -> None:
     steps = cfg.warmup.sft_steps
     run_dir = Path(cfg.run_dir)
