@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from run_harness import check, config, final_sha, killed, run_child, run_to_end, trace_lines
 
 pytestmark = pytest.mark.slow

@@ -11,12 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from run_harness import config, killed, run_child, run_to_end, trace_lines
 
 from rollkeep.chaos import ChaosReport, verify
 from rollkeep.core import codec
 from rollkeep.core.ledger import GroupState
 from rollkeep.core.store import CheckpointStore
-from run_harness import config, killed, run_child, run_to_end, trace_lines
 
 pytestmark = pytest.mark.slow
 
