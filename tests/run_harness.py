@@ -18,6 +18,7 @@ from rollkeep.core import crashpoints
 from rollkeep.trace import read_trace
 
 ROOT = Path(__file__).resolve().parents[1]
+DEFAULTS = str(ROOT / "tests" / "data" / "defaults.yaml")  # all defaults, for the CLI
 
 FAST = [
     "engine.name=toy",

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from run_harness import FAST
+from run_harness import DEFAULTS, FAST
 
 from rollkeep.trace import read_trace
 
@@ -41,7 +41,7 @@ def events(run_dir: Path) -> list[dict]:
 
 def test_train_writes_the_trace_and_resume_of_a_finished_run_is_a_no_op(tmp_path) -> None:
     run = tmp_path / "run"
-    out = rollkeep("train", *FAST, f"run_dir={run}")
+    out = rollkeep("train", DEFAULTS, *FAST, f"run_dir={run}")
     assert out.returncode == 0, out.stderr
     ev = events(run)
     started = [e for e in ev if e["event"] == "run_started"]
@@ -61,7 +61,7 @@ def test_train_writes_the_trace_and_resume_of_a_finished_run_is_a_no_op(tmp_path
     sealed = next(e for e in ev if e["event"] == "sealed")
     assert {"group_id", "generation", "attempt", "version"} <= sealed.keys()
 
-    again = rollkeep("train", *FAST, f"run_dir={run}")
+    again = rollkeep("train", DEFAULTS, *FAST, f"run_dir={run}")
     assert again.returncode == 0, again.stderr
     ev2 = events(run)
     assert [e for e in ev2 if e["event"] == "run_started"][1]["resumed_from_step"] == 12
@@ -71,7 +71,7 @@ def test_train_writes_the_trace_and_resume_of_a_finished_run_is_a_no_op(tmp_path
 
 def test_sigterm_finishes_the_step_writes_a_checkpoint_and_exits_0(tmp_path) -> None:
     run = tmp_path / "run"
-    out = rollkeep("train", *FAST, f"run_dir={run}", "checkpoint.every_steps=100", "engine.latency_ms=2",
+    out = rollkeep("train", DEFAULTS, *FAST, f"run_dir={run}", "checkpoint.every_steps=100", "engine.latency_ms=2",
                    env={"ROLLKEEP_CRASH_AT": "ledger.step_committed:5", "ROLLKEEP_CRASH_SIGNAL": "TERM"})
     assert out.returncode == 0, out.stderr
     ev = events(run)
@@ -82,7 +82,7 @@ def test_sigterm_finishes_the_step_writes_a_checkpoint_and_exits_0(tmp_path) -> 
     assert [e["step"] for e in ev if e["event"] == "checkpoint_published"] == [stopped]
     assert any(e["event"] == "abandoned" and e["reason"] == "shutdown" for e in ev)
     assert (run / "checkpoints" / "LATEST").read_text().strip() == f"step_{stopped:06d}"
-    resumed = rollkeep("train", *FAST, f"run_dir={run}", "checkpoint.every_steps=100")
+    resumed = rollkeep("train", DEFAULTS, *FAST, f"run_dir={run}", "checkpoint.every_steps=100")
     assert resumed.returncode == 0, resumed.stderr
     commits = [e for e in events(run) if e["event"] == "step_committed"]
     prompts = [tuple(p) for c in commits for p in c["prompts"]]
@@ -94,7 +94,7 @@ def test_sigterm_finishes_the_step_writes_a_checkpoint_and_exits_0(tmp_path) -> 
 def finished_run(tmp_path) -> Path:
     run = tmp_path / "run"
     # Stop mid-run (SIGKILL at a step commit) so the checkpoint holds in-flight work.
-    out = rollkeep("train", *FAST, f"run_dir={run}", env={"ROLLKEEP_CRASH_AT": "ledger.step_committed:7"})
+    out = rollkeep("train", DEFAULTS, *FAST, f"run_dir={run}", env={"ROLLKEEP_CRASH_AT": "ledger.step_committed:7"})
     assert out.returncode == -9
     return run
 
@@ -105,7 +105,7 @@ def test_corrupt_checkpoint_is_refused_and_nothing_changes(finished_run) -> None
     data[len(data) // 2] ^= 0x01
     (ck / "ledger.msgpack").write_bytes(bytes(data))
     before = tree_digest(finished_run)
-    out = rollkeep("train", *FAST, f"run_dir={finished_run}")
+    out = rollkeep("train", DEFAULTS, *FAST, f"run_dir={finished_run}")
     assert out.returncode == 3
     assert out.stderr.startswith("error: ") and "ledger.msgpack" in out.stderr
     assert "Traceback" not in out.stderr
@@ -114,13 +114,13 @@ def test_corrupt_checkpoint_is_refused_and_nothing_changes(finished_run) -> None
 
 def test_semantic_config_change_is_refused_with_a_dotted_diff(finished_run) -> None:
     before = tree_digest(finished_run)
-    out = rollkeep("train", *FAST, f"run_dir={finished_run}", "rollout.group_size=5")
+    out = rollkeep("train", DEFAULTS, *FAST, f"run_dir={finished_run}", "rollout.group_size=5")
     assert out.returncode == 3
     assert "rollout.group_size: 3 -> 5" in out.stderr
     assert "--allow-config-change rollout.group_size" in out.stderr
     assert tree_digest(finished_run) == before
     # A non-semantic change is fine, and naming the change lets it through.
-    ok = rollkeep("train", *FAST, f"run_dir={finished_run}", "train.total_steps=13")
+    ok = rollkeep("train", DEFAULTS, *FAST, f"run_dir={finished_run}", "train.total_steps=13")
     assert ok.returncode == 0, ok.stderr
 
 
@@ -129,7 +129,7 @@ def test_edited_row_of_an_inflight_group_is_detected(tmp_path) -> None:
     data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1), "task": "arith"}) + "\n"
                             for i in range(40)))
     run = tmp_path / "run"
-    over = [*FAST, f"run_dir={run}", f"data.path={data}"]
+    over = [DEFAULTS, *FAST, f"run_dir={run}", f"data.path={data}"]
     out = rollkeep("train", *over, env={"ROLLKEEP_CRASH_AT": "ledger.step_committed:7"})
     assert out.returncode == -9
     ck = run / "checkpoints" / (run / "checkpoints" / "LATEST").read_text().strip()
@@ -149,7 +149,7 @@ def test_edited_row_of_an_inflight_group_is_detected(tmp_path) -> None:
 
 
 def test_unknown_config_key_is_refused_before_anything_runs(tmp_path) -> None:
-    out = rollkeep("train", *FAST, f"run_dir={tmp_path / 'run'}", "train.num_prompt_per_step=3")
+    out = rollkeep("train", DEFAULTS, *FAST, f"run_dir={tmp_path / 'run'}", "train.num_prompt_per_step=3")
     assert out.returncode == 2
     assert "did you mean `train.num_prompts_per_step`" in out.stderr
     assert not (tmp_path / "run").exists()
@@ -157,7 +157,7 @@ def test_unknown_config_key_is_refused_before_anything_runs(tmp_path) -> None:
 
 def test_chaos_random_sigkills_pass(tmp_path) -> None:
     """`rollkeep chaos` in CI: real SIGKILLs at random instants and crash points."""
-    out = rollkeep("chaos", *FAST, "deterministic=true", "rollout.on_dropped_prompt=shrink",
+    out = rollkeep("chaos", DEFAULTS, *FAST, "deterministic=true", "rollout.on_dropped_prompt=shrink",
                    "engine.latency_ms=3", "engine.latency_jitter_ms=3", "engine.infra_fail_rate=0.05",
                    "train.total_steps=10", "data.epochs=2", "data.generated.n_rows=20",
                    "--kills", "6", "--seed", "1", "--workdir", str(tmp_path / "chaos"), timeout=300)

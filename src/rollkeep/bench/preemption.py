@@ -1,0 +1,296 @@
+"""Goodput under preemption: the same job killed at the same instants, once per recovery mode.
+
+    run_preempted(config, overrides, kill_delays=..., workdir=..., timeout=...)
+        `rollkeep train` as a subprocess in WORKDIR/run (WORKDIR wiped first); segment i is
+        SIGKILLed `kill_delays[i]` seconds after its `run_started` reaches the trace, then
+        the job is resumed until it finishes. Measured from the trace and metrics.jsonl.
+    goodput(workload, kills=..., repeats=..., seed=..., quick=..., log=...)
+        one uninterrupted reference run, then per repeat r one kill schedule (drawn once
+        from a `random.Random` seeded with (seed, r)) applied to every `recovery.mode`.
+
+The measures of one killed-and-resumed job:
+
+  wall_s              seconds from the first launch to the exit of the final run,
+                      subprocess start-up included (Python, imports, restore: paid once
+                      per restart, as a real preemption pays it)
+  run_s               the same, start-up excluded: the sum over runs of run_started → the
+                      run's last trace line
+  tokens_generated    sum of `sealed.tokens` over every run in the trace (a SIGKILL can
+                      lose the last ~50 ms of buffered `sealed` lines of a killed run, whose
+                      rows never reached a checkpoint either)
+  tokens_trained      sum of `tokens` of the metrics.jsonl step lines of the surviving
+                      lineage: the steps the final weights were trained on
+  goodput             tokens_trained / tokens_generated
+  prompts_lost        distinct prompts dropped with a reason starting "lost": in flight at
+                      the restored cut under recovery.mode=cursor_only (0 otherwise)
+  prompts_duplicated  prompts trained more than once in the surviving lineage (must be 0)
+  restarts            runs after the first; kills_landed: segments the SIGKILL really hit
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+from ..chaos import _env, _run_started_count, _train_cmd, _wait_started
+from ..core.errors import RollkeepError
+from ..lineage import lineage
+from ..trace import read_trace
+
+MODES = ("sibling", "prompt_group", "cursor_only")
+WORKLOADS = ("toy", "model")
+KILL_WINDOW = 0.7  # kill delays are uniform in [0, KILL_WINDOW x the reference run's duration]
+MEASURES = ("wall_s", "run_s", "tokens_generated", "tokens_trained", "goodput", "prompts_lost",
+            "prompts_duplicated", "restarts", "kills_landed", "steps")
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    config: str  # path of the YAML config
+    overrides: tuple[str, ...]
+    steps: int
+    describe: str
+
+
+def workload(name: str, *, quick: bool = False) -> Workload:
+    """The benchmark jobs. `toy`: the toy engine with long, uneven generations (20 ms + up
+    to 80 ms each, so groups are half sealed at every cut), a 5 ms trainer, in_order with
+    lookahead 1. `model`: the built-in GPT on two-digit addition, no warm start, no eval."""
+    if name == "toy":
+        steps = 30 if quick else 60
+        every = steps // 6  # about six checkpoints a run: most kills land between two
+        return Workload(
+            "toy", str(files("rollkeep") / "configs" / "toy.yaml"),
+            ("engine.latency_ms=20", "engine.latency_jitter_ms=80", "trainer.step_sleep_ms=5",
+             "sampler.name=in_order", "sampler.max_lookahead_versions=1",
+             f"train.total_steps={steps}", f"checkpoint.every_steps={every}",
+             # room for the prompts cursor_only loses and refills from the source
+             "data.generated.n_rows=1024"),
+            steps,
+            f"toy engine 20+U(0,80) ms per generation, trainer 5 ms/step, P=8, G=4, "
+            f"{steps} steps, checkpoint every {every}",
+        )
+    if name == "model":
+        steps = 10 if quick else 20
+        every = 5
+        return Workload(
+            "model", str(files("rollkeep") / "configs" / "arith.yaml"),
+            ("warmup.sft_steps=0", "eval.every_steps=0", "sampler.name=in_order",
+             "sampler.max_lookahead_versions=1", f"train.total_steps={steps}",
+             f"checkpoint.every_steps={every}"),
+            steps,
+            f"built-in GPT (torch, CPU) on arith, P=16, G=8, {steps} steps, checkpoint every {every}",
+        )
+    raise ValueError(f"unknown workload {name!r} (expected one of {', '.join(WORKLOADS)})")
+
+
+# ------------------------------------------------------------------------- one job
+
+
+def run_preempted(
+    config: str | None,
+    overrides: list[str],
+    *,
+    kill_delays: list[float],
+    workdir: Path,
+    timeout: float = 600.0,
+) -> dict[str, Any]:
+    """Run the job, SIGKILL segment i `kill_delays[i]` s after its `run_started`, resume
+    until it finishes; return the measures listed in the module docstring. A segment that
+    finishes before its kill ends the schedule. `timeout` bounds each segment."""
+    workdir = Path(workdir)
+    shutil.rmtree(workdir, ignore_errors=True)
+    run_dir, logs = workdir / "run", workdir / "logs"
+    logs.mkdir(parents=True)
+    trace = run_dir / "trace.jsonl"
+    cmd = _train_cmd(config, [*overrides, f"run_dir={run_dir}", "logger.progress=none"])
+    landed = 0
+    t0 = time.monotonic()
+    finished = False
+    for i, delay in enumerate(kill_delays):
+        if _segment(cmd, trace, logs / f"segment-{i}.stderr", kill_after=delay, timeout=timeout):
+            landed += 1
+        else:
+            finished = True
+            break
+    if not finished:
+        _segment(cmd, trace, logs / "final.stderr", kill_after=None, timeout=timeout)
+    wall = time.monotonic() - t0
+    return {"wall_s": wall, **measure(run_dir), "kills_landed": landed}
+
+
+def _segment(cmd: list[str], trace: Path, stderr: Path, *, kill_after: float | None,
+             timeout: float) -> bool:
+    """One run of the job. True if the SIGKILL landed; False if it finished (exit 0)."""
+    before = _run_started_count(trace)
+    with open(stderr, "wb") as err:
+        proc = subprocess.Popen(cmd, env=_env(None), stdout=subprocess.DEVNULL, stderr=err)
+        try:
+            if kill_after is not None:
+                if not _wait_started(proc, trace, before, timeout) and proc.poll() is None:
+                    raise _failed("did not trace run_started", stderr, timeout)
+                try:
+                    proc.wait(timeout=kill_after)
+                except subprocess.TimeoutExpired:
+                    proc.send_signal(signal.SIGKILL)  # a no-op if it has just exited
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise _failed("did not finish", stderr, timeout) from None
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if proc.returncode == -signal.SIGKILL and kill_after is not None:
+        return True
+    if proc.returncode != 0:
+        raise _failed(f"failed with exit code {proc.returncode}", stderr, timeout)
+    return False
+
+
+def _failed(what: str, stderr: Path, timeout: float) -> RollkeepError:
+    return RollkeepError(
+        f"benchmark: `rollkeep train` {what} (segment timeout {timeout:.0f} s)",
+        found=stderr.read_text(errors="replace")[-2000:] or "nothing on stderr",
+        path=str(stderr),
+        remedy="run `rollkeep train` with this config by hand and fix the error first",
+    )
+
+
+def measure(run_dir: Path) -> dict[str, Any]:
+    """The measures of a finished run directory, from its trace and metrics.jsonl."""
+    run_dir = Path(run_dir)
+    lines, _ = read_trace(run_dir / "trace.jsonl")
+    lin = lineage(lines)
+    if lin.finished is None:
+        raise RollkeepError("benchmark: the last run of the job did not finish", path=str(run_dir))
+    generated = sum(x["tokens"] for x in lines if x["event"] == "sealed")
+    # The surviving commit of a surviving step is its last commit in the trace: a later
+    # run that forgot it would have committed it again.
+    survivors = {int(x["step"]): x["run_id"] for x in lines
+                 if x["event"] == "step_committed" and int(x["step"]) in lin.steps}
+    wanted = {(run_id, step) for step, run_id in survivors.items()}
+    trained, seen = 0, set()
+    for rec in _jsonl(run_dir / "metrics.jsonl"):
+        key = (rec.get("run_id"), rec.get("step"))
+        if "tokens" in rec and "groups" in rec and key in wanted and key not in seen:
+            seen.add(key)
+            trained += int(rec["tokens"])
+    if seen != wanted:
+        raise RollkeepError(
+            "benchmark: metrics.jsonl lacks the step lines of surviving steps",
+            path=str(run_dir / "metrics.jsonl"), expected=f"{len(wanted)} step lines",
+            found=f"{len(seen)}; missing steps {sorted(s for _, s in wanted - seen)[:10]}",
+            remedy="this is a bug: a step survives only once its metrics line is written",
+        )
+    lost = {tuple(x["prompt"]) for x in lines
+            if x["event"] == "dropped" and str(x.get("reason", "")).startswith("lost")}
+    run_s = 0.0
+    for run in lin.runs:
+        ts = [x["t"] for x in lines if x["run_id"] == run["run_id"]]
+        run_s += max(ts) - run["t"]
+    return {
+        "run_s": run_s,
+        "tokens_generated": generated,
+        "tokens_trained": trained,
+        "goodput": trained / generated if generated else 0.0,
+        "prompts_lost": len(lost),
+        "prompts_duplicated": len(lin.duplicates()),
+        "restarts": len(lin.runs) - 1,
+        "steps": len(lin.steps),
+    }
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    """Complete JSON lines of `path`; a line torn by a SIGKILL is skipped."""
+    out = []
+    if path.exists():
+        for line in path.read_bytes().split(b"\n"):
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(obj, dict):
+                out.append(obj)
+    return out
+
+
+# ------------------------------------------------------------------------- the suite
+
+
+def kill_schedule(seed: int, repeat: int, kills: int, duration: float) -> list[float]:
+    """Kill delays of one repeat, uniform in [0, KILL_WINDOW x duration], drawn once and
+    shared by every recovery mode. (A tuple cannot seed `random.Random` on Python >= 3.11,
+    so (seed, repeat) is spelled as a string.)"""
+    rng = random.Random(f"goodput/{seed}/{repeat}")
+    return [round(rng.uniform(0.0, KILL_WINDOW * duration), 3) for _ in range(kills)]
+
+
+def goodput(
+    workload_name: str,
+    *,
+    kills: int,
+    repeats: int,
+    seed: int = 0,
+    quick: bool = False,
+    log: Any = print,
+    workdir: Path | None = None,
+    timeout: float = 600.0,
+) -> dict[str, Any]:
+    """Per `recovery.mode`: the median over repeats of each measure of `run_preempted`,
+    and the medians of the per-repeat ratios to `sibling` (same kill instants)."""
+    w = workload(workload_name, quick=quick)
+    with tempfile.TemporaryDirectory(prefix="rollkeep-goodput-") as tmp:
+        root = Path(workdir) if workdir is not None else Path(tmp)
+        ref = run_preempted(w.config, list(w.overrides), kill_delays=[],
+                            workdir=root / w.name / "reference", timeout=timeout)
+        log(f"goodput {w.name}: uninterrupted reference {ref['run_s']:.2f} s "
+            f"({ref['wall_s']:.2f} s with start-up), goodput {ref['goodput']:.3f}")
+        runs: dict[str, list[dict]] = {m: [] for m in MODES}
+        schedules = []
+        for r in range(repeats):
+            delays = kill_schedule(seed, r, kills, ref["run_s"])
+            schedules.append(delays)
+            for mode in MODES:
+                res = run_preempted(w.config, [*w.overrides, f"recovery.mode={mode}"],
+                                    kill_delays=delays, workdir=root / w.name / f"r{r}-{mode}",
+                                    timeout=timeout)
+                runs[mode].append(res)
+                log(f"goodput {w.name}: repeat {r + 1}/{repeats} {mode:12} kills at "
+                    f"{', '.join(f'{d:.2f}' for d in delays)} s: {res['kills_landed']} landed, "
+                    f"goodput {res['goodput']:.3f}, lost {res['prompts_lost']}, "
+                    f"wall {res['wall_s']:.1f} s")
+    modes = {}
+    for mode in MODES:
+        med = {k: statistics.median(x[k] for x in runs[mode]) for k in MEASURES}
+        med["goodput_vs_sibling"] = statistics.median(
+            _ratio(x["goodput"], s["goodput"]) for x, s in zip(runs[mode], runs["sibling"], strict=True))
+        med["wall_vs_sibling"] = statistics.median(
+            _ratio(x["wall_s"], s["wall_s"]) for x, s in zip(runs[mode], runs["sibling"], strict=True))
+        modes[mode] = med
+    return {
+        "workload": w.name,
+        "describe": w.describe,
+        "kills": kills,
+        "repeats": repeats,
+        "seed": seed,
+        "kill_window_s": round(KILL_WINDOW * ref["run_s"], 3),
+        "schedules": schedules,
+        "reference": ref,
+        "modes": modes,
+        "runs": runs,
+    }
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")

@@ -1,0 +1,293 @@
+"""`rollkeep trace` / `rollkeep.report`: every number of a restart, checked on a trace
+written by hand with known times and token counts, then on a real killed-and-resumed run.
+
+The hand-built run dir (two runs, A killed, B resumed from step_000001 cut at t=105):
+
+  A  takes e0.0 e0.1 (sibling), seals them, commits step 1; takes e0.2 (sibling) and e0.3
+     (all-or-nothing); seals e0.2/0 (11 tokens) and e0.3/0 (13) before the cut at 105;
+     e0.2/1 and e0.3/1 are in flight at the cut. After the cut it seals e0.2/1 (17),
+     e0.3/1 (19), takes e0.5 and seals e0.5/0 (23), commits step 2 at 107.5, and is killed
+     in the middle of a line.
+  B  abandons (restart) e0.2/1 (dispatched 104.3) and e0.3/0, e0.3/1 (dispatched 104.4),
+     regenerates, commits step 2 at 113.0 and step 3 at 114.5, finishes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from run_harness import config, killed, run_child, run_to_end
+
+from rollkeep.cli import main
+from rollkeep.core.errors import UserInputError
+from rollkeep.report import PLOTS, analyse, render_markdown, write_report
+
+CUT = 105.0
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _line(t: float, run_id: str, event: str, **fields) -> str:
+    return json.dumps({"t": t, "run_id": run_id, "event": event, **fields})
+
+
+def _taken(t, run, ordinal, idx, granularity="sibling"):
+    return _line(t, run, "taken", epoch=0, ordinal=ordinal, idx=idx, task="toy",
+                 row_fingerprint=0, group_size=2, granularity=granularity, origin="source")
+
+
+def _sealed(t, run, gid, g, tokens, attempt=0):
+    return _line(t, run, "sealed", group_id=gid, generation=g, attempt=attempt, version=0, tokens=tokens)
+
+
+def _dispatched(t, run, gid, gens):
+    return _line(t, run, "dispatched", group_id=gid, generations=gens, version=0)
+
+
+def _ready(t, run, gid):
+    return [_line(t - 0.05, run, "finalizing", group_id=gid),
+            _line(t, run, "ready", group_id=gid, advantages=[0.0, 0.0])]
+
+
+def _commit(t, run, step, gids, idxs):
+    return [_line(t - 0.3, run, "claimed", step=step, group_ids=gids),
+            _line(t, run, "step_committed", step=step, weight_version=step, group_ids=gids,
+                  prompts=[[0, i] for i in idxs])]
+
+
+def _run_a() -> list[str]:
+    A = "runA"
+    return [
+        _line(100.0, A, "run_started", resumed_from_step=None, checkpoint=None, pid=1,
+              config_fingerprint="x", cleaned_tmp=[]),
+        _taken(100.1, A, 0, 5), _taken(100.2, A, 1, 7),
+        _dispatched(100.3, A, "e0.0", [0, 1]), _dispatched(100.4, A, "e0.1", [0, 1]),
+        _sealed(101.0, A, "e0.0", 0, 10), _sealed(101.5, A, "e0.0", 1, 20), *_ready(101.7, A, "e0.0"),
+        _sealed(102.0, A, "e0.1", 0, 30), _sealed(102.2, A, "e0.1", 1, 40), *_ready(102.4, A, "e0.1"),
+        *_commit(103.5, A, 1, ["e0.0", "e0.1"], [5, 7]),
+        _taken(104.0, A, 2, 9), _taken(104.1, A, 3, 11, granularity="prompt_group"),
+        _dispatched(104.3, A, "e0.2", [0, 1]), _dispatched(104.4, A, "e0.3", [0, 1]),
+        _sealed(104.5, A, "e0.2", 0, 11), _sealed(104.6, A, "e0.3", 0, 13),
+        # --- the cut of step_000001 at t=105.0 ---
+        _line(105.2, A, "checkpoint_published", step=1, name="step_000001", bytes=100,
+              cut_hold_seconds=0.0001, write_seconds=0.1, cut_time=CUT),
+        _sealed(105.5, A, "e0.2", 1, 17), *_ready(105.7, A, "e0.2"),
+        _sealed(106.0, A, "e0.3", 1, 19), *_ready(106.2, A, "e0.3"),
+        _taken(106.5, A, 5, 15), _dispatched(106.6, A, "e0.5", [0, 1]),
+        _sealed(107.0, A, "e0.5", 0, 23),
+        *_commit(107.5, A, 2, ["e0.2", "e0.3"], [9, 11]),
+    ]
+
+
+def _run_b() -> list[str]:
+    B = "runB"
+    return [
+        _line(110.0, B, "run_started", resumed_from_step=1, checkpoint="step_000001", pid=2,
+              config_fingerprint="x", cleaned_tmp=[]),
+        _line(110.1, B, "abandoned", group_id="e0.2", generations=[1], reason="restart"),
+        _line(110.1, B, "abandoned", group_id="e0.3", generations=[0, 1], reason="restart"),
+        _line(110.2, B, "restored", checkpoint="step_000001", step=1, cut_time=CUT,
+              groups_reused=0, groups_finalize_again=0, siblings_reused=1,
+              siblings_regenerated=3, siblings_pending=0, groups_readmitted=2,
+              spare_prompts=0, config_changes=[]),
+        _dispatched(110.3, B, "e0.2", [1]), _dispatched(110.4, B, "e0.3", [0, 1]),
+        _sealed(111.0, B, "e0.2", 1, 17, attempt=1), *_ready(111.2, B, "e0.2"),
+        _sealed(111.5, B, "e0.3", 0, 13, attempt=1), _sealed(111.8, B, "e0.3", 1, 19, attempt=1),
+        *_ready(112.0, B, "e0.3"),
+        *_commit(113.0, B, 2, ["e0.2", "e0.3"], [9, 11]),
+        _taken(113.2, B, 5, 15), _dispatched(113.3, B, "e0.5", [0, 1]),
+        _sealed(113.6, B, "e0.5", 0, 23), _sealed(113.8, B, "e0.5", 1, 29), *_ready(114.0, B, "e0.5"),
+        *_commit(114.5, B, 3, ["e0.5"], [15]),
+        _line(114.6, B, "checkpoint_published", step=3, name="step_000003", bytes=100,
+              cut_hold_seconds=0.0001, write_seconds=0.1, cut_time=114.55),
+        _line(114.7, B, "eval", step=3, **{"eval/accuracy": 0.5, "eval/reward_mean": 0.25}),
+        _line(115.0, B, "run_finished", step=3, weights_sha256="ab", reason="finished"),
+    ]
+
+
+def _metrics(t, run, step, **extra) -> str:
+    custody = {f"custody/{o}": 1 for o in ("spare", "reserved", "generating", "finalizing",
+                                            "ready", "claimed", "dropped")}
+    return json.dumps({"t": t, "run_id": run, "step": step, "weight_version": step, "groups": 2,
+                       "tokens": 100 * step, "reward_mean": 0.1 * step, "batch_age": 0.5 * step,
+                       "train_seconds": 0.1, "step_seconds": 1.0, "tokens_generated_per_s": 50.0,
+                       **custody, "custody/trained": 2 * step, **extra})
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "run"
+    d.mkdir()
+    torn = '{"t":107.9,"run_id":"runA","event":"sea'  # A was killed mid-write
+    # B's Trace ends the torn line before appending (trace.Trace.__init__).
+    (d / "trace.jsonl").write_text("\n".join(_run_a()) + "\n" + torn + "\n" + "\n".join(_run_b()) + "\n")
+    (d / "metrics.jsonl").write_text("\n".join([
+        _metrics(103.6, "runA", 1),
+        _metrics(107.6, "runA", 2, batch_age=9.0),  # A's step 2 does not survive
+        # A was killed while writing a line; B's first record lands right after it.
+        '{"t": 107.9, "run_id": "runA", "st' + _metrics(113.1, "runB", 2),
+        _metrics(114.6, "runB", 3),
+        json.dumps({"t": 114.7, "run_id": "runB", "step": 3, "eval/accuracy": 0.5}),
+    ]) + "\n")
+    return d
+
+
+def test_restart_row_every_number(run_dir: Path) -> None:
+    rep = analyse(run_dir)
+    assert rep.torn_lines == 1
+    assert rep.torn_metrics_lines == 1
+    assert [r.run_id for r in rep.runs] == ["runA", "runB"]
+    a, b = rep.runs
+    assert (a.finished, a.status, a.last_t, a.steps_committed) == (False, "killed", 107.5, [1, 2])
+    assert (b.finished, b.status, b.resumed_from_step, b.checkpoint, b.steps_committed) == (
+        True, "finished (finished)", 1, "step_000001", [2, 3])
+
+    [r] = rep.restarts
+    assert (r.run_id, r.previous_run_id, r.checkpoint, r.step, r.cut_time) == (
+        "runB", "runA", "step_000001", 1, CUT)
+    # From the `restored` line.
+    assert (r.groups_reused, r.siblings_reused, r.siblings_regenerated, r.groups_readmitted) == (0, 1, 3, 2)
+    # Sealed after the cut by A: e0.2/1 17 + e0.3/1 19 + e0.5/0 23.
+    assert (r.seals_after_cut, r.tokens_sealed_after_cut) == (3, 59)
+    # The checkpoint held e0.3/0 sealed (13 tokens), but e0.3 is all-or-nothing.
+    assert (r.siblings_discarded, r.tokens_siblings_discarded) == (1, 13)
+    assert r.tokens_thrown_away == 72
+    assert r.tokens_reused == 11  # e0.2/0, kept
+    # Cut 105.0 - last dispatch: e0.2/1 at 104.3, e0.3/0 and e0.3/1 at 104.4.
+    assert r.attempts_abandoned == 3
+    assert r.attempts_without_dispatch == 0
+    assert r.thrown_away_generation_seconds == pytest.approx(0.7 + 0.6 + 0.6)
+    # A died after committing step 2 (107.5); B committed step 2 again at 113.0.
+    assert r.kill_t == 107.5
+    assert r.lost_progress_seconds == pytest.approx(5.5)
+    assert r.lost_progress_until == "step 2 committed again"
+
+
+def test_lineage_steps_and_group_completion(run_dir: Path) -> None:
+    rep = analyse(run_dir)
+    assert [(s.step, s.run_id) for s in rep.steps] == [(1, "runA"), (2, "runB"), (3, "runB")]
+    s1, s2, s3 = rep.steps
+    # Step 1: e0.0 ready 101.7 - taken 100.1; e0.1 ready 102.4 - taken 100.2.
+    assert s1.completion_n == 2
+    assert s1.completion_mean == pytest.approx((1.6 + 2.2) / 2)
+    assert s1.completion_p50 == pytest.approx(1.9)
+    assert s1.completion_p90 == pytest.approx(1.6 + 0.9 * 0.6)
+    # Step 2: taken by A before the cut, readied by B (A's readies came after the cut).
+    assert s2.completion_mean == pytest.approx(((112.0 - 104.1) + (111.2 - 104.0)) / 2)
+    # Step 3: e0.5 taken again by B (A's take came after the cut).
+    assert s3.completion_mean == pytest.approx(114.0 - 113.2)
+    # Metrics matched by run and step: B's step 2, not A's.
+    assert (s1.batch_age, s2.batch_age, s3.batch_age) == (0.5, 1.0, 1.5)
+    assert (s2.tokens, s2.reward_mean, s2.groups) == (200, pytest.approx(0.2), 2)
+    assert [c["surviving"] for c in rep.custody] == [True, False, True, True]
+    assert rep.evals == [{"step": 3, "accuracy": 0.5, "reward_mean": 0.25}]
+    assert rep.duplicates == []
+
+
+def test_a_trace_being_written(run_dir: Path, tmp_path: Path) -> None:
+    live = tmp_path / "live"
+    live.mkdir()
+    text = (run_dir / "trace.jsonl").read_text()
+    cut_at = text.index('"event": "step_committed", "step": 2', text.index("runB"))
+    (live / "trace.jsonl").write_text(text[:cut_at])  # B is writing its step 2 commit
+    rep = analyse(live)
+    assert rep.torn_lines == 2
+    assert [r.status for r in rep.runs] == ["killed", "killed or still running"]
+    assert [s.step for s in rep.steps] == [1]
+    [r] = rep.restarts
+    assert r.tokens_thrown_away == 72
+    assert r.lost_progress_seconds is None  # B has not committed step 2 again yet
+    assert rep.custody == []  # no metrics.jsonl yet
+
+
+def test_lost_progress_when_the_killed_run_committed_nothing_after_the_checkpoint(
+    run_dir: Path, tmp_path: Path
+) -> None:
+    d = tmp_path / "early"
+    d.mkdir()
+    lines = (run_dir / "trace.jsonl").read_text().splitlines()
+    keep = [x for x in lines if not ('"runA"' in x and '"step": 2,' in x and "commit" in x)]
+    keep = [x for x in keep if not ('"runA"' in x and '"claimed", "step": 2' in x)]
+    assert len(keep) == len(lines) - 2
+    (d / "trace.jsonl").write_text("\n".join(keep) + "\n")
+    [r] = analyse(d).restarts
+    # A's last complete line is now its seal at 107.0; B's first commit is at 113.0.
+    assert (r.kill_t, r.lost_progress_until) == (107.0, "first commit")
+    assert r.lost_progress_seconds == pytest.approx(6.0)
+
+
+def test_write_report(run_dir: Path) -> None:
+    rep = analyse(run_dir)
+    files = write_report(run_dir, rep)
+    out = run_dir / "report"
+    assert sorted(p.name for p in files) == sorted(["report.md", "report.json", *PLOTS])
+    assert all(p.parent == out for p in files)
+    for name in PLOTS:
+        data = (out / name).read_bytes()
+        assert data[:8] == PNG_MAGIC, name
+        assert len(data) > 10_000, name
+    md = (out / "report.md").read_text()
+    assert "## Restarts" in md
+    assert "| 1 | runB | step_000001 | 1 | 0 | 1 | 3 | 2 | - | 11 | 72 (59 + 13) | 1.900 | 3 | 5.500 (until step 2 committed again) |" in md
+    for term in ("tokens thrown away", "thrown-away generation time", "lost progress",
+                 "group completion time", "batch age"):
+        assert f"**{term}**" in md
+    data = json.loads((out / "report.json").read_text())
+    assert data["restarts"][0]["tokens_thrown_away"] == 72
+    assert data["summary"]["steps"] == 3
+    assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl", "report", "trace.jsonl"]
+
+
+def test_write_report_without_matplotlib(run_dir: Path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with pytest.raises(UserInputError) as e:
+        write_report(run_dir, analyse(run_dir))
+    assert "rollkeep[report]" in e.value.remedy
+    assert not (run_dir / "report").exists()
+    files = write_report(run_dir, analyse(run_dir), plots=False)
+    assert sorted(p.name for p in files) == ["report.json", "report.md"]
+
+
+def test_cli(run_dir: Path, tmp_path: Path, capsys) -> None:
+    assert main(["trace", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "## Restarts" in out and "72 (59 + 13)" in out
+    assert str(run_dir / "report" / "restart_cost.png") in out
+
+    assert main(["trace", str(run_dir), "--json", "--no-plots"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["restarts"][0]["lost_progress_seconds"] == pytest.approx(5.5)
+    assert [Path(p).name for p in data["files"]] == ["report.md", "report.json"]
+
+    assert main(["trace", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["trace", str(tmp_path / "empty")]) == 2
+    assert "has no trace" in capsys.readouterr().err
+
+
+def test_end_to_end_killed_and_resumed(tmp_path: Path) -> None:
+    cfg = config(tmp_path / "run")
+    assert killed(run_child(cfg, "ledger.step_committed:5"))
+    run_to_end(cfg)
+    run_dir = Path(cfg.run_dir)
+    rep = analyse(run_dir)
+    assert len(rep.runs) == 2 and rep.runs[1].finished
+    [r] = rep.restarts
+    assert r.step is not None and r.cut_time is not None
+    for value in (r.tokens_thrown_away, r.tokens_reused, r.thrown_away_generation_seconds,
+                  r.lost_progress_seconds, r.groups_reused, r.siblings_reused,
+                  r.siblings_regenerated, r.groups_readmitted):
+        assert value is not None and value >= 0
+    assert r.lost_progress_until == "step 5 committed again"
+    assert [s.step for s in rep.steps] == list(range(1, cfg.train.total_steps + 1))
+    assert all(s.batch_age is not None and s.completion_n == s.groups for s in rep.steps)
+    assert rep.duplicates == []
+    files = write_report(run_dir, rep)
+    assert all(p.stat().st_size > 0 for p in files)
+    assert "## Restarts" in render_markdown(rep)
+    shutil.rmtree(run_dir / "report")
