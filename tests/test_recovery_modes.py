@@ -20,7 +20,9 @@ from rollkeep.core.store import CheckpointStore
 
 pytestmark = pytest.mark.slow
 
-SCRIPT = ["engine.latency_ms=2", "engine.latency_jitter_ms=2", "checkpoint.every_steps=4",
+# Every generation takes 40 ms: steps 1-2 generate together, then steps 3-4, so when step 4
+# commits (and is cut) the groups of step 5, dispatched at step 3's commit, are generating.
+SCRIPT = ["engine.latency_ms=40", "engine.latency_jitter_ms=0", "checkpoint.every_steps=4",
           "data.generated.n_rows=40", "train.total_steps=9"]
 
 

@@ -219,6 +219,54 @@ def test_lost_progress_when_the_killed_run_committed_nothing_after_the_checkpoin
     assert r.lost_progress_seconds == pytest.approx(6.0)
 
 
+def _relabel(lines: list[str], run_id: str, dt: float) -> list[str]:
+    out = []
+    for text in lines:
+        x = json.loads(text)
+        x["run_id"], x["t"] = run_id, x["t"] + dt
+        out.append(json.dumps(x))
+    return out
+
+
+def test_second_restart_from_the_same_checkpoint_counts_nothing_twice(tmp_path: Path) -> None:
+    # B dies after resealing e0.2/1 (17 tokens, after the cut) without a new checkpoint;
+    # C restores step_000001 again and does what B did, 20 s later (same cut_time).
+    b = _run_b()[:7]
+    assert json.loads(b[-1])["event"] == "sealed"
+    c = _relabel(_run_b(), "runC", 20.0)
+    d = tmp_path / "twice"
+    d.mkdir()
+    (d / "trace.jsonl").write_text("\n".join(_run_a() + b + c) + "\n")
+    rep = analyse(d)
+    first, second = rep.restarts
+    assert (first.tokens_thrown_away, first.thrown_away_generation_seconds) == (72, pytest.approx(1.9))
+    assert (second.checkpoint, second.cut_time) == ("step_000001", CUT)
+    # A's seals and dispatches were lost at the first restart; only B's seal is new.
+    assert (second.seals_after_cut, second.tokens_sealed_after_cut) == (1, 17)
+    assert (second.siblings_discarded, second.tokens_thrown_away) == (0, 17)
+    assert (second.attempts_abandoned, second.thrown_away_generation_seconds) == (3, 0.0)
+    # B committed nothing: from its last line (111.0) to C's first commit (133.0).
+    assert (second.lost_progress_until, second.lost_progress_seconds) == ("first commit", pytest.approx(22.0))
+    assert [(s.step, s.run_id) for s in rep.steps] == [(1, "runA"), (2, "runC"), (3, "runC")]
+    assert rep.steps[1].completion_mean == pytest.approx(((132.0 - 104.1) + (131.2 - 104.0)) / 2)
+
+
+def test_groups_dropped_while_restoring_throw_away_their_sealed_siblings(tmp_path: Path) -> None:
+    # recovery.mode=cursor_only: the restart drops every group in flight at the cut.
+    b = _run_b()[:3] + [
+        _line(110.15, "runB", "dropped", group_id="e0.2", reason="lost in flight at the cut",
+              prompt=[0, 9], step=2, shrink=False, replacement=None),
+        _run_b()[3].replace('"spare_prompts": 0', '"spare_prompts": 0, "groups_lost": 1'),
+    ]
+    d = tmp_path / "lost"
+    d.mkdir()
+    (d / "trace.jsonl").write_text("\n".join(_run_a() + b) + "\n")
+    [r] = analyse(d).restarts
+    assert r.groups_lost == 1
+    assert (r.siblings_discarded, r.tokens_siblings_discarded) == (2, 13 + 11)
+    assert (r.tokens_thrown_away, r.tokens_reused) == (59 + 24, 0)
+
+
 def test_write_report(run_dir: Path) -> None:
     rep = analyse(run_dir)
     files = write_report(run_dir, rep)

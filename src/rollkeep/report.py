@@ -43,8 +43,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from .core.errors import UserInputError
 from .core.keys import group_id
 from .lineage import lineage
@@ -546,15 +544,26 @@ def _steps(lin, surviving, lines, metrics) -> list[StepInfo]:
                 step_seconds=m.get("step_seconds"),
                 completion_n=len(times),
                 completion_mean=_mean(times),
-                completion_p50=float(np.percentile(times, 50)) if times else None,
-                completion_p90=float(np.percentile(times, 90)) if times else None,
+                completion_p50=_percentile(times, 50),
+                completion_p90=_percentile(times, 90),
             )
         )
     return out
 
 
 def _mean(xs: list[float]) -> float | None:
-    return float(np.mean(xs)) if xs else None
+    return sum(xs) / len(xs) if xs else None
+
+
+def _percentile(xs: list[float], q: float) -> float | None:
+    """Linear interpolation between the closest ranks (numpy's default method)."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    pos = (len(s) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 # ====================================================================== markdown
@@ -641,7 +650,7 @@ def _step_stats(report: Report) -> list[str]:
             rows.append([label, unit, "-", "-", "-", "-", "-"])
             continue
         rows.append([label, unit, _f(xs[0], 3), _f(xs[-1], 3), _f(min(xs), 3),
-                     _f(float(np.median(xs)), 3), _f(max(xs), 3)])
+                     _f(_percentile(xs, 50), 3), _f(max(xs), 3)])
     out = _table(["measure", "unit", "first", "last", "min", "median", "max"], rows)
     # One row per step, thinned to about 40 rows for long runs (report.json has them all).
     every = max(1, len(steps) // 40)

@@ -82,8 +82,8 @@ def workload(name: str, *, quick: bool = False) -> Workload:
             f"{steps} steps, checkpoint every {every}",
         )
     if name == "model":
-        steps = 10 if quick else 20
-        every = 5
+        steps = 8 if quick else 16
+        every = 4
         return Workload(
             "model", str(files("rollkeep") / "configs" / "arith.yaml"),
             ("warmup.sft_steps=0", "eval.every_steps=0", "sampler.name=in_order",

@@ -17,6 +17,7 @@ class MetricsLog:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.run_id = run_id
         self._tb = None
+        self._checked = False  # whether the file's last line was checked for a tear
         if tensorboard:
             try:
                 from tensorboardX import SummaryWriter
@@ -30,12 +31,24 @@ class MetricsLog:
 
     def write(self, step: int, record: dict[str, Any]) -> None:
         with open(self.path, "a") as f:
+            if self._torn():
+                f.write("\n")  # a killed writer tore its last line: end it there
             f.write(json.dumps({"t": time.time(), "run_id": self.run_id, "step": step, **record}) + "\n")
         if self._tb is not None:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._tb.add_scalar(key, value, step)
             self._tb.flush()
+
+    def _torn(self) -> bool:
+        if self._checked:
+            return False
+        self._checked = True
+        if not self.path.exists() or self.path.stat().st_size == 0:
+            return False
+        with open(self.path, "rb") as f:
+            f.seek(-1, 2)
+            return f.read(1) != b"\n"
 
     def close(self) -> None:
         if self._tb is not None:
