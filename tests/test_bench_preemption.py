@@ -20,13 +20,14 @@ from rollkeep.cli import main
 from rollkeep.core.restore import restore_chain
 from rollkeep.core.store import CheckpointStore
 
-# Twelve steps of 4 groups of 3, every generation 20 + U(0, 40) ms: about 60 ms a step, a
-# checkpoint every 2 steps, so a kill lands between checkpoints with groups in flight.
+# Twenty steps of 4 groups of 3, every generation 50 + U(0, 50) ms: about a second in all
+# (lookahead 1 generates two steps at once), a checkpoint every 2 steps, so a kill lands
+# between checkpoints with groups in flight.
 # 120 rows leave room for the prompts cursor_only loses and refills from the source.
 # (`rollkeep train` with no config runs the packaged arith.yaml, hence the toy config.)
 TOY = str(files("rollkeep") / "configs" / "toy.yaml")
-TINY = [*FAST, "engine.latency_ms=20", "engine.latency_jitter_ms=40", "engine.infra_fail_rate=0",
-        "engine.data_fail_rate=0", "data.generated.n_rows=120"]
+TINY = [*FAST, "train.total_steps=20", "engine.latency_ms=50", "engine.latency_jitter_ms=50",
+        "engine.infra_fail_rate=0", "engine.data_fail_rate=0", "data.generated.n_rows=120"]
 DELAYS = [0.35, 0.3]
 
 
@@ -44,7 +45,7 @@ def _lost_in_final_checkpoint(workdir: Path) -> int:
 @pytest.mark.slow
 def test_uninterrupted_run_trains_every_generated_token(reference):
     assert reference["kills_landed"] == 0 and reference["restarts"] == 0
-    assert reference["steps"] == 12
+    assert reference["steps"] == 20
     assert reference["tokens_generated"] > 0
     # No failures, no kills: every sealed sibling belongs to a trained group.
     assert reference["tokens_trained"] == reference["tokens_generated"]
@@ -57,7 +58,7 @@ def test_sibling_mode_trains_the_same_tokens_as_the_uninterrupted_run(tmp_path, 
     r = run_preempted(TOY, [*TINY, "recovery.mode=sibling"], kill_delays=DELAYS,
                       workdir=tmp_path, timeout=120)
     assert r["kills_landed"] == 2 and r["restarts"] == 2
-    assert r["steps"] == 12
+    assert r["steps"] == 20
     assert r["prompts_duplicated"] == 0
     assert r["prompts_lost"] == 0
     # The toy engine's completions are functions of the prompt and sibling only, and the
@@ -73,7 +74,7 @@ def test_cursor_only_counts_the_prompts_the_final_checkpoint_records_as_lost(tmp
     r = run_preempted(TOY, [*TINY, "recovery.mode=cursor_only"], kill_delays=DELAYS,
                       workdir=tmp_path, timeout=120)
     assert r["kills_landed"] == 2 and r["restarts"] == 2
-    assert r["steps"] == 12
+    assert r["steps"] == 20
     assert r["prompts_duplicated"] == 0
     assert r["prompts_lost"] >= 0
     assert r["prompts_lost"] == _lost_in_final_checkpoint(tmp_path)
@@ -86,7 +87,7 @@ def test_lookahead_one_overlaps_generation_and_training(tmp_path):
     r = async_speedup("toy", repeats=1, quick=True, lookaheads=(0, 1), steps=12,
                       workdir=tmp_path, log=lambda _: None)
     la = r["lookaheads"]
-    assert set(la) == {"0", "1"} and r["steps"] == 12
+    assert set(la) == {"0", "1"} and r["steps"] == 20
     assert la["0"]["speedup_vs_0"] == 1.0
     assert la["1"]["steps_per_s"] == pytest.approx(12 / la["1"]["run_s"])
     # Lookahead 0: a step is generation (~100 ms) then training (100 ms); lookahead 1

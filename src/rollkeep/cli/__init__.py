@@ -159,7 +159,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_UNAVAILABLE
         parser = build_parser(command)
         try:
-            args = parser.parse_args(argv)
+            args, extra = parser.parse_known_args(argv)
+            # `key=value` overrides may follow options (`chaos cfg.yaml --kills 4 seed=3`);
+            # argparse stops collecting positionals at the first option, so gather the rest.
+            overrides = [a for a in extra if "=" in a and not a.startswith("-")]
+            if len(overrides) != len(extra) or (overrides and not hasattr(args, "overrides")):
+                parser.error("unrecognized arguments: " + " ".join(extra))
+            if overrides:
+                args.overrides.extend(overrides)
         except SystemExit as e:
             return _exit_status(e.code)
         if getattr(args, "run", None) is None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import signal
 import time
@@ -187,8 +188,13 @@ class Controller:
         """Normalise the restored ledger (DESIGN §5) and say what the restart reuses."""
         for ev in self.ledger.normalize_for_restart():
             self._free(self.ledger.apply(ev))
-        lost = self._lose_inflight() if self.cfg.recovery.mode == "cursor_only" else 0
         p = restored.plan
+        lost = 0
+        if self.cfg.recovery.mode == "cursor_only":
+            lost = self._lose_inflight()
+            # Nothing of the lost groups is reused or regenerated: only REPLAY survives.
+            p = dataclasses.replace(p, groups_finalize_again=0, siblings_reused=0, siblings_discarded=0,
+                                    siblings_regenerated=0, siblings_pending=0, groups_readmitted=0)
         self.trace.emit(
             "restored",
             checkpoint=restored.name,
