@@ -79,3 +79,20 @@ def test_grpo_raises_greedy_accuracy(tmp_path) -> None:
     before, after = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
     assert [e["step"] for e in evals] == [0, 60]
     assert after >= before + 0.08, (before, after)
+
+
+def test_real_model_random_sigkills_end_byte_identical(tmp_path) -> None:
+    """`rollkeep chaos` on the built-in model: SIGKILLs at random instants and at crash
+    points, in subprocesses, then the byte-identical check against an unkilled run."""
+    import subprocess
+    import sys
+
+    from run_harness import DEFAULTS
+
+    out = subprocess.run(
+        [sys.executable, "-m", "rollkeep", "chaos", DEFAULTS, *TINY, "logger.progress=none",
+         "--kills", "4", "--seed", "2", "--workdir", str(tmp_path / "chaos")],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "(== uninterrupted run)" in out.stdout and "duplicates: 0   lost: 0" in out.stdout
