@@ -6,7 +6,8 @@
         the job is resumed until it finishes. Measured from the trace and metrics.jsonl.
     goodput(workload, kills=..., repeats=..., seed=..., quick=..., log=...)
         one uninterrupted reference run, then per repeat r one kill schedule (drawn once
-        from a `random.Random` seeded with (seed, r)) applied to every `recovery.mode`.
+        from a `random.Random` seeded with (seed, r): K instants uniform in the first 70%
+        of the reference's run time) applied to every `recovery.mode`.
 
 The measures of one killed-and-resumed job:
 
@@ -49,9 +50,19 @@ from ..trace import read_trace
 
 MODES = ("sibling", "prompt_group", "cursor_only")
 WORKLOADS = ("toy", "model")
-KILL_WINDOW = 0.7  # kill delays are uniform in [0, KILL_WINDOW x the reference run's duration]
-MEASURES = ("wall_s", "run_s", "tokens_generated", "tokens_trained", "goodput", "prompts_lost",
-            "prompts_duplicated", "restarts", "kills_landed", "steps")
+KILL_WINDOW = 0.7  # kill instants are uniform in [0, KILL_WINDOW x the reference run time]
+MEASURES = (
+    "wall_s",
+    "run_s",
+    "tokens_generated",
+    "tokens_trained",
+    "goodput",
+    "prompts_lost",
+    "prompts_duplicated",
+    "restarts",
+    "kills_landed",
+    "steps",
+)
 
 
 @dataclass(frozen=True)
@@ -69,26 +80,39 @@ def workload(name: str, *, quick: bool = False) -> Workload:
     lookahead 1. `model`: the built-in GPT on two-digit addition, no warm start, no eval."""
     if name == "toy":
         steps = 30 if quick else 60
-        every = steps // 6  # about six checkpoints a run: most kills land between two
+        every = 5  # ~0.4 s apart, less than the ~0.8 s between kills: kills land between two
         return Workload(
-            "toy", str(files("rollkeep") / "configs" / "toy.yaml"),
-            ("engine.latency_ms=20", "engine.latency_jitter_ms=80", "trainer.step_sleep_ms=5",
-             "sampler.name=in_order", "sampler.max_lookahead_versions=1",
-             f"train.total_steps={steps}", f"checkpoint.every_steps={every}",
-             # room for the prompts cursor_only loses and refills from the source
-             "data.generated.n_rows=1024"),
+            "toy",
+            str(files("rollkeep") / "configs" / "toy.yaml"),
+            (
+                "engine.latency_ms=20",
+                "engine.latency_jitter_ms=80",
+                "trainer.step_sleep_ms=5",
+                "sampler.name=in_order",
+                "sampler.max_lookahead_versions=1",
+                f"train.total_steps={steps}",
+                f"checkpoint.every_steps={every}",
+                # room for the prompts cursor_only loses and refills from the source
+                "data.generated.n_rows=1024",
+            ),
             steps,
             f"toy engine 20+U(0,80) ms per generation, trainer 5 ms/step, P=8, G=4, "
             f"{steps} steps, checkpoint every {every}",
         )
     if name == "model":
         steps = 8 if quick else 16
-        every = 4
+        every = 2  # ~0.3 s apart, as kills come ~0.5 s apart
         return Workload(
-            "model", str(files("rollkeep") / "configs" / "arith.yaml"),
-            ("warmup.sft_steps=0", "eval.every_steps=0", "sampler.name=in_order",
-             "sampler.max_lookahead_versions=1", f"train.total_steps={steps}",
-             f"checkpoint.every_steps={every}"),
+            "model",
+            str(files("rollkeep") / "configs" / "arith.yaml"),
+            (
+                "warmup.sft_steps=0",
+                "eval.every_steps=0",
+                "sampler.name=in_order",
+                "sampler.max_lookahead_versions=1",
+                f"train.total_steps={steps}",
+                f"checkpoint.every_steps={every}",
+            ),
             steps,
             f"built-in GPT (torch, CPU) on arith, P=16, G=8, {steps} steps, checkpoint every {every}",
         )
@@ -130,8 +154,9 @@ def run_preempted(
     return {"wall_s": wall, **measure(run_dir), "kills_landed": landed}
 
 
-def _segment(cmd: list[str], trace: Path, stderr: Path, *, kill_after: float | None,
-             timeout: float) -> bool:
+def _segment(
+    cmd: list[str], trace: Path, stderr: Path, *, kill_after: float | None, timeout: float
+) -> bool:
     """One run of the job. True if the SIGKILL landed; False if it finished (exit 0)."""
     before = _run_started_count(trace)
     with open(stderr, "wb") as err:
@@ -177,8 +202,11 @@ def measure(run_dir: Path) -> dict[str, Any]:
     generated = sum(x["tokens"] for x in lines if x["event"] == "sealed")
     # The surviving commit of a surviving step is its last commit in the trace: a later
     # run that forgot it would have committed it again.
-    survivors = {int(x["step"]): x["run_id"] for x in lines
-                 if x["event"] == "step_committed" and int(x["step"]) in lin.steps}
+    survivors = {
+        int(x["step"]): x["run_id"]
+        for x in lines
+        if x["event"] == "step_committed" and int(x["step"]) in lin.steps
+    }
     wanted = {(run_id, step) for step, run_id in survivors.items()}
     trained, seen = 0, set()
     for rec in _jsonl(run_dir / "metrics.jsonl"):
@@ -189,12 +217,16 @@ def measure(run_dir: Path) -> dict[str, Any]:
     if seen != wanted:
         raise RollkeepError(
             "benchmark: metrics.jsonl lacks the step lines of surviving steps",
-            path=str(run_dir / "metrics.jsonl"), expected=f"{len(wanted)} step lines",
+            path=str(run_dir / "metrics.jsonl"),
+            expected=f"{len(wanted)} step lines",
             found=f"{len(seen)}; missing steps {sorted(s for _, s in wanted - seen)[:10]}",
             remedy="this is a bug: a step survives only once its metrics line is written",
         )
-    lost = {tuple(x["prompt"]) for x in lines
-            if x["event"] == "dropped" and str(x.get("reason", "")).startswith("lost")}
+    lost = {
+        tuple(x["prompt"])
+        for x in lines
+        if x["event"] == "dropped" and str(x.get("reason", "")).startswith("lost")
+    }
     run_s = 0.0
     for run in lin.runs:
         ts = [x["t"] for x in lines if x["run_id"] == run["run_id"]]
@@ -228,12 +260,21 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------------- the suite
 
 
-def kill_schedule(seed: int, repeat: int, kills: int, duration: float) -> list[float]:
-    """Kill delays of one repeat, uniform in [0, KILL_WINDOW x duration], drawn once and
-    shared by every recovery mode. (A tuple cannot seed `random.Random` on Python >= 3.11,
-    so (seed, repeat) is spelled as a string.)"""
+def kill_schedule(
+    seed: int, repeat: int, kills: int, duration: float, window: float = KILL_WINDOW
+) -> list[float]:
+    """The kill delays of one repeat, drawn once and shared by every recovery mode.
+
+    K kill instants are drawn uniformly in the first `window` of the uninterrupted run's
+    `duration` (run time, start-up excluded) and sorted; segment i runs for the gap between
+    instants i-1 and i. The delays add up to less than the job's run time, so all K kills
+    land (the job cannot finish before its run time has passed), whatever the mode: every
+    mode suffers the same number of kills at the same points of its run time. (A tuple
+    cannot seed `random.Random` on Python >= 3.11, so (seed, repeat) is spelled as a
+    string.)"""
     rng = random.Random(f"goodput/{seed}/{repeat}")
-    return [round(rng.uniform(0.0, KILL_WINDOW * duration), 3) for _ in range(kills)]
+    instants = sorted(rng.uniform(0.0, window * duration) for _ in range(kills))
+    return [round(b - a, 3) for a, b in zip([0.0, *instants], instants, strict=False)]
 
 
 def goodput(
@@ -244,6 +285,7 @@ def goodput(
     seed: int = 0,
     quick: bool = False,
     log: Any = print,
+    kill_window: float = KILL_WINDOW,
     workdir: Path | None = None,
     timeout: float = 600.0,
 ) -> dict[str, Any]:
@@ -252,31 +294,48 @@ def goodput(
     w = workload(workload_name, quick=quick)
     with tempfile.TemporaryDirectory(prefix="rollkeep-goodput-") as tmp:
         root = Path(workdir) if workdir is not None else Path(tmp)
-        ref = run_preempted(w.config, list(w.overrides), kill_delays=[],
-                            workdir=root / w.name / "reference", timeout=timeout)
-        log(f"goodput {w.name}: uninterrupted reference {ref['run_s']:.2f} s "
-            f"({ref['wall_s']:.2f} s with start-up), goodput {ref['goodput']:.3f}")
+        ref = run_preempted(
+            w.config,
+            list(w.overrides),
+            kill_delays=[],
+            workdir=root / w.name / "reference",
+            timeout=timeout,
+        )
+        log(
+            f"goodput {w.name}: uninterrupted reference {ref['run_s']:.2f} s "
+            f"({ref['wall_s']:.2f} s with start-up), goodput {ref['goodput']:.3f}"
+        )
         runs: dict[str, list[dict]] = {m: [] for m in MODES}
         schedules = []
         for r in range(repeats):
-            delays = kill_schedule(seed, r, kills, ref["run_s"])
+            delays = kill_schedule(seed, r, kills, ref["run_s"], kill_window)
             schedules.append(delays)
             for mode in MODES:
-                res = run_preempted(w.config, [*w.overrides, f"recovery.mode={mode}"],
-                                    kill_delays=delays, workdir=root / w.name / f"r{r}-{mode}",
-                                    timeout=timeout)
+                res = run_preempted(
+                    w.config,
+                    [*w.overrides, f"recovery.mode={mode}"],
+                    kill_delays=delays,
+                    workdir=root / w.name / f"r{r}-{mode}",
+                    timeout=timeout,
+                )
                 runs[mode].append(res)
-                log(f"goodput {w.name}: repeat {r + 1}/{repeats} {mode:12} kills at "
+                log(
+                    f"goodput {w.name}: repeat {r + 1}/{repeats} {mode:12} runs killed after "
                     f"{', '.join(f'{d:.2f}' for d in delays)} s: {res['kills_landed']} landed, "
                     f"goodput {res['goodput']:.3f}, lost {res['prompts_lost']}, "
-                    f"wall {res['wall_s']:.1f} s")
+                    f"wall {res['wall_s']:.1f} s"
+                )
     modes = {}
     for mode in MODES:
         med = {k: statistics.median(x[k] for x in runs[mode]) for k in MEASURES}
         med["goodput_vs_sibling"] = statistics.median(
-            _ratio(x["goodput"], s["goodput"]) for x, s in zip(runs[mode], runs["sibling"], strict=True))
+            _ratio(x["goodput"], s["goodput"])
+            for x, s in zip(runs[mode], runs["sibling"], strict=True)
+        )
         med["wall_vs_sibling"] = statistics.median(
-            _ratio(x["wall_s"], s["wall_s"]) for x, s in zip(runs[mode], runs["sibling"], strict=True))
+            _ratio(x["wall_s"], s["wall_s"])
+            for x, s in zip(runs[mode], runs["sibling"], strict=True)
+        )
         modes[mode] = med
     return {
         "workload": w.name,
@@ -284,7 +343,7 @@ def goodput(
         "kills": kills,
         "repeats": repeats,
         "seed": seed,
-        "kill_window_s": round(KILL_WINDOW * ref["run_s"], 3),
+        "kill_window_s": round(kill_window * ref["run_s"], 3),
         "schedules": schedules,
         "reference": ref,
         "modes": modes,

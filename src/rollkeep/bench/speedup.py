@@ -52,15 +52,22 @@ def async_speedup(
         root = Path(workdir) if workdir is not None else Path(tmp)
         for r in range(repeats):
             for la in lookaheads:
-                res = run_preempted(w.config, [*overrides, f"sampler.max_lookahead_versions={la}"],
-                                    kill_delays=[], workdir=root / w.name / f"r{r}-la{la}",
-                                    timeout=timeout)
+                res = run_preempted(
+                    w.config,
+                    [*overrides, f"sampler.max_lookahead_versions={la}"],
+                    kill_delays=[],
+                    workdir=root / w.name / f"r{r}-la{la}",
+                    timeout=timeout,
+                )
                 if res["steps"] != n_steps:
-                    raise RuntimeError(f"async_speedup: the run trained {res['steps']} steps, "
-                                       f"expected {n_steps}")
+                    raise RuntimeError(
+                        f"async_speedup: the run trained {res['steps']} steps, expected {n_steps}"
+                    )
                 seconds[la].append(res["run_s"])
-                log(f"speedup {w.name}: repeat {r + 1}/{repeats} lookahead {la}: "
-                    f"{res['run_s']:.2f} s ({n_steps / res['run_s']:.2f} steps/s)")
+                log(
+                    f"speedup {w.name}: repeat {r + 1}/{repeats} lookahead {la}: "
+                    f"{res['run_s']:.2f} s ({n_steps / res['run_s']:.2f} steps/s)"
+                )
     base = statistics.median(seconds[0])
     out = {}
     for la in lookaheads:

@@ -28,23 +28,38 @@ Medians over --repeats; ratios against sibling (preemption) and lookahead 0 (spe
 examples:
   rollkeep bench --quick                                  # everything small, ~2 minutes
   rollkeep bench --suite core --json core.json            # the custody core, a few minutes
-  rollkeep bench --suite preemption --kills 4 --repeats 3 --json preemption.json
-  rollkeep bench --suite speedup --repeats 3              # a few minutes
+  rollkeep bench --suite preemption --kills 4 --repeats 3 --json p.json  # ~7 minutes
+  rollkeep bench --suite speedup                          # ~3 minutes
 """
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("bench", help="benchmarks", description=HELP,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", choices=SUITES, default="all",
-                   help="which sections to run (default all)")
-    p.add_argument("--quick", action="store_true",
-                   help="small sizes, 1 repeat, 1 kill unless --kills/--repeats say otherwise: "
-                   "a smoke run")
-    p.add_argument("--kills", type=int, default=None,
-                   help="preemption: SIGKILLs per job (default 4; 1 with --quick)")
-    p.add_argument("--repeats", type=int, default=None,
-                   help="preemption and speedup: repeats, medians reported (default 3; 1 with --quick)")
+    p = sub.add_parser(
+        "bench",
+        help="benchmarks",
+        description=HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--suite", choices=SUITES, default="all", help="which sections to run (default all)"
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="small sizes, 1 repeat, 1 kill unless --kills/--repeats say otherwise: a smoke run",
+    )
+    p.add_argument(
+        "--kills",
+        type=int,
+        default=None,
+        help="preemption: SIGKILLs per job (default 4; 1 with --quick)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="preemption and speedup: repeats, medians reported (default 3; 1 with --quick)",
+    )
     p.add_argument("--seed", type=int, default=0, help="preemption: seed of the kill schedules")
     p.add_argument("--json", help="also write the results as JSON to this file")
     return p
@@ -56,11 +71,20 @@ def run(args: argparse.Namespace) -> int:
     kills = args.kills if args.kills is not None else (1 if args.quick else 4)
     repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
     if kills < 0 or repeats < 1:
-        raise UserInputError("bench: --kills must be >= 0 and --repeats >= 1",
-                             found=f"--kills {kills} --repeats {repeats}")
+        raise UserInputError(
+            "bench: --kills must be >= 0 and --repeats >= 1",
+            found=f"--kills {kills} --repeats {repeats}",
+        )
     suites = ("core", "preemption", "speedup") if args.suite == "all" else (args.suite,)
-    results: dict = {"settings": {"suite": args.suite, "quick": args.quick, "kills": kills,
-                                  "repeats": repeats, "seed": args.seed}}
+    results: dict = {
+        "settings": {
+            "suite": args.suite,
+            "quick": args.quick,
+            "kills": kills,
+            "repeats": repeats,
+            "seed": args.seed,
+        }
+    }
     t0 = time.monotonic()
     if "core" in suites:
         from ..bench import controller, ledger
@@ -72,11 +96,14 @@ def run(args: argparse.Namespace) -> int:
     if "preemption" in suites:
         from ..bench.preemption import WORKLOADS, goodput
 
-        print(f"== goodput under preemption ({kills} kill(s), {repeats} repeat(s), seed {args.seed})")
+        print(
+            f"== goodput under preemption ({kills} kill(s), {repeats} repeat(s), seed {args.seed})"
+        )
         results["preemption"] = {}
         for name in WORKLOADS:
-            r = goodput(name, kills=kills, repeats=repeats, seed=args.seed, quick=args.quick,
-                        log=_note)
+            r = goodput(
+                name, kills=kills, repeats=repeats, seed=args.seed, quick=args.quick, log=_note
+            )
             results["preemption"][name] = r
             _print(preemption_table(r))
     if "speedup" in suites:
@@ -103,25 +130,56 @@ def preemption_table(r: dict) -> tuple[str, Any]:
     """(title, rich table) of one workload's `goodput` result."""
     from rich.table import Table
 
-    title = (f"goodput under preemption, {r['workload']}: {r['describe']}; "
-             f"{r['kills']} kill(s) per job, each at a delay uniform in "
-             f"[0, {r['kill_window_s']:.2f}] s after its run's run_started; "
-             f"medians of {r['repeats']} repeat(s)")
+    title = (
+        f"goodput under preemption, {r['workload']}: {r['describe']}; "
+        f"{r['kills']} kill(s) per job at instants uniform in the first "
+        f"{r['kill_window_s']:.2f} s of run time (the same instants for every mode); "
+        f"medians of {r['repeats']} repeat(s)"
+    )
     t = Table()
-    for col in ("recovery.mode", "goodput\ntrained/gen", "vs sibling\n(goodput)",
-                "tokens\ngenerated", "tokens\ntrained", "prompts\nlost", "prompts\nduplicated",
-                "kills\nlanded", "wall s\n(w/ start-up)", "vs sibling\n(wall)", "run s\n(no start-up)"):
+    for col in (
+        "recovery.mode",
+        "goodput\ntrained/gen",
+        "vs sibling\n(goodput)",
+        "tokens\ngenerated",
+        "tokens\ntrained",
+        "prompts\nlost",
+        "prompts\nduplicated",
+        "kills\nlanded",
+        "wall s\n(w/ start-up)",
+        "vs sibling\n(wall)",
+        "run s\n(no start-up)",
+    ):
         t.add_column(col, justify="left" if col == "recovery.mode" else "right")
     ref = r["reference"]
-    t.add_row("uninterrupted", f"{ref['goodput']:.3f}", "", f"{ref['tokens_generated']:,.0f}",
-              f"{ref['tokens_trained']:,.0f}", str(ref["prompts_lost"]),
-              str(ref["prompts_duplicated"]), "0", f"{ref['wall_s']:.1f}", "", f"{ref['run_s']:.1f}",
-              end_section=True)
+    t.add_row(
+        "uninterrupted",
+        f"{ref['goodput']:.3f}",
+        "",
+        f"{ref['tokens_generated']:,.0f}",
+        f"{ref['tokens_trained']:,.0f}",
+        str(ref["prompts_lost"]),
+        str(ref["prompts_duplicated"]),
+        "0",
+        f"{ref['wall_s']:.1f}",
+        "",
+        f"{ref['run_s']:.1f}",
+        end_section=True,
+    )
     for mode, m in r["modes"].items():
-        t.add_row(mode, f"{m['goodput']:.3f}", _x(m["goodput_vs_sibling"]),
-                  f"{m['tokens_generated']:,.0f}", f"{m['tokens_trained']:,.0f}",
-                  _n(m["prompts_lost"]), _n(m["prompts_duplicated"]), _n(m["kills_landed"]),
-                  f"{m['wall_s']:.1f}", _x(m["wall_vs_sibling"]), f"{m['run_s']:.1f}")
+        t.add_row(
+            mode,
+            f"{m['goodput']:.3f}",
+            _x(m["goodput_vs_sibling"]),
+            f"{m['tokens_generated']:,.0f}",
+            f"{m['tokens_trained']:,.0f}",
+            _n(m["prompts_lost"]),
+            _n(m["prompts_duplicated"]),
+            _n(m["kills_landed"]),
+            f"{m['wall_s']:.1f}",
+            _x(m["wall_vs_sibling"]),
+            f"{m['run_s']:.1f}",
+        )
     return title, t
 
 
@@ -129,8 +187,10 @@ def speedup_table(r: dict) -> tuple[str, Any]:
     """(title, rich table) of one workload's `async_speedup` result."""
     from rich.table import Table
 
-    title = (f"async speedup, {r['workload']}: {r['describe']}; uninterrupted, "
-             f"time from run_started to run_finished; medians of {r['repeats']} repeat(s)")
+    title = (
+        f"async speedup, {r['workload']}: {r['describe']}; uninterrupted, "
+        f"time from run_started to run_finished; medians of {r['repeats']} repeat(s)"
+    )
     t = Table()
     for col in ("max_lookahead_versions", "run s", "steps/s", "speedup vs 0"):
         t.add_column(col, justify="right")
