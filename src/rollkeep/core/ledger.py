@@ -220,6 +220,11 @@ def _copy_record(r: GroupRecord) -> GroupRecord:
     )
 
 
+def _one_reserved(status: bytearray, gens: tuple[int, ...]) -> bool:
+    g = gens[0]
+    return 0 <= g < len(status) and not status[g]  # status 0 = RESERVED
+
+
 def _all_reserved(status: bytearray, gens: tuple[int, ...]) -> bool:
     n = len(status)
     for g in gens:
@@ -753,8 +758,11 @@ class Ledger:
     def _dispatched(self, ev: Dispatched) -> FreedRows:
         gid, gens = ev.group_id, ev.generations
         rec = self._groups.get(gid)
-        # Fast path: a generating group whose named siblings are all RESERVED, once each.
-        if rec is None or rec.state != _GENERATING or not _all_reserved(rec.status, gens):
+        # Fast path: a generating group whose named siblings are all RESERVED, once each
+        # (one sibling inline: the commonest event after `sealed`).
+        if rec is None or rec.state != 1 or not (
+            _one_reserved(rec.status, gens) if len(gens) == 1 else _all_reserved(rec.status, gens)
+        ):
             rec = self._require_group(ev, gid, "dispatched")
             if not gens:
                 raise self._illegal(ev, "no generations", expected="at least one index", found="()")
