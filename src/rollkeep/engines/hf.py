@@ -25,16 +25,13 @@ import threading
 from collections import deque
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..core.errors import CustodyError, UserInputError
+from ..models.hf import load_pretrained
 from .base import Completion, DataError, GenRequest, InfraError
-
-_FIELD = "engine.model_path"
-_EXPECTED = "a local directory with a transformers model (config.json and weights) and its tokenizer"
 
 
 @dataclass(eq=False)
@@ -73,7 +70,7 @@ class HFEngine:
         self.max_new_tokens = max_new_tokens
         self.chat_template = chat_template
         self.max_batch_size = max_batch_size
-        self.tokenizer, model = _load(model_path)
+        self.tokenizer, model = load_pretrained(model_path, field="engine.model_path")
         if chat_template and getattr(self.tokenizer, "chat_template", None) is None:
             raise UserInputError(
                 f"engine.chat_template is true but the tokenizer in {model_path} has no chat template",
@@ -270,39 +267,3 @@ def _settle(future: Future, result: Any = None, *, exception: BaseException | No
             future.set_result(result)
         else:
             future.set_exception(exception)
-
-
-def _load(model_path: str) -> tuple[Any, Any]:
-    """The tokenizer and the model of a local directory; never downloads."""
-    try:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-    except ImportError as e:
-        raise UserInputError(
-            "engine 'hf' needs the transformers library, which is not installed",
-            found=f"ImportError: {e}",
-            remedy="pip install 'rollkeep[hf]'",
-        ) from e
-    path = Path(model_path).expanduser()
-    if not path.is_dir() or not (path / "config.json").is_file():
-        if not path.exists():
-            found = "nothing at that path"
-        elif not path.is_dir():
-            found = "a file, not a directory"
-        else:
-            names = sorted(p.name for p in path.iterdir())
-            found = f"a directory without config.json, holding {names[:10] or 'nothing'}"
-        raise UserInputError(
-            f"engine.model_path {str(path)!r} is not a transformers model directory",
-            path=str(path), field=_FIELD, expected=_EXPECTED, found=found,
-            remedy="point engine.model_path at a directory written by save_pretrained (downloads are off)",
-        )
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
-    except Exception as e:
-        raise UserInputError(
-            f"engine.model_path {str(path)!r}: transformers could not load a causal LM and its tokenizer",
-            path=str(path), field=_FIELD, expected=_EXPECTED, found=f"{type(e).__name__}: {e}",
-            remedy="check that the directory is complete and its model type is a causal LM",
-        ) from e
-    return tokenizer, model

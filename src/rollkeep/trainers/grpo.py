@@ -755,15 +755,22 @@ class TorchTrainer(GRPOTrainer):
             model=model,
             logits_fn=lambda m, ids, mask: m(ids),  # causal: right padding never looks back
             pad_id=PAD,
-            lr=cfg.lr,
-            weight_decay=cfg.weight_decay,
-            betas=cfg.betas,
-            grad_clip=cfg.grad_clip,
-            clip_eps=cfg.clip_eps,
-            kl_coef=cfg.kl_coef,
-            ppo_epochs=cfg.ppo_epochs,
-            micro_batch_size=cfg.micro_batch_size,
             temperature=temperature,
             seed=seed,
+            **hyperparameters(cfg),
         )
+
+
+def hyperparameters(cfg: Any) -> dict[str, Any]:
+    """The GRPO settings shared by every trainer config section (torch, hf)."""
+    return {
+        "lr": cfg.lr,
+        "weight_decay": cfg.weight_decay,
+        "betas": cfg.betas,
+        "grad_clip": cfg.grad_clip,
+        "clip_eps": cfg.clip_eps,
+        "kl_coef": cfg.kl_coef,
+        "ppo_epochs": cfg.ppo_epochs,
+        "micro_batch_size": cfg.micro_batch_size,
+    }
 

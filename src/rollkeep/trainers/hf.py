@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from ..config import HFTrainerConfig
-from ..core.errors import UserInputError
-from .grpo import GRPOTrainer
+from ..models.hf import load_pretrained
+from .grpo import GRPOTrainer, hyperparameters
 
 
 class HFTokenizer:
@@ -33,35 +33,11 @@ class HFTokenizer:
         return self.tok.decode(ids, skip_special_tokens=True)
 
 
-def load_hf(model_path: str, *, field: str) -> tuple[Any, Any]:
-    """(tokenizer, model) from a local directory, or a UserInputError naming the key."""
-    try:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-    except ImportError:
-        raise UserInputError(
-            "the hf backend needs transformers, which is not installed",
-            field=field,
-            remedy="pip install 'rollkeep[hf]'",
-        ) from None
-    try:
-        tok = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise UserInputError(
-            f"cannot load a causal LM from {model_path!r}",
-            field=field,
-            expected="a local directory written by save_pretrained (config.json, weights, tokenizer)",
-            found=str(e).splitlines()[0][:300],
-            remedy=f"point {field} at such a directory",
-        ) from None
-    return tok, model
-
-
 class HFTrainer(GRPOTrainer):
     name = "hf"
 
     def __init__(self, cfg: HFTrainerConfig, *, temperature: float, seed: int) -> None:
-        tok, model = load_hf(cfg.model_path, field="trainer.model_path")
+        tok, model = load_pretrained(cfg.model_path, field="trainer.model_path")
         if torch.cuda.is_available():
             model = model.cuda()
         model.train()
@@ -73,14 +49,7 @@ class HFTrainer(GRPOTrainer):
             # see the padding.
             logits_fn=lambda m, ids, mask: m(input_ids=ids, attention_mask=mask).logits,
             pad_id=pad,
-            lr=cfg.lr,
-            weight_decay=cfg.weight_decay,
-            betas=cfg.betas,
-            grad_clip=cfg.grad_clip,
-            clip_eps=cfg.clip_eps,
-            kl_coef=cfg.kl_coef,
-            ppo_epochs=cfg.ppo_epochs,
-            micro_batch_size=cfg.micro_batch_size,
             temperature=temperature,
             seed=seed,
+            **hyperparameters(cfg),
         )
