@@ -10,6 +10,8 @@ from collections.abc import Sequence
 
 def group_advantages(rewards: Sequence[float], *, eps: float = 1e-6, normalize_std: bool = True) -> tuple[float, ...]:
     n = len(rewards)
+    if max(rewards) == min(rewards):
+        return (0.0,) * n  # exactly zero, not rounding noise over eps
     mean = sum(rewards) / n
     centred = [r - mean for r in rewards]
     if not normalize_std:

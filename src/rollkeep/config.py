@@ -97,7 +97,8 @@ class GeneratedDataConfig(_Section):
     """Settings of the built-in generated dataset (used when `data.path` is null)."""
 
     task: str = "arith"
-    """Name of the generated task in the task library (e.g. `arith`: integer arithmetic)."""
+    """Built-in task: `arith` (exact-match reward) or `arith_partial` (partial credit for digits
+    in the right place)."""
     n_rows: int = Field(512, ge=1)
     """Number of training prompts generated (rows)."""
     digits: int = Field(2, ge=1)

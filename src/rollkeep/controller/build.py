@@ -33,15 +33,15 @@ def build_data(cfg: Config) -> tuple[Dataset, list[dict] | None]:
     if cfg.data.path is not None:
         return load_dataset(cfg.data.path), None
     gen = cfg.data.generated
-    if gen.task != arith.TASK:
+    if gen.task not in (arith.TASK, arith.TASK_PARTIAL):
         raise ConfigError(
             f"unknown built-in dataset task {gen.task!r}",
             field="data.generated.task",
-            expected=arith.TASK,
+            expected=f"{arith.TASK} (exact match) or {arith.TASK_PARTIAL} (partial credit)",
             found=repr(gen.task),
             remedy="set data.generated.task=arith or point data.path at a JSONL file",
         )
-    rows = arith.make_rows(gen.n_rows + gen.eval_rows, digits=gen.digits, seed=cfg.seed)
+    rows = arith.make_rows(gen.n_rows + gen.eval_rows, digits=gen.digits, seed=cfg.seed, task=gen.task)
     return SequenceDataset(rows[: gen.n_rows]), rows[gen.n_rows :]
 
 

@@ -18,7 +18,7 @@ def _exact(text: str, row: Mapping[str, Any]) -> float:
 
 REWARDS: dict[str, RewardFn] = {
     arith.TASK: arith.reward,
-    "arith_partial": lambda text, row: arith.reward(text, row, partial_credit=True),
+    arith.TASK_PARTIAL: lambda text, row: arith.reward(text, row, partial_credit=True),
     "exact": _exact,
     "default": _exact,
 }

@@ -13,17 +13,18 @@ import numpy as np
 from ..core.source import SequenceDataset
 
 TASK = "arith"
+TASK_PARTIAL = "arith_partial"  # the same problems, rewarded with partial credit
 _NUMBER = re.compile(r"-?\d+")
 
 
-def make_rows(n_rows: int, *, digits: int, seed: int) -> list[dict]:
-    """`n_rows` distinct-ish problems with operands of up to `digits` digits."""
+def make_rows(n_rows: int, *, digits: int, seed: int, task: str = TASK) -> list[dict]:
+    """`n_rows` problems with operands of up to `digits` digits, rewarded by `task`."""
     rng = np.random.default_rng([seed, 0xA217])
     hi = 10**digits
     a = rng.integers(0, hi, n_rows)
     b = rng.integers(0, hi, n_rows)
     return [
-        {"prompt": f"{int(x)}+{int(y)}=", "answer": str(int(x) + int(y)), "task": TASK}
+        {"prompt": f"{int(x)}+{int(y)}=", "answer": str(int(x) + int(y)), "task": task}
         for x, y in zip(a, b, strict=True)
     ]
 

@@ -1,0 +1,66 @@
+"""Rewards, the built-in task, and group-relative advantages (hand-computed values)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from rollkeep.advantages import group_advantages
+from rollkeep.core.errors import UserInputError
+from rollkeep.tasks import arith, check_tasks, reward_fn
+
+
+def test_group_advantages_by_hand() -> None:
+    # rewards 1, 0, 0, 1: mean 0.5, population std 0.5 -> (r - 0.5) / 0.5 = +-1
+    assert group_advantages([1.0, 0.0, 0.0, 1.0], eps=0.0) == (1.0, -1.0, -1.0, 1.0)
+    # rewards 3, 1, 2: mean 2, std sqrt(2/3) -> (1, -1, 0) / 0.8165
+    adv = group_advantages([3.0, 1.0, 2.0], eps=0.0)
+    assert adv == pytest.approx((1 / math.sqrt(2 / 3), -1 / math.sqrt(2 / 3), 0.0))
+    # all equal: no signal, zero advantages (eps keeps it finite)
+    assert group_advantages([0.7, 0.7, 0.7]) == (0.0, 0.0, 0.0)
+    assert group_advantages([2.0, 0.0], normalize_std=False) == (1.0, -1.0)
+
+
+def test_arith_rewards() -> None:
+    row = {"prompt": "37+45=", "answer": "82"}
+    assert arith.reward("82", row) == 1.0
+    assert arith.reward(" 82 and more", row) == 1.0  # the first number counts
+    assert arith.reward("83", row) == 0.0
+    assert arith.reward("no number", row) == 0.0
+    # partial credit: digits in the right place from the right, scaled by 0.5
+    assert arith.reward("72", row, partial_credit=True) == pytest.approx(0.25)
+    assert arith.reward("82", row, partial_credit=True) == 1.0
+    assert reward_fn("arith_partial")("72", row) == pytest.approx(0.25)
+
+
+def test_arith_rows_are_a_function_of_the_seed() -> None:
+    a = arith.make_rows(50, digits=2, seed=3)
+    assert a == arith.make_rows(50, digits=2, seed=3) != arith.make_rows(50, digits=2, seed=4)
+    for r in a:
+        x, y = r["prompt"][:-1].split("+")
+        assert int(x) + int(y) == int(r["answer"]) and max(int(x), int(y)) < 100
+
+
+def test_unknown_task_is_refused_with_the_known_ones() -> None:
+    with pytest.raises(UserInputError) as err:
+        check_tasks(["arith", "poetry"])
+    assert "'poetry'" in str(err.value) and "arith" in err.value.expected
+
+
+@pytest.mark.slow
+def test_unknown_task_stops_the_run_at_start_up(tmp_path) -> None:
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"prompt": "hi", "task": "poetry"}) + "\n")
+    out = subprocess.run([sys.executable, "-m", "rollkeep", "train", str(tmp_path / "none.yaml"),
+                          f"data.path={data}", f"run_dir={tmp_path / 'run'}"],
+                         capture_output=True, text=True)
+    assert out.returncode == 2
+    out = subprocess.run([sys.executable, "-m", "rollkeep", "train", "tests/data/defaults.yaml",
+                          f"data.path={data}", f"run_dir={tmp_path / 'run'}"],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "no reward function for task 'poetry'" in out.stderr
+    assert not (tmp_path / "run").exists()
