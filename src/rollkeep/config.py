@@ -138,55 +138,48 @@ class ToyEngineConfig(_Section):
     """Tokens in each fake completion."""
 
 
-class TorchEngineConfig(_Section):
-    """The built-in tiny GPT sampling with a KV cache on CPU."""
+class _SamplingSection(_Section):
+    """Sampling settings shared by the real engines (torch, hf, vllm)."""
 
-    name: Literal["torch"] = "torch"
-    """Engine backend."""
     temperature: float = Field(1.0, gt=0.0)
     """Sampling temperature (> 0)."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     """Nucleus sampling mass, in (0, 1]; 1 = no truncation."""
     max_new_tokens: int = Field(8, ge=1)
     """Maximum completion length, in tokens."""
+
+
+class TorchEngineConfig(_SamplingSection):
+    """The built-in tiny GPT sampling with a KV cache on CPU."""
+
+    name: Literal["torch"] = "torch"
+    """Engine backend."""
     max_batch_size: int = Field(64, ge=1)
     """Most sequences generated in one batch."""
     update_weights_in_flight: bool = False
     """Apply new weights between decode steps of a running generation (fast mode only)."""
 
 
-class HFEngineConfig(_Section):
+class HFEngineConfig(_SamplingSection):
     """A transformers causal LM loaded from a local path."""
 
     name: Literal["hf"] = "hf"
     """Engine backend."""
     model_path: str
     """Local directory of the transformers model and tokenizer (required)."""
-    temperature: float = Field(1.0, gt=0.0)
-    """Sampling temperature (> 0)."""
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    """Nucleus sampling mass, in (0, 1]; 1 = no truncation."""
-    max_new_tokens: int = Field(8, ge=1)
-    """Maximum completion length, in tokens."""
     chat_template: bool = False
     """Wrap each prompt with the tokenizer's chat template."""
     max_batch_size: int = Field(16, ge=1)
     """Most sequences generated in one batch."""
 
 
-class VLLMEngineConfig(_Section):
+class VLLMEngineConfig(_SamplingSection):
     """vLLM on the GPU (import-guarded: needs the `vllm` extra)."""
 
     name: Literal["vllm"] = "vllm"
     """Engine backend."""
     model_path: str
     """Local directory of the model (required)."""
-    temperature: float = Field(1.0, gt=0.0)
-    """Sampling temperature (> 0)."""
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    """Nucleus sampling mass, in (0, 1]; 1 = no truncation."""
-    max_new_tokens: int = Field(8, ge=1)
-    """Maximum completion length, in tokens."""
     gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
     """Fraction of GPU memory vLLM may take, in (0, 1]."""
     tensor_parallel_size: int = Field(1, ge=1)
@@ -228,13 +221,9 @@ class TorchModelConfig(_Section):
     """Dropout probability, in [0, 1)."""
 
 
-class TorchTrainerConfig(_Section):
-    """GRPO on the built-in tiny GPT with AdamW, on CPU."""
+class _GRPOSection(_Section):
+    """GRPO and AdamW settings shared by the real trainers (torch, hf)."""
 
-    name: Literal["torch"] = "torch"
-    """Trainer backend."""
-    model: TorchModelConfig = TorchModelConfig()
-    """Shape of the model."""
     lr: float = Field(3e-4, gt=0.0)
     """AdamW learning rate."""
     weight_decay: float = Field(0.0, ge=0.0)
@@ -254,7 +243,16 @@ class TorchTrainerConfig(_Section):
     """Sequences per forward/backward pass (gradient accumulation; memory only)."""
 
 
-class HFTrainerConfig(_Section):
+class TorchTrainerConfig(_GRPOSection):
+    """GRPO on the built-in tiny GPT with AdamW, on CPU."""
+
+    name: Literal["torch"] = "torch"
+    """Trainer backend."""
+    model: TorchModelConfig = TorchModelConfig()
+    """Shape of the model."""
+
+
+class HFTrainerConfig(_GRPOSection):
     """GRPO on a transformers causal LM loaded from a local path."""
 
     name: Literal["hf"] = "hf"
@@ -262,20 +260,7 @@ class HFTrainerConfig(_Section):
     model_path: str
     """Local directory of the transformers model and tokenizer (required)."""
     lr: float = Field(1e-5, gt=0.0)
-    """AdamW learning rate."""
-    weight_decay: float = Field(0.0, ge=0.0)
-    """AdamW decoupled weight decay."""
-    betas: Betas = (0.9, 0.95)
-    """AdamW (beta1, beta2), each in [0, 1)."""
-    grad_clip: float = Field(1.0, gt=0.0)
-    """Global gradient-norm clip (> 0)."""
-    clip_eps: float = Field(0.2, gt=0.0)
-    """PPO ratio clip: the ratio is clipped to [1 - eps, 1 + eps]."""
-    kl_coef: float = Field(0.0, ge=0.0)
-    """Weight of the KL penalty (k3 estimator) against a frozen reference: the policy as it
-    was when RL started (after the warm start); 0 = no KL term."""
-    ppo_epochs: int = Field(1, ge=1)
-    """Optimizer passes over each step's batch."""
+    """AdamW learning rate (a pretrained model wants a small one)."""
     micro_batch_size: int = Field(8, ge=1)
     """Sequences per forward/backward pass (gradient accumulation; memory only)."""
 
@@ -458,8 +443,12 @@ class Config(_Section):
         return self
 
     def to_dict(self) -> dict[str, Any]:
-        """The full resolved config as plain JSON-able data (tuples become lists)."""
-        return self.model_dump(mode="json")
+        """The full resolved config as plain JSON-able data (tuples become lists), with
+        each backend's `name` first."""
+        out = self.model_dump(mode="json")
+        for section in ("engine", "trainer"):
+            out[section] = {"name": out[section]["name"], **out[section]}
+        return out
 
 
 def dump_yaml(cfg: Config) -> str:
