@@ -250,6 +250,7 @@ class Controller:
                     loop.remove_signal_handler(sig)
             if self._progress is not None:
                 self._progress.close()
+            self.trace.flush()  # a run stopped by an error keeps its events (but no run_finished)
         result = RunResult(self.ledger.version, self.trainer.weights_sha256(), self.stopping or "finished")
         self.trace.emit("run_finished", step=result.step, weights_sha256=result.weights_sha256, reason=result.reason)
         self.trace.close()
