@@ -19,11 +19,10 @@ Conventions shared with the built-in engine:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import threading
 from collections import deque
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +31,7 @@ import numpy as np
 from ..core.errors import CustodyError, UserInputError
 from ..models.hf import load_pretrained
 from .base import Completion, DataError, GenRequest, InfraError
+from .inbox import Inbox, Refit, settle
 
 
 @dataclass(eq=False)
@@ -39,13 +39,6 @@ class _Job:
     req: GenRequest
     prompt_ids: list[int]
     future: Future  # of Completion; cancelled when the awaiting task is
-
-
-@dataclass(eq=False)
-class _Refit:
-    weights: Any  # a state dict: name -> tensor
-    version: int
-    future: Future  # of None
 
 
 class HFEngine:
@@ -90,10 +83,9 @@ class HFEngine:
         self._context = getattr(self.model.config, "max_position_embeddings", None)
         self._eos = self.tokenizer.eos_token_id  # None: every completion runs to the limit
         self._version = 0
-        self._cv = threading.Condition()
+        self._inbox = Inbox("hf engine")
         self._jobs: deque[_Job] = deque()
-        self._refits: deque[_Refit] = deque()
-        self._closing = False
+        self._refits: deque[Refit] = deque()
         self._worker = threading.Thread(target=self._work, name="rollkeep-hf-engine", daemon=True)
         self._worker.start()
 
@@ -116,39 +108,26 @@ class HFEngine:
                 f"{self._context} with room to generate ({req.group_id}/{req.generation})"
             )
         job = _Job(req, ids, Future())
-        self._submit(self._jobs, job)
+        self._inbox.put(self._jobs, job)
         return await asyncio.wrap_future(job.future)
 
     async def update_weights(self, weights: Any, version: int) -> None:
         """Copy the state dict `weights` into the model between batches; then `version`."""
-        refit = _Refit(weights, version, Future())
-        self._submit(self._refits, refit)
+        refit = Refit(weights, version, Future())
+        self._inbox.put(self._refits, refit)
         await asyncio.wrap_future(refit.future)
 
     async def close(self) -> None:
-        with self._cv:
-            self._closing = True
-            dropped = [*self._jobs, *self._refits]
-            self._jobs.clear()
-            self._refits.clear()
-            self._cv.notify()
-        for item in dropped:
-            _settle(item.future, exception=InfraError("hf engine: closed before the request ran"))
+        for item in self._inbox.shut(self._jobs, self._refits):
+            settle(item.future, exception=InfraError("hf engine: closed before the request ran"))
         await asyncio.to_thread(self._worker.join)
-
-    def _submit(self, queue: deque, item: _Job | _Refit) -> None:
-        with self._cv:
-            if self._closing:
-                raise InfraError("hf engine: used after close()")
-            queue.append(item)
-            self._cv.notify()
 
     # ------------------------------------------------------------------ worker thread
 
     def _work(self) -> None:
         while True:
-            with self._cv:
-                self._cv.wait_for(lambda: self._jobs or self._refits or self._closing)
+            with self._inbox.cv:
+                self._inbox.cv.wait_for(lambda: self._jobs or self._refits or self._inbox.closing)
                 if self._refits:
                     refit, batch = self._refits.popleft(), []
                 elif self._jobs:
@@ -172,13 +151,13 @@ class HFEngine:
         self._jobs = deque(j for j in live if j not in batch)
         return batch
 
-    def _refit(self, refit: _Refit) -> None:
+    def _refit(self, refit: Refit) -> None:
         if refit.future.cancelled():
             return
         try:
             self.model.load_state_dict(refit.weights, strict=True)
         except Exception as e:
-            _settle(refit.future, exception=UserInputError(
+            settle(refit.future, exception=UserInputError(
                 f"the weights for version {refit.version} do not fit the hf engine's model",
                 expected="a state dict with exactly the model's parameter names and shapes",
                 found=f"{type(e).__name__}: {e}",
@@ -186,7 +165,7 @@ class HFEngine:
             ))
             return
         self._version = refit.version
-        _settle(refit.future)
+        settle(refit.future)
 
     def _run(self, batch: list[_Job]) -> None:
         version = self._version
@@ -204,10 +183,10 @@ class HFEngine:
             for job in batch:
                 failure = InfraError(f"hf engine: a batch of {len(batch)} failed: {type(e).__name__}: {e}")
                 failure.__cause__ = e
-                _settle(job.future, exception=failure)
+                settle(job.future, exception=failure)
             return
         for job, completion in zip(batch, completions, strict=True):
-            _settle(job.future, completion)
+            settle(job.future, completion)
 
     def _decode(self, batch: list[_Job], version: int) -> list[Completion]:
         import torch
@@ -259,11 +238,3 @@ class HFEngine:
 
 _ROW_QUANTUM = 4
 
-
-def _settle(future: Future, result: Any = None, *, exception: BaseException | None = None) -> None:
-    """Resolve a future unless its awaiting task cancelled it meanwhile (then the result is dropped)."""
-    with contextlib.suppress(InvalidStateError):
-        if exception is None:
-            future.set_result(result)
-        else:
-            future.set_exception(exception)

@@ -41,7 +41,7 @@ import itertools
 import os
 import threading
 from collections import deque
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +50,7 @@ import numpy as np
 
 from ..core.errors import UserInputError
 from .base import Completion, GenRequest, InfraError
+from .inbox import Inbox, Refit, settle
 
 _REMEDY = "pip install 'rollkeep[vllm]' on a machine with a CUDA GPU (or use engine.name=hf)"
 
@@ -67,13 +68,6 @@ class _Job:
     request_id: str
     future: Future  # of Completion
     versions: list[int] = field(default_factory=list)  # one per token received so far
-
-
-@dataclass(eq=False)
-class _Refit:
-    weights: Any  # a state dict: name -> tensor
-    version: int
-    future: Future  # of None
 
 
 class VLLMEngine:
@@ -113,11 +107,10 @@ class VLLMEngine:
         self._model = _driver_model(self._engine, vllm.__version__)
         self._version = 0
         self._ids = itertools.count()
-        self._cv = threading.Condition()
+        self._inbox = Inbox("vllm engine")
         self._adds: deque[_Job] = deque()
         self._aborts: deque[str] = deque()
-        self._refits: deque[_Refit] = deque()
-        self._closing = False
+        self._refits: deque[Refit] = deque()
         self._worker = threading.Thread(target=self._work, name="rollkeep-vllm-engine", daemon=True)
         self._worker.start()
 
@@ -130,47 +123,34 @@ class VLLMEngine:
     async def generate(self, req: GenRequest) -> Completion:
         rid = f"{req.group_id}/{req.generation}/{req.attempt}/{next(self._ids)}"
         job = _Job(req, rid, Future())
-        self._submit(self._adds, job)
+        self._inbox.put(self._adds, job)
         try:
             return await asyncio.wrap_future(job.future)
         except asyncio.CancelledError:
-            with self._cv:
+            with self._inbox.cv:
                 self._aborts.append(rid)
-                self._cv.notify()
+                self._inbox.cv.notify()
             raise
 
     async def update_weights(self, weights: Any, version: int) -> None:
         """Load the state dict `weights` between engine steps; then `version`."""
-        refit = _Refit(weights, version, Future())
-        self._submit(self._refits, refit)
+        refit = Refit(weights, version, Future())
+        self._inbox.put(self._refits, refit)
         await asyncio.wrap_future(refit.future)
 
     async def close(self) -> None:
-        with self._cv:
-            self._closing = True
-            dropped = [*self._adds, *self._refits]
-            self._adds.clear()
-            self._refits.clear()
-            self._cv.notify()
-        for item in dropped:
-            _settle(item.future, exception=InfraError("vllm engine: closed before the request ran"))
+        for item in self._inbox.shut(self._adds, self._refits):
+            settle(item.future, exception=InfraError("vllm engine: closed before the request ran"))
         await asyncio.to_thread(self._worker.join)
-
-    def _submit(self, queue: deque, item: _Job | _Refit) -> None:
-        with self._cv:
-            if self._closing:
-                raise InfraError("vllm engine: used after close()")
-            queue.append(item)
-            self._cv.notify()
 
     # ------------------------------------------------------------------ worker thread
 
     def _work(self) -> None:
         live: dict[str, _Job] = {}
         while True:
-            with self._cv:
-                self._cv.wait_for(lambda: live or self._adds or self._aborts or self._refits or self._closing)
-                closing = self._closing
+            with self._inbox.cv:
+                self._inbox.cv.wait_for(lambda: live or self._adds or self._aborts or self._refits or self._inbox.closing)
+                closing = self._inbox.closing
                 adds, aborts, refits = list(self._adds), list(self._aborts), list(self._refits)
                 self._adds.clear()
                 self._aborts.clear()
@@ -200,7 +180,7 @@ class VLLMEngine:
                 job.versions += [self._version] * (len(out.outputs[0].token_ids) - len(job.versions))
                 if out.finished:
                     del live[out.request_id]
-                    _settle(job.future, _completion(out, job.versions))
+                    settle(job.future, _completion(out, job.versions))
 
     def _add(self, job: _Job) -> bool:
         try:
@@ -211,7 +191,7 @@ class VLLMEngine:
         except Exception as e:
             failure = InfraError(f"vllm engine: could not add the request: {type(e).__name__}: {e}")
             failure.__cause__ = e
-            _settle(job.future, exception=failure)
+            settle(job.future, exception=failure)
             return False
         return True
 
@@ -221,16 +201,16 @@ class VLLMEngine:
         for job in live.values():
             failure = InfraError(message)
             failure.__cause__ = cause
-            _settle(job.future, exception=failure)
+            settle(job.future, exception=failure)
         live.clear()
 
-    def _refit(self, refit: _Refit) -> None:
+    def _refit(self, refit: Refit) -> None:
         if refit.future.cancelled():
             return
         try:
             self._model.load_weights(iter(refit.weights.items()))
         except Exception as e:
-            _settle(refit.future, exception=UserInputError(
+            settle(refit.future, exception=UserInputError(
                 f"the weights for version {refit.version} do not fit the vllm engine's model",
                 expected="a state dict with the model's transformers parameter names and shapes",
                 found=f"{type(e).__name__}: {e}",
@@ -238,7 +218,7 @@ class VLLMEngine:
             ))
             return
         self._version = refit.version
-        _settle(refit.future)
+        settle(refit.future)
 
 
 def _completion(out: Any, versions: list[int]) -> Completion:
@@ -253,15 +233,6 @@ def _completion(out: Any, versions: list[int]) -> Completion:
         finish_reason="length" if comp.finish_reason == "length" else "stop",
         text=comp.text,
     )
-
-
-def _settle(future: Future, result: Any = None, *, exception: BaseException | None = None) -> None:
-    """Resolve a future unless its awaiting task cancelled it meanwhile (then the result is dropped)."""
-    with contextlib.suppress(InvalidStateError):
-        if exception is None:
-            future.set_result(result)
-        else:
-            future.set_exception(exception)
 
 
 def _import_vllm() -> Any:
