@@ -164,3 +164,19 @@ def test_chaos_random_sigkills_pass(tmp_path) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     assert "PASS" in out.stdout and "duplicates: 0   lost: 0" in out.stdout
     assert "(== uninterrupted run)" in out.stdout
+
+
+def test_a_second_writer_on_the_same_run_dir_is_refused(tmp_path) -> None:
+    import fcntl
+
+    run = tmp_path / "run"
+    run.mkdir()
+    fd = os.open(run, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running `rollkeep train` holds it
+    try:
+        out = rollkeep("train", DEFAULTS, *FAST, f"run_dir={run}")
+    finally:
+        os.close(fd)
+    assert out.returncode == 2 and "another process is running in" in out.stderr
+    assert list(run.iterdir()) == []
+    assert rollkeep("train", DEFAULTS, *FAST, f"run_dir={run}").returncode == 0

@@ -24,7 +24,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import fcntl
 import json
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -38,7 +40,7 @@ from ..config import Config, dump_yaml, semantic
 from ..core import crashpoints
 from ..core.checkpoint import Cut, cut, write_checkpoint
 from ..core.configdiff import fingerprint
-from ..core.errors import CustodyError
+from ..core.errors import CustodyError, UserInputError
 from ..core.events import (
     ALL_EVENTS,
     DATA,
@@ -138,12 +140,33 @@ class Controller:
         self._t_start = time.perf_counter()
         self._last_eval: dict[str, float] = {}
         self._tokens_generated = 0
+        self._lock_fd = -1
         self._last_step_time = time.perf_counter()
 
     # ================================================================== start
 
+    def _lock_run_dir(self) -> None:
+        """One writer per run directory (the store's assumption A4): an exclusive flock on
+        the directory itself, so taking it creates no file; the kernel drops it when the
+        process dies, however it dies."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = os.open(self.run_dir, os.O_RDONLY)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise UserInputError(
+                f"another process is running in {self.run_dir}",
+                path=str(self.run_dir),
+                expected="one `rollkeep train` per run_dir",
+                found="the run directory is locked",
+                remedy="wait for it to finish or stop it (Ctrl-C, or kill: a killed run resumes "
+                "losslessly), or use another run_dir",
+            ) from None
+
     def _start(self) -> None:
         cfg = self.cfg
+        self._lock_run_dir()
         latest = self.store.latest()
         restored = None
         if latest is not None:
@@ -161,7 +184,6 @@ class Controller:
             self._published_step = self.ledger.version
         else:
             self.ledger = Ledger(n_rows=self.source.n_rows, seed=self.source.seed, epochs=self.source.epochs)
-            self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(dump_yaml(cfg))
         # Only now that the restore chain passed does anything on disk change.
         leftovers = self.store.cleanup_tmp()
@@ -175,7 +197,7 @@ class Controller:
             "run_started",
             resumed_from_step=None if restored is None else self.ledger.version,
             checkpoint=None if restored is None else restored.name,
-            pid=__import__("os").getpid(),
+            pid=os.getpid(),
             config_fingerprint=fingerprint(self.semantic),
             cleaned_tmp=leftovers,
         )
@@ -256,6 +278,7 @@ class Controller:
         self.trace.close()
         self._metrics.close()
         await self.engine.close()
+        os.close(self._lock_fd)
         return result
 
     def stop(self, reason: str) -> None:
