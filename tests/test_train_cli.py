@@ -80,7 +80,13 @@ def test_sigterm_finishes_the_step_writes_a_checkpoint_and_exits_0(tmp_path) -> 
     stopped = finished[-1]["step"]
     assert finished[-1]["reason"] == "signal" and 5 <= stopped < 12
     assert [e["step"] for e in ev if e["event"] == "checkpoint_published"] == [stopped]
-    assert any(e["event"] == "abandoned" and e["reason"] == "shutdown" for e in ev)
+    # Work still generating at the stop was abandoned before the final cut: the checkpoint
+    # holds no attempt in flight, and each abandonment is in the trace.
+    ck = run / "checkpoints" / f"step_{stopped:06d}"
+    groups = msgspec.msgpack.decode((ck / "ledger.msgpack").read_bytes())["groups"]
+    assert all(1 not in bytes(g[10]) for g in groups)  # status 1 = DISPATCHED
+    shutdown = [e for e in ev if e["event"] == "abandoned" and e["reason"] == "shutdown"]
+    assert all(e["run_id"] == finished[-1]["run_id"] for e in shutdown)
     assert (run / "checkpoints" / "LATEST").read_text().strip() == f"step_{stopped:06d}"
     resumed = rollkeep("train", DEFAULTS, *FAST, f"run_dir={run}", "checkpoint.every_steps=100")
     assert resumed.returncode == 0, resumed.stderr
