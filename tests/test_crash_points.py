@@ -24,6 +24,9 @@ POINTS = ["ledger.taken", "ledger.admitted", "ledger.dispatched", "ledger.sealed
           "publish.latest_replaced", "publish.retention"]
 
 
+TIMING_DEPENDENT = {"ledger.evicted", "ledger.dropped", "ledger.failed", "ledger.abandoned"}
+
+
 def _occurrences(counts: dict[str, int], point: str) -> int:
     kind, _, name = point.partition(".")
     if kind == "ledger":
@@ -59,7 +62,12 @@ def test_crash_at_every_point(tmp_path, sampler, granularity) -> None:
         cfg = config(tmp_path / point, *over)
         # Land in the middle of the run, and for a second kill early in the resumed run.
         first = run_child(cfg, f"{point}:{max(1, n // 2)}")
-        assert killed(first), f"{point}:{n // 2} did not kill the run (exit {first})"
+        if not killed(first):
+            # Only timing decides how often an unstamped sampler evicts or a group fails
+            # and is dropped, so this run may not reach the point; it must then finish.
+            assert first == 0 and not deterministic and point in TIMING_DEPENDENT, (point, first)
+            check(cfg, reference_sha)
+            continue
         second = run_child(cfg, f"{point}:1")
         if second != 0:
             assert killed(second)
