@@ -39,9 +39,9 @@ def config(run_dir: Path, *overrides: str) -> Config:
     return load_config(None, [*FAST, f"run_dir={run_dir}", *overrides])
 
 
-def run_child(cfg: Config, crash_at: str | None = None) -> int:
+def run_child(cfg: Config, crash_at: str | None = None, *, crash_signal: str = "KILL") -> int:
     """Run `train(cfg)` in a forked child. Returns its wait status as a signal number
-    (negative) or exit code."""
+    (negative) or exit code. `crash_signal="TERM"` makes the crash point a graceful stop."""
     pid = os.fork()
     if pid == 0:  # child
         code = 1
@@ -51,6 +51,7 @@ def run_child(cfg: Config, crash_at: str | None = None) -> int:
                 os.environ.pop("ROLLKEEP_CRASH_AT", None)
             else:
                 os.environ["ROLLKEEP_CRASH_AT"] = crash_at
+            os.environ["ROLLKEEP_CRASH_SIGNAL"] = crash_signal
             crashpoints._reload_from_env()
             from rollkeep.controller import train
 

@@ -94,3 +94,19 @@ def test_deterministic_equivalence_survives_many_kills(tmp_path) -> None:
     run_to_end(cfg)
     report = check(cfg, final_sha(reference))
     assert report.restarts >= 6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("at", ["ledger.step_committed:3", "ledger.sealed:20", "ledger.claimed:6"])
+def test_deterministic_graceful_stops_end_byte_identical(tmp_path, at) -> None:
+    """A SIGTERM in deterministic mode may land while groups still have to generate under
+    an older weight version; the final checkpoint is then skipped (the previous one stands)
+    rather than written in a state a resumed engine could not continue."""
+    over = ["deterministic=true", "rollout.on_dropped_prompt=shrink", "engine.latency_ms=3",
+            "checkpoint.every_steps=3", "sampler.max_lookahead_versions=2"]
+    reference = config(tmp_path / "reference", *over)
+    run_to_end(reference)
+    cfg = config(tmp_path / "stopped", *over)
+    assert run_child(cfg, at, crash_signal="TERM") == 0
+    run_to_end(cfg)
+    check(cfg, final_sha(reference))

@@ -262,9 +262,7 @@ class Controller:
                 train = tg.create_task(self._train_pump())
                 tg.create_task(self._flush_trace(rollout, train))
             self._abandon_inflight("shutdown")
-            if self._published_step != self.ledger.version and (
-                self.stopping != "signal" or self.cfg.checkpoint.on_shutdown
-            ):
+            if (self.stopping != "signal" or self.cfg.checkpoint.on_shutdown) and self._can_cut():
                 await self._write(*self._cut())
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
@@ -551,7 +549,7 @@ class Controller:
             crashpoints.hit("train.after_commit")
             self._log_step(batch, metrics, time.perf_counter() - t0)
             if cfg.deterministic:
-                await self._wait_generated_through(step + self.limits.window)
+                await self._wait_pinned_work()
             if step % cfg.checkpoint.every_steps == 0 or step == cfg.train.total_steps:
                 await self._checkpoint()
             await self.engine.update_weights(self.trainer.weights(), step)
@@ -588,24 +586,23 @@ class Controller:
             await self._wait(self._wake_train)
         return None
 
-    async def _wait_generated_through(self, last_step: int) -> None:
-        """Deterministic mode: before the engine moves past version v, every group pinned
-        to v (those of steps <= v + 1 + window) must have finished generating."""
+    def _pinned_work_done(self) -> bool:
+        """Deterministic mode (DESIGN §7): step k generates under version k - 1 - window, so
+        before the engine moves past the trainer's version v, every group of the steps up
+        to v + window must have finished generating (and every such step be full)."""
         led = self.ledger
-        last_step = min(last_step, self.cfg.train.total_steps)
+        last_step = min(led.version + self.limits.window, self.cfg.train.total_steps)
+        for k in range(led.version + 1, last_step + 1):
+            gids = led.stamped(k)
+            full = len(gids) + led.shortfall(k) >= self.limits.num_prompts_per_step
+            if not full and not (led.exhausted and not led.spare):
+                return False
+            if any(led.group(g).state <= GroupState.GENERATING for g in gids):
+                return False
+        return True
 
-        def done() -> bool:
-            for k in range(led.version + 1, last_step + 1):
-                gids = led.stamped(k)
-                full = len(gids) + led.shortfall(k) >= self.limits.num_prompts_per_step
-                if not full and not (led.exhausted and not led.spare):
-                    return False
-                if any(led.group(g).state <= GroupState.GENERATING for g in gids):
-                    return False
-            return not any(led.group(g).target_step is not None and led.group(g).target_step <= last_step
-                           for g in led.reserved_ids())
-
-        while not self.stopping and not done():
+    async def _wait_pinned_work(self) -> None:
+        while not self.stopping and not self._pinned_work_done():
             await self._wait(self._wake_train)
 
     def _batch(self, step: int, gids: list[str]) -> Batch:
@@ -669,9 +666,21 @@ class Controller:
         crashpoints.hit("checkpoint.after_cut")
         return c, snapshot, snapshot_seconds
 
+    def _can_cut(self) -> bool:
+        """In deterministic mode a checkpoint must not hold a group that still has to
+        generate under a version older than the trainer's (a resumed engine could not);
+        only a stop can leave that state, and then the previous checkpoint stands."""
+        if self.ledger.version == self._published_step:
+            return False
+        if self.cfg.deterministic and not self._pinned_work_done():
+            self.trace.emit("checkpoint_skipped", step=self.ledger.version,
+                            reason="deterministic: generation pinned to an older version unfinished")
+            return False
+        return True
+
     async def _checkpoint(self) -> None:
         """At a step boundary: cut now, write in the background (one write at a time)."""
-        if self.ledger.version == self._published_step:
+        if not self._can_cut():
             return
         if self._write_task is not None:
             await self._write_task
