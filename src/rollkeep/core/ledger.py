@@ -284,7 +284,7 @@ class Ledger:
         # Derived indices, rebuilt by `from_state`; never persisted.
         self._ready: dict[str, None] = {}
         self._by_step: dict[int, dict[str, None]] = {}
-        self._n_claimed = 0
+        self._claimed_ids: dict[str, None] = {}  # CLAIMED groups (all of the next step)
         self._reserved: dict[str, None] = {}  # groups in state RESERVED (awaiting admission)
         self._pending: dict[str, None] = {}  # GENERATING groups with a RESERVED sibling
         self._sinks: list[Any] = []
@@ -367,7 +367,7 @@ class Ledger:
         ledger._shared = True  # records and bitmaps are still the state's
         for gid in sorted(ledger._groups, key=lambda g: ledger._groups[g].key):
             ledger._index_add(gid, ledger._groups[gid])
-        ledger._n_claimed = sum(1 for r in ledger._groups.values() if r.state == _CLAIMED)
+        ledger._claimed_ids = {g: None for g, r in ledger._groups.items() if r.state == _CLAIMED}
         return ledger
 
     def _unshare(self) -> None:
@@ -444,11 +444,11 @@ class Ledger:
 
     def n_claimed(self) -> int:
         """Groups claimed by the open train step."""
-        return self._n_claimed
+        return len(self._claimed_ids)
 
     def n_inflight(self) -> int:
         """Groups owned by LEDGER: taken, not finalized yet."""
-        return len(self._groups) - len(self._ready) - self._n_claimed
+        return len(self._groups) - len(self._ready) - len(self._claimed_ids)
 
     def stamped(self, step: int) -> list[str]:
         """Live groups (LEDGER or REPLAY) whose target step is `step`."""
@@ -462,7 +462,8 @@ class Ledger:
         return self._shortfall.get(step, 0)
 
     def claimed(self, step: int) -> list[str]:
-        return [g for g, r in self._groups.items() if r.state == _CLAIMED and r.claim_step == step]
+        # Only the next step can hold a claim (invariant I3), so the index is that step's.
+        return list(self._claimed_ids) if step == self._version + 1 else []
 
     def is_current(self, gid: str, generation: int, attempt: int) -> bool:
         """Whether a result for (gid, generation, attempt) may still be sealed or failed."""
@@ -639,6 +640,7 @@ class Ledger:
                 if not bucket:
                     del self._by_step[rec.target_step]
         self._ready.pop(gid, None)
+        self._claimed_ids.pop(gid, None)
         self._reserved.pop(gid, None)
         self._pending.pop(gid, None)
 
@@ -918,7 +920,7 @@ class Ledger:
             rec.state = _CLAIMED
             rec.claim_step = ev.step
             self._ready.pop(gid, None)
-        self._n_claimed += len(ev.group_ids)
+            self._claimed_ids[gid] = None
         return _NO_ROWS
 
     def _step_committed(self, ev: StepCommitted) -> FreedRows:
@@ -943,7 +945,6 @@ class Ledger:
             if bm is None:
                 bm = self._trained[rec.epoch] = BitMap()
             bm.add(rec.ordinal)
-        self._n_claimed -= len(ev.group_ids)
         self._version = ev.step
         self._shortfall.pop(ev.step, None)
         return tuple(freed)
@@ -956,7 +957,7 @@ class Ledger:
         if nxt == _READY:
             rec.claim_step = None
             self._ready[ev.group_id] = None
-            self._n_claimed -= 1
+            del self._claimed_ids[ev.group_id]
         return _NO_ROWS
 
     def _evicted(self, ev: Evicted) -> FreedRows:

@@ -10,8 +10,6 @@ import re
 
 import numpy as np
 
-from ..core.source import SequenceDataset
-
 TASK = "arith"
 TASK_PARTIAL = "arith_partial"  # the same problems, rewarded with partial credit
 _NUMBER = re.compile(r"-?\d+")
@@ -27,10 +25,6 @@ def make_rows(n_rows: int, *, digits: int, seed: int, task: str = TASK) -> list[
         {"prompt": f"{int(x)}+{int(y)}=", "answer": str(int(x) + int(y)), "task": task}
         for x, y in zip(a, b, strict=True)
     ]
-
-
-def make_dataset(n_rows: int, *, digits: int, seed: int) -> SequenceDataset:
-    return SequenceDataset(make_rows(n_rows, digits=digits, seed=seed))
 
 
 def reward(text: str, row: dict, *, partial_credit: bool = False) -> float:
