@@ -110,18 +110,21 @@ def _env(crash_at: str | None) -> dict[str, str]:
     return env
 
 
-def _run_started_count(trace: Path) -> int:
-    if not trace.exists():
-        return 0
-    return trace.read_bytes().count(b'"event":"run_started"')
+def _trace_mark(trace: Path) -> int:
+    """Where the trace ends now; a run launched afterwards traces its start past here."""
+    return trace.stat().st_size if trace.exists() else 0
 
 
-def _wait_started(proc: subprocess.Popen, trace: Path, before: int, timeout: float) -> bool:
-    """Poll (a supervisor, not a test) until the child has traced `run_started`."""
+def _wait_started(proc: subprocess.Popen, trace: Path, mark: int, timeout: float) -> bool:
+    """Poll (a supervisor, not a test) until the child has traced `run_started` after
+    `mark`, reading only what was appended since."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if _run_started_count(trace) > before:
-            return True
+        if trace.exists():
+            with open(trace, "rb") as f:
+                f.seek(mark)
+                if b'"event":"run_started"' in f.read():
+                    return True
         if proc.poll() is not None:
             return False
         time.sleep(0.01)
@@ -176,11 +179,11 @@ def run_chaos(
             else:
                 point = rng.choice([p for p in LEDGER_POINTS if counts[p]] or ["taken"])
                 crash_at = f"ledger.{point}:{rng.randint(1, max(1, counts[point] // 3))}"
-        before = _run_started_count(trace)
+        mark = _trace_mark(trace)
         proc = subprocess.Popen(cmd, env=_env(crash_at), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         if crash_at is None:
             delay = rng.uniform(0.0, 0.6 * duration)  # resumed runs have less left to do
-            if _wait_started(proc, trace, before, timeout):
+            if _wait_started(proc, trace, mark, timeout):
                 try:
                     proc.wait(timeout=delay)
                 except subprocess.TimeoutExpired:

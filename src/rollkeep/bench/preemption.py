@@ -43,7 +43,7 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-from ..chaos import _env, _run_started_count, _train_cmd, _wait_started
+from ..chaos import _env, _trace_mark, _train_cmd, _wait_started
 from ..core.errors import RollkeepError
 from ..lineage import lineage
 from ..trace import read_trace
@@ -158,12 +158,12 @@ def _segment(
     cmd: list[str], trace: Path, stderr: Path, *, kill_after: float | None, timeout: float
 ) -> bool:
     """One run of the job. True if the SIGKILL landed; False if it finished (exit 0)."""
-    before = _run_started_count(trace)
+    mark = _trace_mark(trace)
     with open(stderr, "wb") as err:
         proc = subprocess.Popen(cmd, env=_env(None), stdout=subprocess.DEVNULL, stderr=err)
         try:
             if kill_after is not None:
-                if not _wait_started(proc, trace, before, timeout) and proc.poll() is None:
+                if not _wait_started(proc, trace, mark, timeout) and proc.poll() is None:
                     raise _failed("did not trace run_started", stderr, timeout)
                 try:
                     proc.wait(timeout=kill_after)
