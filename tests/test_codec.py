@@ -17,6 +17,7 @@ from rollkeep.core.ledger import Ledger
 # the new fingerprint here under the new version. Never edit an existing entry.
 SCHEMA_LOCK = {
     1: "1e677cca9635033f08255aeb77e10df9a8ef2857c16899b23eb9469ac6858afb",
+    2: "1a8c5c1f1069cc2a1245bbb76c1683ad6ec9187e9ec651cb62181dd867de5f29",
 }
 
 

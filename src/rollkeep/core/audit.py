@@ -15,7 +15,7 @@ from pyroaring import BitMap
 from .errors import AuditFailure
 from .events import GRANULARITIES
 from .keys import group_id
-from .ledger import GroupState, Ledger, LedgerState
+from .ledger import MAX_ADVANTAGE, MAX_REASON, GroupState, Ledger, LedgerState
 
 _A_RESERVED, _A_SEALED = 0, 2
 _S_RESERVED, _S_GENERATING, _S_RTF, _S_READY, _S_CLAIMED = (
@@ -57,7 +57,8 @@ def _listed(ordinals: Iterable[int], epoch: int) -> str:
 
 
 def check_records(state: LedgerState) -> list[str]:
-    """Invariants I3 and I4: each record well formed and consistent with the version.
+    """Invariants I3-I6: each record well formed, consistent with the version, and every
+    persisted number within what the ledger's own records allow.
 
     Decoding a checkpoint runs this (restore step 4); `audit` runs it too.
     """
@@ -73,6 +74,7 @@ def check_records(state: LedgerState) -> list[str]:
         bad.append(f"cursor {tuple(c)} past the last epoch {state.epochs}")
     if version < 0:
         bad.append(f"version {version} < 0")
+    window = state.max_window
     zeros: dict[int, bytes] = {}
     for gid, r in state.groups.items():
         # Written for speed (it runs on every restore): int codes, not enum members, and
@@ -126,9 +128,67 @@ def check_records(state: LedgerState) -> list[str]:
             bad.append(f"group {gid}: claimed by step {r.claim_step}, but only step {version + 1} may claim")
         if r.target_step is not None and r.target_step <= version:
             bad.append(f"group {gid}: stamped for step {r.target_step}, already committed (version {version})")
+        elif (
+            r.target_step is not None
+            and window is not None
+            and r.start_version is not None
+            and r.target_step > r.start_version + 1 + window
+        ):
+            bad.append(
+                f"I6 group {gid}: stamped for step {r.target_step}, beyond its start version "
+                f"{r.start_version} + 1 + the widest window {window}"
+            )
+        if r.advantages is not None and not all(abs(a) <= MAX_ADVANTAGE for a in r.advantages):
+            bad.append(f"I6 group {gid}: advantages not finite or beyond {MAX_ADVANTAGE:g}: {r.advantages[:4]}")
+    horizon = None if window is None else version + 1 + window
+    limit = state.max_prompts_per_step
     for step, n in state.shortfall.items():
         if step <= version or n < 1:
             bad.append(f"shortfall {n} for step {step} (version {version})")
+        elif (limit is not None and n > limit) or (horizon is not None and step > horizon):
+            bad.append(f"I6 shortfall {n} for step {step}: beyond {limit} prompts per step or step {horizon}")
+    for key, (reason, step) in state.dropped.items():
+        if step < 1 or (horizon is not None and step > horizon):
+            bad.append(f"I6 dropped {group_id(key)} at step {step}, outside [1, {horizon}]")
+        if len(reason) > MAX_REASON:
+            bad.append(f"I6 dropped {group_id(key)}: a reason of {len(reason)} characters (at most {MAX_REASON})")
+    bad.extend(check_steps(state))
+    return bad
+
+
+def check_steps(state: LedgerState) -> list[str]:
+    """Invariant I5: the step records account for every committed step and every key in
+    TRAINED."""
+    bad: list[str] = []
+    limit = state.max_prompts_per_step
+    expected_first, known, unknown_steps = 1, 0, 0
+    for run in state.steps:
+        if run.first != expected_first or run.last < run.first:
+            bad.append(f"I5 step records cover steps {run.first}..{run.last}; expected a run from step {expected_first}")
+            return bad
+        expected_first = run.last + 1
+        if run.groups is None or run.shortfall is None:
+            unknown_steps += run.n_steps
+            continue
+        if run.groups < 1 or run.shortfall < 0:
+            bad.append(f"I5 steps {run.first}..{run.last} trained {run.groups} group(s), short {run.shortfall}")
+        elif limit is not None and run.groups + run.shortfall > limit:
+            bad.append(
+                f"I5 steps {run.first}..{run.last} trained {run.groups} group(s) (+{run.shortfall} short), "
+                f"more than {limit} per step"
+            )
+        known += run.groups * run.n_steps
+    if expected_first != state.version + 1:
+        bad.append(f"I5 step records end at step {expected_first - 1}, but version is {state.version}")
+    trained = sum(len(b) for b in state.trained.values())
+    rest = trained - known
+    if unknown_steps == 0 and rest != 0:
+        bad.append(f"I5 TRAINED holds {trained} key(s), but the committed steps trained {known}")
+    elif unknown_steps and not (unknown_steps <= rest and (limit is None or rest <= unknown_steps * limit)):
+        bad.append(
+            f"I5 TRAINED holds {trained} key(s): {rest} for {unknown_steps} step(s) without records, "
+            f"expected between {unknown_steps} and {unknown_steps} x {limit}"
+        )
     return bad
 
 

@@ -26,13 +26,24 @@ from pyroaring import BitMap
 from .audit import check_records
 from .errors import LedgerDecodeError, SchemaUnsupported
 from .keys import Key, group_id
-from .ledger import GroupRecord, LedgerState
+from .ledger import GroupRecord, LedgerState, StepRun
 
-LEDGER_SCHEMA = 1
-SUPPORTED_LEDGER_SCHEMAS = frozenset({1})
+LEDGER_SCHEMA = 2
+SUPPORTED_LEDGER_SCHEMAS = frozenset({1, 2})
+
+
+def _from_schema_1(doc: dict) -> dict:
+    """Schema 1 → 2: schema 2 records what each committed step trained (invariant I5) and
+    the widest limits configured (I6). A schema-1 ledger knew neither: its steps become
+    one run with unknown counts (their total is whatever TRAINED holds), and the limits
+    are recorded by the `configured` event of the run that resumes it."""
+    version = doc.get("version")
+    steps = [[1, version, None, None]] if isinstance(version, int) and version >= 1 else []
+    return {**doc, "schema": 2, "steps": steps, "max_prompts_per_step": None, "max_window": None}
+
 
 #: schema version → function upgrading a decoded msgpack document by one version.
-MIGRATIONS: dict[int, Callable[[dict], dict]] = {}
+MIGRATIONS: dict[int, Callable[[dict], dict]] = {1: _from_schema_1}
 
 
 class DroppedEntry(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -54,6 +65,9 @@ class LedgerWire(msgspec.Struct, forbid_unknown_fields=True):
     trained: dict[int, bytes]  # epoch → portable roaring bitmap of trained ordinals
     dropped: list[DroppedEntry]
     shortfall: dict[int, int]
+    steps: list[StepRun]  # committed steps 1..version, as runs of equal counts
+    max_prompts_per_step: int | None
+    max_window: int | None
 
 
 class _Header(msgspec.Struct):
@@ -78,6 +92,9 @@ def encode(state: LedgerState) -> bytes:
         trained={e: state.trained[e].serialize() for e in sorted(state.trained)},
         dropped=[DroppedEntry(k[0], k[1], r, s) for k, (r, s) in sorted(state.dropped.items())],
         shortfall={s: state.shortfall[s] for s in sorted(state.shortfall)},
+        steps=list(state.steps),
+        max_prompts_per_step=state.max_prompts_per_step,
+        max_window=state.max_window,
     )
     return _encoder.encode(wire)
 
@@ -93,6 +110,19 @@ _PATH_RE = re.compile(r"at `(\$[^`]*)`")
 
 def decode(data: bytes, *, path: str = "ledger.msgpack") -> LedgerState:
     """Strictly decode a ledger file into a `LedgerState` (restore steps 3 and 4)."""
+    try:
+        return _decode(data, path)
+    except RecursionError:  # msgspec recurses per nesting level; a hostile file nests deep
+        raise LedgerDecodeError(
+            "the ledger file is nested too deeply to be a rollkeep ledger",
+            path=path,
+            expected=f"ledger schema {LEDGER_SCHEMA} (a few levels of nesting)",
+            found="nesting deeper than the decoder's recursion limit",
+            remedy="restore from another checkpoint; this one is damaged or was edited",
+        ) from None
+
+
+def _decode(data: bytes, path: str) -> LedgerState:
     try:
         header = msgspec.msgpack.decode(data, type=_Header)
     except msgspec.DecodeError as e:
@@ -114,12 +144,14 @@ def decode(data: bytes, *, path: str = "ledger.msgpack") -> LedgerState:
             found=str(header.schema),
             remedy="upgrade rollkeep to read it" if newer else "no migration exists for this schema",
         )
-    if header.schema != LEDGER_SCHEMA:  # pragma: no cover - no older schema exists yet
-        raw = msgspec.msgpack.decode(data)
-        for v in range(header.schema, LEDGER_SCHEMA):
-            raw = MIGRATIONS[v](raw)
-        data = _encoder.encode(raw)
     try:
+        if header.schema != LEDGER_SCHEMA:
+            raw = msgspec.msgpack.decode(data)
+            if not isinstance(raw, dict):
+                raise msgspec.ValidationError("Expected `object`, got another type - at `$`")
+            for v in range(header.schema, LEDGER_SCHEMA):
+                raw = MIGRATIONS[v](raw)
+            data = _encoder.encode(raw)
         wire = msgspec.msgpack.decode(data, type=LedgerWire)
     except msgspec.ValidationError as e:
         m = _PATH_RE.search(str(e))
@@ -183,6 +215,9 @@ def _to_state(w: LedgerWire, path: str) -> LedgerState:
         trained=trained,
         dropped=dropped,
         shortfall=dict(w.shortfall),
+        steps=tuple(w.steps),
+        max_prompts_per_step=w.max_prompts_per_step,
+        max_window=w.max_window,
     )
     if w.n_rows < 1:
         raise _fail(path, "$.n_rows", "the dataset size must be at least 1", str(w.n_rows))

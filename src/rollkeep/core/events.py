@@ -30,6 +30,21 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="event", gc=Fal
     """Base of all ledger events."""
 
 
+class Configured(Event, tag="configured"):
+    """The limits a run holds the ledger to, applied when a run starts (fresh or resumed).
+
+    The ledger keeps the widest `num_prompts_per_step` and `window` ever configured: they
+    bound what a checkpoint may claim (invariants I5 and I6), and groups admitted under a
+    wider setting stay legal after a resume narrows it. `epochs` may only grow (or become
+    unbounded): a resume that extends `data.epochs` hands out more prompts and revisits
+    nothing already handed out.
+    """
+
+    num_prompts_per_step: int
+    window: int  # versions the sampler admits beyond the current one (lookahead or staleness)
+    epochs: int | None
+
+
 class Taken(Event, tag="taken"):
     """SOURCE or SPARE → LEDGER: a prompt is handed out as a RESERVED group."""
 
@@ -173,6 +188,7 @@ class Dropped(Event, tag="dropped"):
 
 
 ALL_EVENTS: tuple[type[Event], ...] = (
+    Configured,
     Taken,
     Spared,
     Admitted,

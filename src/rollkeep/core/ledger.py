@@ -11,6 +11,17 @@ Custody invariants (checked by `rollkeep.core.audit.audit`; DESIGN.md §1):
       sibling; a finished group has every sibling sealed; only READY and CLAIMED groups
       carry advantages; only the next step claims).
   I4. Stamped target steps and shortfalls are for steps not yet committed.
+  I5. Committed steps are accounted for: the step records cover steps 1..version once
+      each, in order; each step trained at least one group, and its groups plus its
+      shortfall are at most the widest `num_prompts_per_step` ever configured; the TRAINED
+      sets hold exactly as many keys as the step records say were trained.
+  I6. Every persisted number is one an honest run can produce, bounded by what the
+      ledger itself recorded: advantages are finite and at most MAX_ADVANTAGE in
+      magnitude; a target step is at most start version + 1 + the widest window ever
+      configured; a dropped key's step lies in [1, version + 1 + window] and its reason
+      has at most MAX_REASON characters; a shortfall is at most `num_prompts_per_step`.
+      (Bounds that need a configured limit are checked once a `configured` event has
+      recorded one.)
 
 Owners of a key (epoch, ordinal):
 
@@ -35,7 +46,7 @@ so a captured state is never changed afterwards and can be encoded on another th
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -52,6 +63,7 @@ from .events import (
     Abandoned,
     Admitted,
     Claimed,
+    Configured,
     Dispatched,
     Dropped,
     Event,
@@ -149,6 +161,13 @@ PROMPT_GROUP_CODE = _GRANULARITY_CODE[PROMPT_GROUP]
 _PROMPT_GROUP = PROMPT_GROUP_CODE
 _MAX_COUNTER = 255  # failure counters are stored as bytes
 
+#: Largest advantage magnitude a checkpoint may hold (I6). Group-normalised advantages are
+#: at most sqrt(G - 1); unnormalised ones are reward differences. Far above either for any
+#: real reward scale, and far below where a float32 loss overflows.
+MAX_ADVANTAGE = 1e30
+#: Longest drop reason (I6); the controller writes a few hundred characters at most.
+MAX_REASON = 1000
+
 
 class GroupRecord(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):
     """One group in LEDGER or REPLAY. Persisted as is (a msgpack array), so a field change
@@ -198,6 +217,24 @@ class GroupRecord(msgspec.Struct, array_like=True, forbid_unknown_fields=True, g
 
     def generations_with(self, status: AttemptStatus) -> list[int]:
         return [g for g, s in enumerate(self.status) if s == status]
+
+
+class StepRun(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True, gc=False):
+    """Committed steps `first..last`, each of which trained `groups` groups and was short
+    `shortfall` groups dropped with `shrink` (I5). Consecutive steps with equal counts
+    share one run, so a run of a million full steps is one record. `groups` and
+    `shortfall` are None only for steps committed before the ledger kept these records
+    (schema 1, read through a migration): their total is whatever TRAINED holds beyond
+    the known runs."""
+
+    first: int
+    last: int
+    groups: int | None
+    shortfall: int | None
+
+    @property
+    def n_steps(self) -> int:
+        return self.last - self.first + 1
 
 
 def _copy_record(r: GroupRecord) -> GroupRecord:
@@ -250,6 +287,9 @@ class LedgerState(msgspec.Struct, frozen=True):
     trained: Mapping[int, BitMap]
     dropped: Mapping[Key, tuple[str, int]]
     shortfall: Mapping[int, int]
+    steps: Sequence[StepRun] = ()  # committed steps 1..version (I5)
+    max_prompts_per_step: int | None = None  # widest ever configured; None = not yet
+    max_window: int | None = None
 
 
 FreedRows = tuple[tuple[str, int, int], ...]  # (group_id, generation, attempt) of rows now garbage
@@ -278,6 +318,9 @@ class Ledger:
         self._trained: dict[int, BitMap] = {}
         self._dropped: dict[Key, tuple[str, int]] = {}
         self._shortfall: dict[int, int] = {}
+        self._steps: list[StepRun] = []
+        self._max_prompts_per_step: int | None = None
+        self._max_window: int | None = None
         # Copy-on-write bookkeeping (see module docstring).
         self._shared = False  # containers above are referenced by a captured state
         self._owned: set[str] = set()  # records created or copied since the last capture
@@ -289,6 +332,7 @@ class Ledger:
         self._pending: dict[str, None] = {}  # GENERATING groups with a RESERVED sibling
         self._sinks: list[Any] = []
         self._handlers = {
+            Configured: self._configured,
             Taken: self._taken,
             Spared: self._spared,
             Admitted: self._admitted,
@@ -351,6 +395,9 @@ class Ledger:
             trained=self._trained,
             dropped=self._dropped,
             shortfall=self._shortfall,
+            steps=self._steps,
+            max_prompts_per_step=self._max_prompts_per_step,
+            max_window=self._max_window,
         )
 
     @classmethod
@@ -364,6 +411,9 @@ class Ledger:
         ledger._trained = dict(state.trained)
         ledger._dropped = dict(state.dropped)
         ledger._shortfall = dict(state.shortfall)
+        ledger._steps = list(state.steps)
+        ledger._max_prompts_per_step = state.max_prompts_per_step
+        ledger._max_window = state.max_window
         ledger._shared = True  # records and bitmaps are still the state's
         for gid in sorted(ledger._groups, key=lambda g: ledger._groups[g].key):
             ledger._index_add(gid, ledger._groups[gid])
@@ -375,6 +425,7 @@ class Ledger:
         self._trained = {e: BitMap(b) for e, b in self._trained.items()}
         self._dropped = dict(self._dropped)
         self._shortfall = dict(self._shortfall)
+        self._steps = list(self._steps)
         self._shared = False
 
     def _writable(self, gid: str) -> GroupRecord:
@@ -490,6 +541,20 @@ class Ledger:
         if key in self._spare:
             return Owner.SPARE
         return Owner.SOURCE
+
+    @property
+    def max_prompts_per_step(self) -> int | None:
+        """The widest `num_prompts_per_step` ever configured (None before any)."""
+        return self._max_prompts_per_step
+
+    @property
+    def max_window(self) -> int | None:
+        """The widest sampler window ever configured (None before any)."""
+        return self._max_window
+
+    def steps(self) -> list[StepRun]:
+        """The records of committed steps 1..version, as runs of equal counts (I5)."""
+        return list(self._steps)
 
     def trained_count(self) -> int:
         return sum(len(b) for b in self._trained.values())
@@ -644,6 +709,10 @@ class Ledger:
         self._reserved.pop(gid, None)
         self._pending.pop(gid, None)
 
+    def _stamp_horizon(self, start_version: int) -> int | None:
+        """The last step a group admitted at `start_version` may be stamped for (I6)."""
+        return None if self._max_window is None else start_version + 1 + self._max_window
+
     def _sealed_rows(self, gid: str, rec: GroupRecord) -> FreedRows:
         return tuple((gid, g, rec.attempts[g]) for g, s in enumerate(rec.status) if s == _A_SEALED)
 
@@ -718,6 +787,28 @@ class Ledger:
     # ------------------------------------------------------------------ handlers
     # Each handler: validate everything, then mutate. Return freed rows, or None for a no-op.
 
+    def _configured(self, ev: Configured) -> FreedRows:
+        if ev.num_prompts_per_step < 1 or ev.window < 0:
+            raise self._illegal(
+                ev,
+                "limits",
+                expected="num_prompts_per_step >= 1 and window >= 0",
+                found=f"num_prompts_per_step {ev.num_prompts_per_step}, window {ev.window}",
+            )
+        if ev.epochs != self.epochs and not (
+            ev.epochs is None or (self.epochs is not None and ev.epochs > self.epochs)
+        ):
+            raise self._illegal(
+                ev,
+                "the number of epochs can only grow",
+                expected=f"None (unbounded) or more than {self.epochs}",
+                found=str(ev.epochs),
+            )
+        self.epochs = ev.epochs
+        self._max_prompts_per_step = max(self._max_prompts_per_step or 0, ev.num_prompts_per_step)
+        self._max_window = max(self._max_window or 0, ev.window)
+        return _NO_ROWS
+
     def _taken(self, ev: Taken) -> FreedRows:
         self._check_take(ev, ev)
         self._do_take(ev, _RESERVED, None, None)
@@ -748,6 +839,14 @@ class Ledger:
         if not (0 <= ev.version <= self._version):
             raise self._illegal(
                 ev, "weight version", expected=f"0..{self._version}", found=str(ev.version)
+            )
+        horizon = self._stamp_horizon(ev.version)
+        if ev.target_step is not None and horizon is not None and ev.target_step > horizon:
+            raise self._illegal(
+                ev,
+                f"target step {ev.target_step} is beyond the window",
+                expected=f"a step <= {horizon} (version {ev.version} + 1 + window {self._max_window})",
+                found=str(ev.target_step),
             )
         rec = self._writable(ev.group_id)
         rec.state = _GENERATING
@@ -886,6 +985,14 @@ class Ledger:
                 expected=f"{len(rec.status)} values (one per sibling)",
                 found=f"{len(ev.advantages)} values",
             )
+        bad = [a for a in ev.advantages if not abs(a) <= MAX_ADVANTAGE]  # catches NaN too
+        if bad:
+            raise self._illegal(
+                ev,
+                f"advantages of group {ev.group_id}",
+                expected=f"finite values of magnitude <= {MAX_ADVANTAGE:g}",
+                found=str(bad[:3]),
+            )
         rec = self._writable(ev.group_id)
         rec.state = _READY
         rec.advantages = [float(a) for a in ev.advantages]
@@ -914,6 +1021,14 @@ class Ledger:
         if self.claimed(ev.step):
             raise self._illegal(
                 ev, f"step {ev.step} already claimed groups", expected="one claim per step", found=str(self.claimed(ev.step))
+            )
+        limit = self._max_prompts_per_step
+        if limit is not None and len(ev.group_ids) + self.shortfall(ev.step) > limit:
+            raise self._illegal(
+                ev,
+                f"step {ev.step} claims too many groups",
+                expected=f"at most {limit} (num_prompts_per_step) minus its shortfall {self.shortfall(ev.step)}",
+                found=f"{len(ev.group_ids)} groups",
             )
         for gid in ev.group_ids:
             rec = self._writable(gid)
@@ -946,8 +1061,15 @@ class Ledger:
                 bm = self._trained[rec.epoch] = BitMap()
             bm.add(rec.ordinal)
         self._version = ev.step
-        self._shortfall.pop(ev.step, None)
+        self._record_step(ev.step, len(ev.group_ids), self._shortfall.pop(ev.step, 0))
         return tuple(freed)
+
+    def _record_step(self, step: int, groups: int, shortfall: int) -> None:
+        last = self._steps[-1] if self._steps else None
+        if last is not None and last.last == step - 1 and (last.groups, last.shortfall) == (groups, shortfall):
+            self._steps[-1] = StepRun(last.first, step, groups, shortfall)
+        else:
+            self._steps.append(StepRun(step, step, groups, shortfall))
 
     def _released(self, ev: Released) -> FreedRows:
         rec = self._require_group(ev, ev.group_id, "released")
@@ -995,6 +1117,10 @@ class Ledger:
                 found=f"shrink={ev.shrink}, replacement={ev.replacement is not None}",
             )
         step = rec.target_step if stamped else self._version + 1
+        if len(ev.reason) > MAX_REASON:
+            raise self._illegal(
+                ev, "drop reason too long", expected=f"at most {MAX_REASON} characters", found=f"{len(ev.reason)}"
+            )
         if tuple(ev.prompt) != (rec.epoch, rec.idx) or ev.step != step:
             raise self._illegal(
                 ev,

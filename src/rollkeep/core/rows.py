@@ -47,6 +47,7 @@ from safetensors.numpy import load as _st_load
 from safetensors.numpy import save as _st_save
 
 from rollkeep.core.errors import CustodyError, RowsMismatch
+from rollkeep.core.untrusted import loads_json, safetensors_header
 
 __all__ = [
     "FINISH_REASONS",
@@ -432,18 +433,10 @@ def _header(data: bytes, path: str) -> dict[str, Any]:
             path=path,
         )
 
-    if len(data) < 8:
-        raise not_safetensors(f"{len(data)} bytes")
-    n = int.from_bytes(data[:8], "little")
-    if n < 2 or 8 + n > len(data):
-        raise not_safetensors(f"a header length of {n} in a file of {len(data)} bytes")
     try:
-        header = json.loads(bytes(data[8 : 8 + n]).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise not_safetensors(f"a header that is not JSON ({err})") from None
-    if not isinstance(header, dict):
-        raise not_safetensors(f"a JSON header of type {type(header).__name__}")
-    return header
+        return safetensors_header(data)
+    except ValueError as err:
+        raise not_safetensors(str(err)) from None
 
 
 def decode_rows(data: bytes, *, path: str = "rows.safetensors") -> dict[RowId, Row]:
@@ -513,8 +506,8 @@ def decode_rows(data: bytes, *, path: str = "rows.safetensors") -> dict[RowId, R
     if raw is None:
         raise bad("The group_ids metadata is missing", "group_ids")
     try:
-        gids = json.loads(raw) if isinstance(raw, str) else None
-    except json.JSONDecodeError:
+        gids = loads_json(raw) if isinstance(raw, str) else None
+    except ValueError:
         gids = None
     if not isinstance(gids, list) or not all(isinstance(g, str) and g for g in gids):
         raise bad(

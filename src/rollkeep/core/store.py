@@ -154,7 +154,6 @@ changed after `open`; the price is hashing the files that are read twice.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import math
@@ -173,6 +172,7 @@ from typing import Any
 
 from rollkeep.core import crashpoints
 from rollkeep.core.errors import CheckpointNotFound, ManifestMismatch, SchemaUnsupported
+from rollkeep.core.untrusted import hash_regular, loads_json, read_regular
 
 __all__ = [
     "FS",
@@ -199,7 +199,6 @@ _NAME_RE = re.compile(r"step_(\d{6,})")
 _TMP_RE = re.compile(r"(?:step_\d{6,}|LATEST)\.tmp-[0-9a-f]+")
 _COMPONENT_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
-_CHUNK = 1 << 20
 _NO_SCHEMA_CHECK: Mapping[str, AbstractSet[int]] = MappingProxyType({})
 
 
@@ -259,26 +258,9 @@ def _encode_manifest(fields: Mapping[str, Any]) -> bytes:
     return (text + "\n").encode("ascii")
 
 
-def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {k!r}")
-        out[k] = v
-    return out
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
 def _decode_json(raw: bytes) -> Any:
-    """Strict JSON: UTF-8, no duplicate keys, no NaN/Infinity. Raises ValueError."""
-    return json.loads(
-        raw.decode("utf-8"),
-        object_pairs_hook=_reject_duplicates,
-        parse_constant=_reject_constant,
-    )
+    """Strict JSON (no duplicate keys, no NaN, bounded nesting). Raises ValueError."""
+    return loads_json(raw)
 
 
 def _is_int(x: object) -> bool:
@@ -369,7 +351,7 @@ class OpenedCheckpoint:
             )
         size, digest = self._expected[relpath]
         try:
-            data = _read_regular(file)
+            data = read_regular(file)
         except OSError as e:
             raise ManifestMismatch(
                 f"{relpath} of checkpoint {self.name} cannot be read any more",
@@ -527,7 +509,7 @@ class CheckpointStore:
         does not hold exactly one valid name and a newline raises CheckpointNotFound."""
         path = self.root / LATEST
         try:
-            raw = _read_regular(path)
+            raw = read_regular(path)
         except FileNotFoundError:
             return None
         except OSError as e:
@@ -615,7 +597,7 @@ class CheckpointStore:
         """LATEST's name, or None if it is missing or not a valid name (publish only
         needs to know which directory must not be touched)."""
         try:
-            return _parse_latest(_read_regular(self.root / LATEST))
+            return _parse_latest(read_regular(self.root / LATEST))
         except OSError:
             return None
 
@@ -765,36 +747,6 @@ def _parse_latest(raw: bytes) -> str | None:
 # -- verification (restore steps 1-3) ----------------------------------------------------
 
 
-def _read_regular(path: Path) -> bytes:
-    """The bytes of a regular file, refusing symlinks (OSError)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(path))
-        chunks = []
-        while chunk := os.read(fd, _CHUNK):
-            chunks.append(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
-
-
-def _hash_regular(path: Path) -> tuple[int, str]:
-    """(size, sha256) of a regular file, streaming; refuses symlinks (OSError)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(path))
-        h = hashlib.sha256()
-        size = 0
-        while chunk := os.read(fd, _CHUNK):
-            h.update(chunk)
-            size += len(chunk)
-        return size, h.hexdigest()
-    finally:
-        os.close(fd)
-
-
 def _oserror_text(e: OSError) -> str:
     return e.strerror or str(e)
 
@@ -864,7 +816,7 @@ def _open_dir(
         )
     mpath = ckdir / MANIFEST
     try:
-        raw = _read_regular(mpath)
+        raw = read_regular(mpath)
     except FileNotFoundError as e:
         raise CheckpointNotFound(
             f"{named} it has no {MANIFEST} (the manifest is written last, so the "
@@ -1010,7 +962,7 @@ def _open_dir(
             )
     for rel, (size, digest) in sorted(expected.items()):
         try:
-            found_size, found_digest = _hash_regular(ckdir / rel)
+            found_size, found_digest = hash_regular(ckdir / rel)
         except OSError as e:
             raise mismatch(
                 rel,
