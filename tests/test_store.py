@@ -250,12 +250,23 @@ def test_republish_a_step_left_unpublished_by_a_crash(tmp_path):
     assert sorted(os.listdir(store.root)) == [LATEST, "step_000001", "step_000002", "step_000003"]
 
 
-def test_republishing_the_latest_step_is_refused_and_changes_nothing(tmp_path):
+def test_republishing_the_latest_step_writes_its_next_revision(tmp_path):
+    """A later cut of the step LATEST names (a run stopping at that version after more
+    custody changes) is published as `step_N.1`, `step_N.2`, ...: the directory LATEST
+    names is never touched, and the old revision stays until retention drops it."""
     store = make_store(tmp_path)
-    before = tree(store.root)
-    with pytest.raises(ValueError, match="LATEST names it"):
-        store.publish(2, files_for(2, "other"), {}, keep_last=1)
-    assert tree(store.root) == before
+    published = store.root / "step_000002"
+    before = tree(published)
+    first = store.publish(2, files_for(2, "other"), {}, keep_last=None)
+    assert first.name == "step_000002.1" and store.latest() == "step_000002.1"
+    assert tree(published) == before
+    second = store.publish(2, files_for(2, "third"), {}, keep_last=2)
+    assert second.name == "step_000002.2"
+    assert store.list() == ["step_000002.1", "step_000002.2"]
+    ck = store.open()
+    assert (ck.manifest["name"], ck.manifest["step"]) == ("step_000002.2", 2)
+    assert {rel: ck.read(rel) for rel in FILE_NAMES} == files_for(2, "third")
+    assert store.publish(3, files_for(3), {}, keep_last=None).name == "step_000003"
 
 
 def test_publishing_an_earlier_step_than_latest(tmp_path):

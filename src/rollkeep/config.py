@@ -69,6 +69,7 @@ __all__ = [
     "load_config",
     "dump_yaml",
     "semantic",
+    "check_allowed_changes",
 ]
 
 
@@ -77,7 +78,8 @@ class _Section(BaseModel):
     each field's docstring kept as its description."""
 
     model_config = ConfigDict(
-        extra="forbid", frozen=True, strict=True, use_attribute_docstrings=True
+        extra="forbid", frozen=True, strict=True, use_attribute_docstrings=True,
+        allow_inf_nan=False,  # no honest setting is infinite or NaN (`latency_ms: .inf` hung)
     )
 
 
@@ -136,6 +138,10 @@ class ToyEngineConfig(_Section):
     """Probability that an attempt fails as a data failure (environment or reward error)."""
     completion_tokens: int = Field(8, ge=1)
     """Tokens in each fake completion."""
+    hang_rate: float = Field(0.0, ge=0.0, le=1.0)
+    """Probability that an attempt never returns (until `rollout.timeout_s` aborts it);
+    keyed by the sibling's infra-retry count like `infra_fail_rate`, so the same hangs
+    happen in every lineage."""
 
 
 class _SamplingSection(_Section):
@@ -277,12 +283,16 @@ TrainerConfig = Annotated[
 class RolloutConfig(_Section):
     """Groups, retries and what happens to a prompt whose budget is spent (DESIGN §6)."""
 
-    group_size: int = Field(4, ge=1)
-    """Completions (siblings) generated per prompt; GRPO normalises rewards within a group."""
-    max_infra_attempts: int = Field(3, ge=1)
+    group_size: int = Field(4, ge=1, le=4096)
+    """Completions (siblings) generated per prompt; GRPO normalises rewards within a group.
+    At most 4096."""
+    timeout_s: float = Field(600.0, gt=0.0)
+    """Deadline of one attempt, in seconds: an attempt that delivers nothing for this long
+    is aborted and fails as infra (within `max_infra_attempts`)."""
+    max_infra_attempts: int = Field(3, ge=1, le=255)
     """Attempts per sibling that may fail as infra (engine error, timeout) before the group
     is dropped."""
-    max_data_attempts: int = Field(2, ge=1)
+    max_data_attempts: int = Field(2, ge=1, le=255)
     """Attempts per sibling that may fail as data (environment or reward error) before the
     group is dropped."""
     backoff_ms: float = Field(10.0, ge=0.0)
@@ -393,8 +403,8 @@ class Config(_Section):
 
     run_dir: str = "runs/default"
     """Directory of the run: checkpoints, trace and metrics. A run resumes from it."""
-    seed: int = 0
-    """Seeds the dataset permutation, sampling and initial weights."""
+    seed: int = Field(0, ge=0, lt=2**63)
+    """Seeds the dataset permutation, sampling and initial weights; 0 <= seed < 2**63."""
     deterministic: bool = False
     """Make every step a function of the config alone (needs sampler `in_order`, no weight
     updates in flight): a killed-and-resumed run ends byte-identical to an unkilled one."""
@@ -484,12 +494,14 @@ _NOT_SEMANTIC = (
     "engine.latency_jitter_ms",
     "engine.infra_fail_rate",
     "engine.data_fail_rate",
+    "engine.hang_rate",
     "engine.max_batch_size",
     "engine.update_weights_in_flight",
     "engine.gpu_memory_utilization",
     "engine.tensor_parallel_size",
     "trainer.step_sleep_ms",
     "trainer.micro_batch_size",
+    "rollout.timeout_s",
     "rollout.max_infra_attempts",
     "rollout.max_data_attempts",
     "rollout.backoff_ms",
@@ -543,6 +555,59 @@ def semantic(cfg: Config) -> dict[str, Any]:
                 node = node.setdefault(p, {})
             node[leaf] = value
     return out
+
+
+#: Semantic keys a resume can never change, with the reason.
+_NEVER_CHANGE = {
+    "seed": "it defines the permutation of prompts, and prompts already handed out were "
+    "chosen by the old one",
+}
+
+
+def config_paths() -> set[str]:
+    """Every dotted key of the config (of every engine and trainer variant), sections
+    included: what `--allow-config-change` may name."""
+    out: set[str] = set()
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            path = prefix + name
+            out.add(path)
+            variants = _variants(field.annotation)
+            for sub in variants.values() or ([field.annotation] if _is_model(field.annotation) else []):
+                walk(sub, path + ".")
+
+    walk(Config, "")
+    return out
+
+
+def check_allowed_changes(keys: Sequence[str]) -> None:
+    """Refuse `--allow-config-change` keys that name no config key, or a key that can never
+    change on resume (ConfigError, exit 2). Run before anything else."""
+    paths = config_paths()
+    problems = []
+    for key in keys:
+        if key in _NEVER_CHANGE:
+            problems.append(
+                _Problem(key, f"`{key}` can never change on resume: {_NEVER_CHANGE[key]}; start a "
+                         "new run_dir to use another value")
+            )
+        elif key not in paths:
+            parent = key.rpartition(".")[0]
+            siblings = sorted(p for p in paths if p.rpartition(".")[0] == parent) if parent in paths else []
+            close = difflib.get_close_matches(key, siblings or sorted(paths), n=1, cutoff=0.4)
+            hint = f"; did you mean `{close[0]}`?" if close else ""
+            problems.append(_Problem(key, f"`{key}` is not a config key{hint}"))
+    if problems:
+        n = len(problems)
+        raise ConfigError(
+            f"{n} problem{'s' if n > 1 else ''} with --allow-config-change:\n"
+            + "\n".join(f"  - {p.line}" for p in problems)
+            + "\nNothing was run",
+            field=", ".join(p.path for p in problems),
+            expected="dotted config keys (e.g. train.num_prompts_per_step) that may change on resume",
+            remedy="fix the keys listed above; `rollkeep train --help` shows an example",
+        )
 
 
 def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

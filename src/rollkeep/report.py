@@ -45,6 +45,7 @@ from typing import Any
 
 from .core.errors import UserInputError
 from .core.keys import group_id
+from .core.untrusted import loads_json, read_regular
 from .lineage import lineage
 from .trace import read_trace
 
@@ -215,7 +216,7 @@ def read_metrics(path: Path) -> tuple[list[dict[str, Any]], int]:
     if not path.exists():
         return [], 0
     out, torn = [], 0
-    for raw in path.read_bytes().split(b"\n"):
+    for raw in read_regular(path, follow_symlinks=True).split(b"\n"):
         if not raw.strip():
             continue
         obj = _json_object(raw)
@@ -230,8 +231,8 @@ def read_metrics(path: Path) -> tuple[list[dict[str, Any]], int]:
 
 def _json_object(raw: bytes) -> dict[str, Any] | None:
     try:
-        obj = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        obj = loads_json(raw, strict=False)
+    except ValueError:  # torn, damaged, or nested too deeply
         return None
     return obj if isinstance(obj, dict) and "step" in obj else None
 
@@ -276,8 +277,17 @@ def analyse(run_dir: Path) -> Report:
             found="no such file",
             remedy="pass the run_dir of a training run that has started at least once",
         )
-    lines, torn = read_trace(trace_path)
-    metrics, torn_metrics = read_metrics(run_dir / METRICS)
+    try:
+        lines, torn = read_trace(trace_path)
+        metrics, torn_metrics = read_metrics(run_dir / METRICS)
+    except OSError as e:
+        raise UserInputError(
+            f"the trace of {run_dir} cannot be read",
+            path=e.filename or str(trace_path),
+            expected="regular files written by `rollkeep train`",
+            found=e.strerror or str(e),
+            remedy="pass the run_dir of a training run",
+        ) from None
     runs = _split_runs(lines)
     lin = lineage(lines)
 
@@ -576,7 +586,7 @@ def render_markdown(report: Report, files: list[Path] | None = None) -> str:
     state = "finished" if s["finished"] else "not finished (killed, or still running)"
     out.append(
         f"{s['runs']} run(s), {s['restarts']} restart(s), {s['steps']} step(s) in the surviving "
-        f"lineage (last step {s['last_step']}), {state}. Torn lines skipped: "
+        f"lineage (last step {s['last_step']}), {state}. Torn or unreadable lines skipped: "
         f"{report.torn_lines} in {TRACE}, {report.torn_metrics_lines} in {METRICS}."
     )
     if t0 is not None:

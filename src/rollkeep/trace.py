@@ -11,7 +11,6 @@ The trace is data: tests and `rollkeep trace` read it, nothing parses log text.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 import uuid
@@ -20,7 +19,9 @@ from typing import IO, Any
 
 import msgspec
 
+from .core.errors import FilesystemError
 from .core.events import Event
+from .core.untrusted import loads_json, open_append, read_regular
 
 FLUSH_NOW = frozenset(
     {"run_started", "restored", "step_committed", "checkpoint_published", "dropped", "run_finished"}
@@ -37,10 +38,13 @@ class Trace:
     def __init__(self, path: Path, run_id: str | None = None) -> None:
         self.path = Path(path)
         self.run_id = run_id or new_run_id()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: IO[bytes] = open(self.path, "ab")  # noqa: SIM115 - closed by close()
-        if self._file.tell() > 0 and not _ends_with_newline(self.path):
-            self._file.write(b"\n")  # a killed writer tore its last line: end it there
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file: IO[bytes] = open_append(self.path)  # closed by close()
+            if _torn(self._file):
+                self._file.write(b"\n")  # a killed writer tore its last line: end it there
+        except OSError as e:
+            raise FilesystemError.of(e, "opening the trace", self.path) from None
         self._prefix = b'{"t":%.6f,"run_id":"' + self.run_id.encode() + b'",'
         self._dirty = False
 
@@ -55,42 +59,48 @@ class Trace:
 
     def _write(self, body: bytes, *, flush: bool) -> None:
         # body is b'{...}': splice the common prefix in front of its fields.
-        self._file.write(self._prefix % time.time() + body[1:] + b"\n")
+        try:
+            self._file.write(self._prefix % time.time() + body[1:] + b"\n")
+        except OSError as e:  # the buffer spilled to a full or read-only disk
+            raise FilesystemError.of(e, "writing the trace", self.path) from None
         self._dirty = True
         if flush:
             self.flush()
 
     def flush(self) -> None:
         if self._dirty:
-            self._file.flush()
+            try:
+                self._file.flush()
+            except OSError as e:
+                raise FilesystemError.of(e, "writing the trace", self.path) from None
             self._dirty = False
 
-    def sync(self) -> None:
-        self.flush()
-        os.fsync(self._file.fileno())
-
     def close(self) -> None:
-        self.flush()
-        self._file.close()
+        try:
+            self.flush()
+        finally:
+            self._file.close()
 
 
-def _ends_with_newline(path: Path) -> bool:
-    with open(path, "rb") as f:
-        f.seek(-1, os.SEEK_END)
-        return f.read(1) == b"\n"
+def _torn(f: IO[bytes]) -> bool:
+    """Whether the file open for appending ends in the middle of a line."""
+    size = os.fstat(f.fileno()).st_size
+    return size > 0 and os.pread(f.fileno(), 1, size - 1) != b"\n"
 
 
 def read_trace(path: Path) -> tuple[list[dict[str, Any]], int]:
-    """(complete lines, number of torn lines skipped). A line is torn only when a writer
-    was killed mid-write: the last line of a live or killed run, or a line the next run
-    terminated when it appended."""
+    """(complete lines, number of unreadable lines skipped). A line is torn when a writer
+    was killed mid-write (the last line of a live or killed run, or a line the next run
+    terminated when it appended); a line that is not a JSON event object (damaged, or
+    nested too deeply to parse) is skipped the same way and counted. Raises OSError if
+    the path is not a readable regular file."""
     out, torn = [], 0
-    for line in Path(path).read_bytes().split(b"\n"):
+    for line in read_regular(path, follow_symlinks=True).split(b"\n"):
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
+            obj = loads_json(line, strict=False)
+        except ValueError:
             torn += 1
             continue
         if isinstance(obj, dict) and "event" in obj:

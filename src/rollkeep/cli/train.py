@@ -8,7 +8,8 @@ HELP = """\
 Run the job CONFIG describes (default: configs/arith.yaml, the built-in arithmetic GRPO job
 on a tiny GPT). If RUN_DIR/checkpoints/LATEST exists, the run resumes from it after the full
 restore chain; a semantic config change is refused unless named with
---allow-config-change.
+--allow-config-change. A run directory whose checkpoints exist but whose LATEST is missing
+is refused (never a silent fresh start): resume on purpose with --resume-from.
 
 examples:
   rollkeep train                                   # the built-in job
@@ -16,6 +17,7 @@ examples:
   rollkeep train configs/toy.yaml train.total_steps=50 sampler.name=windowed
   rollkeep train configs/toy.yaml --allow-config-change train.num_prompts_per_step \\
       train.num_prompts_per_step=16
+  rollkeep train configs/toy.yaml --resume-from step_000010   # newer ones move aside
 """
 
 
@@ -34,6 +36,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
         default=[],
         metavar="KEY",
         help="accept a change of this semantic key on resume (repeatable)",
+    )
+    p.add_argument(
+        "--resume-from",
+        metavar="NAME",
+        help="resume from this checkpoint of RUN_DIR/checkpoints (e.g. step_000010) instead of "
+        "LATEST; newer checkpoints are moved aside into checkpoints/abandoned-<time>/, "
+        "nothing is deleted",
     )
     p.add_argument(
         "--allow-dataset-change",
@@ -60,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         cfg,
         allow_config_change=tuple(args.allow_config_change),
         allow_dataset_change=args.allow_dataset_change,
+        resume_from=args.resume_from,
     )
     print(f"done: step {result.step} ({result.reason}), weights_sha256 {result.weights_sha256}")
     return 0

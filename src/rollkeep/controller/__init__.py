@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from ..config import Config
-from ..core.errors import RollkeepError
+from ..config import Config, check_allowed_changes
+from ..core.errors import FilesystemError, RollkeepError
+from ..core.store import CheckpointStore
 from .build import build
 from .run import Controller, RunResult
+from .rundir import RunDir, start_point
 from .warmup import run_warmup
 
 __all__ = ["Controller", "RunResult", "train"]
@@ -20,32 +23,57 @@ def train(
     *,
     allow_config_change: tuple[str, ...] = (),
     allow_dataset_change: bool = False,
+    resume_from: str | None = None,
     on_step: Callable[[int, dict[str, Any]], None] | None = None,
 ) -> RunResult:
     """Run (or resume) the job `cfg` describes until `train.total_steps`, the end of the
-    data, or SIGINT/SIGTERM. Resumes from RUN_DIR/checkpoints/LATEST when it exists; a
-    supervised warm start (`warmup.sft_steps`) runs first, as its own checkpointed phase."""
+    data, or SIGINT/SIGTERM. Resumes from RUN_DIR/checkpoints/LATEST when it exists (or
+    from `resume_from`, a checkpoint name, on purpose); a supervised warm start
+    (`warmup.sft_steps`) runs first, as its own checkpointed phase.
+
+    Errors: every `RollkeepError` propagates as itself; a filesystem error anywhere is a
+    `FilesystemError` (the CLI's exit 5); anything else is a bug and propagates unchanged.
+    """
+    check_allowed_changes(allow_config_change)
     parts = build(cfg)
-    controller = Controller(
-        cfg,
-        source=parts.source,
-        engine=parts.engine,
-        trainer=parts.trainer,
-        allow_config_change=allow_config_change,
-        allow_dataset_change=allow_dataset_change,
-        on_step=on_step,
-        evaluator=parts.evaluator,
-    )
-    run_warmup(cfg, dataset=parts.dataset, trainer=parts.trainer, tokenizer=parts.tokenizer,
-               log=lambda line: print(line, flush=True) if cfg.logger.progress != "none" else None)
+    run_dir = Path(cfg.run_dir)
     try:
-        return asyncio.run(controller.run())
-    except BaseExceptionGroup as group:
-        # A TaskGroup wraps the pump's error; surface a single rollkeep error as itself.
-        for leaf in _leaves(group):
-            if isinstance(leaf, RollkeepError):
-                raise leaf from group
-        raise
+        with RunDir(run_dir):  # held from before the warm start until the run has closed
+            start = start_point(CheckpointStore(run_dir / "checkpoints"), run_dir / "trace.jsonl", resume_from)
+            controller = Controller(
+                cfg,
+                source=parts.source,
+                engine=parts.engine,
+                trainer=parts.trainer,
+                resume=start,
+                allow_config_change=allow_config_change,
+                allow_dataset_change=allow_dataset_change,
+                on_step=on_step,
+                evaluator=parts.evaluator,
+            )
+            if start is None:  # once RL has a checkpoint, the trainer state comes from it
+                run_warmup(cfg, dataset=parts.dataset, trainer=parts.trainer, tokenizer=parts.tokenizer,
+                           log=lambda line: print(line, flush=True) if cfg.logger.progress != "none" else None)
+            try:
+                return asyncio.run(controller.run())
+            except BaseExceptionGroup as group:
+                raise _primary(group) from group
+    except OSError as e:
+        raise FilesystemError.of(e, "running the job") from e
+
+
+def _primary(group: BaseExceptionGroup) -> BaseException:
+    """The error a TaskGroup's group stands for: a rollkeep error first, then a filesystem
+    error, then the first other error (a bug, raised with its own traceback)."""
+    leaves = _leaves(group)
+    for leaf in leaves:
+        if isinstance(leaf, RollkeepError):
+            return leaf
+    for leaf in leaves:
+        if isinstance(leaf, OSError):
+            return FilesystemError.of(leaf, "running the job")
+    others = [leaf for leaf in leaves if not isinstance(leaf, asyncio.CancelledError)]
+    return others[0] if others else group
 
 
 def _leaves(group: BaseExceptionGroup) -> list[BaseException]:

@@ -2,9 +2,10 @@
 
 Read top to bottom, in execution order:
 
-  start     restore the newest checkpoint through the full restore chain (read-only: a
-            refused restore changes nothing on disk), or start fresh; then remove leftover
-            temp files and sync the engine to the trainer's weights.
+  start     restore the checkpoint `train` chose (LATEST, or --resume-from) through the
+            full restore chain (read-only: a refused restore changes nothing on disk), or
+            start fresh; then remove leftover temp files, record the run's limits in the
+            ledger (`configured`) and sync the engine to the trainer's weights.
   pumps     both in one TaskGroup (a failure in one stops the other):
             rollout  admit restored RESERVED groups, take new prompts while the sampler's
                      gate is open, dispatch unsealed siblings (restored ADMITTED groups
@@ -12,7 +13,9 @@ Read top to bottom, in execution order:
                      arrive, finalize complete groups.
             train    wait for the sampler's batch for the next step, claim it, train in a
                      worker thread, commit, checkpoint at the step boundary, refit.
-  stop      abandon what is still generating, write a final checkpoint, trace the end.
+  stop      abandon what is still generating, write a final checkpoint (a revision of
+            the last one if the state changed since it), trace the end; close the
+            engine, the trace and the metrics whatever happened.
 
 Every ledger transition runs here on the loop thread with no await inside it; engine and
 trainer work happens in tasks and threads between transitions. A checkpoint's cut is
@@ -24,8 +27,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import fcntl
 import json
+import math
 import os
 import signal
 import time
@@ -39,8 +42,8 @@ from ..advantages import group_advantages
 from ..config import Config, dump_yaml, semantic
 from ..core import crashpoints
 from ..core.checkpoint import Cut, cut, write_checkpoint
-from ..core.configdiff import fingerprint
-from ..core.errors import CustodyError, UserInputError
+from ..core.configdiff import fingerprint, is_allowed
+from ..core.errors import CustodyError, FilesystemError
 from ..core.events import (
     ALL_EVENTS,
     DATA,
@@ -50,6 +53,7 @@ from ..core.events import (
     Abandoned,
     Admitted,
     Claimed,
+    Configured,
     Dispatched,
     Event,
     Evicted,
@@ -66,8 +70,8 @@ from ..core.restore import restore_chain
 from ..core.rows import Row, RowId, RowStore
 from ..core.samplers import check_limits, make_sampler
 from ..core.source import PromptSource
-from ..core.store import CheckpointStore
-from ..engines import Completion, DataError, Engine, GenRequest, sampling_seed
+from ..core.store import CheckpointStore, checkpoint_order
+from ..engines import Completion, DataError, Engine, GenRequest, InfraError, sampling_seed
 from ..progress import RunProgress
 from ..tasks import reward_fn
 from ..trace import Trace
@@ -98,6 +102,7 @@ class Controller:
         source: PromptSource,
         engine: Engine,
         trainer: Trainer,
+        resume: str | None = None,
         allow_config_change: tuple[str, ...] = (),
         allow_dataset_change: bool = False,
         on_step: Any = None,
@@ -109,7 +114,9 @@ class Controller:
         self.trainer = trainer
         self.run_dir = Path(cfg.run_dir)
         self.store = CheckpointStore(self.run_dir / "checkpoints")
-        self.trace: Trace  # opened once the restore chain has passed: a refused restore writes nothing
+        self.resume = resume  # the checkpoint to restore (`rundir.start_point`), None = fresh
+        self.trace: Trace | None = None  # opened once the restore chain has passed: a refused restore writes nothing
+        self._metrics: MetricsLog | None = None
         self.rows = RowStore()
         self.limits = check_limits(
             cfg.sampler.name,
@@ -135,57 +142,41 @@ class Controller:
         self._not_before: dict[tuple[str, int], float] = {}
         self._tg: asyncio.TaskGroup | None = None
         self._write_task: asyncio.Task | None = None
-        self._published_step: int | None = None
+        self._changed_since_cut = True  # custody events since the last cut (False: nothing to write)
         self._progress: RunProgress | None = None
         self._t_start = time.perf_counter()
         self._last_eval: dict[str, float] = {}
         self._tokens_generated = 0
-        self._lock_fd = -1
         self._last_step_time = time.perf_counter()
 
     # ================================================================== start
 
-    def _lock_run_dir(self) -> None:
-        """One writer per run directory (the store's assumption A4): an exclusive flock on
-        the directory itself, so taking it creates no file; the kernel drops it when the
-        process dies, however it dies."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = os.open(self.run_dir, os.O_RDONLY)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock_fd)
-            raise UserInputError(
-                f"another process is running in {self.run_dir}",
-                path=str(self.run_dir),
-                expected="one `rollkeep train` per run_dir",
-                found="the run directory is locked",
-                remedy="wait for it to finish or stop it (Ctrl-C, or kill: a killed run resumes "
-                "losslessly), or use another run_dir",
-            ) from None
-
     def _start(self) -> None:
         cfg = self.cfg
-        self._lock_run_dir()
-        latest = self.store.latest()
         restored = None
-        if latest is not None:
+        if self.resume is not None:
             restored = restore_chain(
                 self.store,
+                name=self.resume,
                 source=self.source,
                 config=self.semantic,
                 allow_config_change=self.allow_config_change,
                 allow_dataset_change=self.allow_dataset_change,
+                extend_epochs=is_allowed("data.epochs", self.allow_config_change),
+            )
+            self.trainer.load(
+                {name: restored.trainer_file(name) for name in restored.trainer_files()},
+                step=restored.ledger.version,
             )
             self.ledger = Ledger.from_state(restored.ledger)
             for rid, row in restored.rows.items():
                 self.rows.put(rid, row)
-            self.trainer.load({name: restored.trainer_file(name) for name in restored.trainer_files()})
-            self._published_step = self.ledger.version
         else:
             self.ledger = Ledger(n_rows=self.source.n_rows, seed=self.source.seed, epochs=self.source.epochs)
-            (self.run_dir / "config.yaml").write_text(dump_yaml(cfg))
         # Only now that the restore chain passed does anything on disk change.
+        abandoned = self._resume_here(restored)
+        if restored is None:
+            (self.run_dir / "config.yaml").write_text(dump_yaml(cfg))
         leftovers = self.store.cleanup_tmp()
         self.trace = Trace(self.run_dir / "trace.jsonl")
         self._metrics = MetricsLog(self.run_dir, self.trace.run_id, tensorboard=cfg.logger.tensorboard)
@@ -200,12 +191,32 @@ class Controller:
             pid=os.getpid(),
             config_fingerprint=fingerprint(self.semantic),
             cleaned_tmp=leftovers,
+            **({"abandoned_checkpoints": abandoned} if abandoned else {}),
         )
+        # The limits this run holds the ledger to (I5, I6), and an extended data.epochs.
+        self.ledger.apply(Configured(num_prompts_per_step=cfg.train.num_prompts_per_step,
+                                     window=self.limits.window, epochs=self.source.epochs))
         self._progress = RunProgress(cfg.logger.progress, total_steps=cfg.train.total_steps, start_step=self.ledger.version)
         if leftovers:
             self._progress.note(f"removed {len(leftovers)} leftover temporary file(s): {', '.join(leftovers)}")
+        if abandoned:
+            self._progress.note(f"resuming from {restored.name}: moved the newer checkpoint(s) "
+                                f"{', '.join(abandoned['names'])} aside into {abandoned['into']}/")
         if restored is not None:
             self._restart_from(restored)
+        self._changed_since_cut = False  # the state is the restored checkpoint's (or empty)
+
+    def _resume_here(self, restored) -> dict[str, Any] | None:
+        """--resume-from an older checkpoint: move the newer ones aside (nothing is
+        deleted), then point LATEST at the restored one (the store's protocol)."""
+        if restored is None:
+            return None
+        mine = checkpoint_order(restored.name)
+        newer = [n for n in self.store.list() if checkpoint_order(n) > mine]
+        into = self.store.set_aside(newer)
+        if self.store.latest() != restored.name:
+            self.store.point_latest(restored.name)
+        return {"names": newer, "into": into} if newer else None
 
     def _restart_from(self, restored) -> None:
         """Normalise the restored ledger (DESIGN §5) and say what the restart reuses."""
@@ -249,13 +260,13 @@ class Controller:
     # ================================================================== run
 
     async def run(self) -> RunResult:
-        self._start()
-        await self.engine.update_weights(self.trainer.weights(), self.ledger.version)
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, self.stop, "signal")
         try:
+            self._start()
+            await self.engine.update_weights(self.trainer.weights(), self.ledger.version)
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                with contextlib.suppress(NotImplementedError, RuntimeError):
+                    loop.add_signal_handler(sig, self.stop, "signal")
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
                 rollout = tg.create_task(self._rollout_pump())
@@ -264,20 +275,44 @@ class Controller:
             self._abandon_inflight("shutdown")
             if (self.stopping != "signal" or self.cfg.checkpoint.on_shutdown) and self._can_cut():
                 await self._write(*self._cut())
+            result = RunResult(self.ledger.version, self.trainer.weights_sha256(), self.stopping or "finished")
+            self.trace.emit("run_finished", step=result.step, weights_sha256=result.weights_sha256, reason=result.reason)
+            return result
+        except BaseException as e:
+            self._trace_failure(e)
+            raise
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 with contextlib.suppress(NotImplementedError, RuntimeError):
                     loop.remove_signal_handler(sig)
+            await self._close()
+
+    def _trace_failure(self, e: BaseException) -> None:
+        """A run stopped by an error keeps its events, and says why (if the trace still
+        takes writes: the error may be the trace's own disk)."""
+        if self.trace is None or isinstance(e, asyncio.CancelledError):
+            return
+        leaves = e.exceptions if isinstance(e, BaseExceptionGroup) else (e,)
+        error = "; ".join(f"{type(x).__name__}: {x}" for x in leaves)[:2000]
+        with contextlib.suppress(OSError, ValueError):
+            self.trace.emit("run_failed", step=self.ledger.version, error=error)
+
+    async def _close(self) -> None:
+        """Release everything the run holds, each step even if an earlier one fails."""
+        try:
             if self._progress is not None:
                 self._progress.close()
-            self.trace.flush()  # a run stopped by an error keeps its events (but no run_finished)
-        result = RunResult(self.ledger.version, self.trainer.weights_sha256(), self.stopping or "finished")
-        self.trace.emit("run_finished", step=result.step, weights_sha256=result.weights_sha256, reason=result.reason)
-        self.trace.close()
-        self._metrics.close()
-        await self.engine.close()
-        os.close(self._lock_fd)
-        return result
+        finally:
+            try:
+                if self.trace is not None:
+                    with contextlib.suppress(OSError, ValueError):
+                        self.trace.close()
+            finally:
+                try:
+                    if self._metrics is not None:
+                        self._metrics.close()
+                finally:
+                    await self.engine.close()
 
     def stop(self, reason: str) -> None:
         """Ask both pumps to stop (SIGINT/SIGTERM, the end of training, exhausted data)."""
@@ -287,17 +322,22 @@ class Controller:
         self._wake_train.set()
 
     async def _wait(self, event: asyncio.Event, until: float | None = None) -> None:
-        """Sleep until `event` is set (a ledger change) or loop time `until` (a backoff)."""
+        """Sleep until `event` is set (a ledger change) or loop time `until` (a backoff).
+
+        `asyncio.timeout_at`, not `wait_for`: Python 3.11's wait_for can swallow a
+        cancellation that races with its timeout, and then a pump whose TaskGroup was
+        aborted (a failed checkpoint write) kept looping and the run hung forever."""
         if until is None:
             await event.wait()
         else:
-            timeout = until - asyncio.get_running_loop().time()
-            if timeout > 0:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(event.wait(), timeout)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout_at(until):
+                    await event.wait()
         event.clear()
 
     def _on_ledger_event(self, ev: Event) -> None:
+        if not isinstance(ev, Configured):  # limits alone give a checkpoint nothing new
+            self._changed_since_cut = True
         self._wake_rollout.set()
         self._wake_train.set()
         crashpoints.hit("ledger." + ev.__struct_config__.tag)  # type: ignore[attr-defined]
@@ -431,14 +471,22 @@ class Controller:
         return wake_at
 
     async def _generate(self, req: GenRequest) -> None:
+        """One attempt, within its deadline. Only the engine's declared failures are
+        retried: DataError is a data failure; InfraError, the deadline passing and a lost
+        connection are infra failures. Anything else is a bug and stops the run (the CLI
+        exits 1 with its traceback), never a silent retry that burns the budgets."""
         key = (req.group_id, req.generation, req.attempt)
+        timeout = self.cfg.rollout.timeout_s
         try:
             kind, error, completion = None, "", None
             try:
-                completion = await self.engine.generate(req)
+                async with asyncio.timeout(timeout):
+                    completion = await self.engine.generate(req)
             except DataError as e:
                 kind, error = DATA, str(e)
-            except Exception as e:  # an engine failure of any kind is an infra failure
+            except TimeoutError:
+                kind, error = INFRA, f"deadline: no result within rollout.timeout_s={timeout:g} s"
+            except (InfraError, ConnectionError) as e:
                 kind, error = INFRA, f"{type(e).__name__}: {e}"
             self._on_result(req, completion, kind, error)
         finally:
@@ -454,6 +502,8 @@ class Controller:
         if completion is not None:
             try:
                 reward = float(reward_fn(req.prompt.task)(completion.text, req.prompt.row))
+                if not math.isfinite(reward):
+                    raise ValueError(f"returned {reward} (rewards must be finite)")
             except Exception as e:
                 kind, error = DATA, f"reward function: {type(e).__name__}: {e}"
         if kind is None:
@@ -550,7 +600,8 @@ class Controller:
             self._log_step(batch, metrics, time.perf_counter() - t0)
             if cfg.deterministic:
                 await self._wait_pinned_work()
-            if step % cfg.checkpoint.every_steps == 0 or step == cfg.train.total_steps:
+            # The last step's checkpoint is the final cut, written once the run has stopped.
+            if step % cfg.checkpoint.every_steps == 0 and step < cfg.train.total_steps:
                 await self._checkpoint()
             await self.engine.update_weights(self.trainer.weights(), step)
             self._wake_rollout.set()
@@ -662,15 +713,18 @@ class Controller:
         snapshot = self.trainer.snapshot()
         snapshot_seconds = time.perf_counter() - t0
         self.trace.flush()  # every commit this checkpoint covers is in the trace first
-        self._published_step = c.ledger.version  # no second cut of this step
+        self._changed_since_cut = False
         crashpoints.hit("checkpoint.after_cut")
         return c, snapshot, snapshot_seconds
 
     def _can_cut(self) -> bool:
-        """In deterministic mode a checkpoint must not hold a group that still has to
-        generate under a version older than the trainer's (a resumed engine could not);
-        only a stop can leave that state, and then the previous checkpoint stands."""
-        if self.ledger.version == self._published_step:
+        """A cut is written when custody changed since the last one (a later cut of the
+        same step becomes the next revision of its checkpoint, so a final checkpoint
+        always matches the trace). In deterministic mode a checkpoint must not hold a
+        group that still has to generate under a version older than the trainer's (a
+        resumed engine could not); only a stop can leave that state, and then the
+        previous checkpoint stands."""
+        if not self._changed_since_cut:
             return False
         if self.cfg.deterministic and not self._pinned_work_done():
             self.trace.emit("checkpoint_skipped", step=self.ledger.version,
@@ -703,11 +757,15 @@ class Controller:
         def work():  # on a worker thread, while both pumps keep running
             t0 = time.perf_counter()
             published = write_checkpoint(
-                self.store, c, trainer_files=snapshot.files(), meta=meta, keep_last=self.cfg.checkpoint.keep_last
+                self.store, c, trainer_files=snapshot.files(), meta=meta,
+                keep_last=self.cfg.checkpoint.keep_last, trainer_step=snapshot.step,
             )
             return published, time.perf_counter() - t0
 
-        published, write_seconds = await asyncio.to_thread(work)
+        try:
+            published, write_seconds = await asyncio.to_thread(work)
+        except OSError as e:  # the store undid what it wrote; the previous checkpoint stands
+            raise FilesystemError.of(e, f"publishing the checkpoint of step {c.ledger.version}") from None
         self.trace.emit(
             "checkpoint_published",
             step=c.ledger.version,

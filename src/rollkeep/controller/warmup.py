@@ -18,16 +18,15 @@ import numpy as np
 
 from ..config import Config, semantic
 from ..core.configdiff import check_compatible
-from ..core.errors import ConfigError
+from ..core.errors import CheckpointError, ConfigError
 from ..core.source import Dataset
 from ..core.store import CheckpointStore
 
 
 def run_warmup(cfg: Config, *, dataset: Dataset, trainer: Any, tokenizer: Any, log=print) -> None:
+    """Run the warm start (or resume it). Call only before RL has a checkpoint."""
     steps = cfg.warmup.sft_steps
     run_dir = Path(cfg.run_dir)
-    if CheckpointStore(run_dir / "checkpoints").latest() is not None:
-        return  # RL has started: the trainer state comes from its checkpoint
     if steps == 0:
         if hasattr(trainer, "set_reference"):
             trainer.set_reference()
@@ -55,8 +54,18 @@ def run_warmup(cfg: Config, *, dataset: Dataset, trainer: Any, tokenizer: Any, l
     if store.latest() is not None:
         ck = store.open()
         check_compatible(ck.manifest.get("config", {}), semantic(cfg), path=str(ck.path / "MANIFEST.json"))
-        trainer.load({f[len("trainer/"):]: ck.read(f) for f in ck.files() if f.startswith("trainer/")})
+        trainer.load({f[len("trainer/"):]: ck.read(f) for f in ck.files() if f.startswith("trainer/")},
+                     step=0)  # the warm start takes no RL step
         done = int(ck.manifest["step"])
+        if getattr(trainer, "sft_steps", done) != done:  # the trainer file is of another step
+            raise CheckpointError(
+                f"warm-start checkpoint {ck.name} holds trainer state of another step",
+                path=str(ck.path),
+                field="sft_steps",
+                expected=f"{done} supervised steps",
+                found=f"{trainer.sft_steps}",
+                remedy=f"remove {store.root} to redo the warm start (RL has not started yet)",
+            )
         log(f"warmup: resumed from {ck.name}")
     t0 = time.perf_counter()
     for step in range(done + 1, steps + 1):

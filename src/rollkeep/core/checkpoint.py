@@ -9,8 +9,14 @@ Files of a checkpoint directory:
 
     ledger.msgpack      custody state (codec.py)
     rows.safetensors    rows of REPLAY groups and of sealed siblings of LEDGER groups
-    trainer/...         opaque to the core: the trainer's own files
+    trainer/...         the trainer's own files; the core reads only their step binding
     MANIFEST.json       written last by the store, with the meta below
+
+The parts are bound to one step (restore step 5): the manifest's `weight_version` and
+`trainer_step` equal the ledger's version, and so does the `rollkeep_step` every trainer
+file declares (a top-level key of a JSON file, an entry of a safetensors file's
+`__metadata__`). A trainer file copied in from another checkpoint is refused even when the
+manifest's hashes were recomputed to match it.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from . import codec
@@ -26,11 +33,53 @@ from .errors import AuditFailure
 from .ledger import AttemptStatus, Ledger, LedgerState
 from .rows import RowId, RowPin, RowStore, encode_rows
 from .store import CheckpointStore, Published
+from .untrusted import loads_json, read_prefix, read_safetensors_header, safetensors_header
 
 LEDGER_FILE = "ledger.msgpack"
 ROWS_FILE = "rows.safetensors"
 TRAINER_DIR = "trainer"
 SUPPORTED_SCHEMAS = {"ledger": set(codec.SUPPORTED_LEDGER_SCHEMAS), "rows": {1}}
+#: The key by which a trainer file declares the step (= weight version) its state is of.
+STEP_KEY = "rollkeep_step"
+
+
+def step_metadata(step: int) -> dict[str, str]:
+    """The safetensors `__metadata__` entry binding a trainer file to `step`."""
+    return {STEP_KEY: str(step)}
+
+
+def _parse_step(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    raise ValueError(f"{STEP_KEY} is {value!r}, not a step number")
+
+
+def declared_step(name: str, data: bytes | memoryview) -> int | None:
+    """The step a trainer file (its bytes) declares, or None if it declares none: JSON
+    files carry `rollkeep_step` at the top level, safetensors files in `__metadata__`;
+    other files are opaque. ValueError if the file is malformed or the value is not a
+    step number."""
+    if name.endswith(".safetensors"):
+        meta = safetensors_header(data).get("__metadata__") or {}
+        return _parse_step(meta.get(STEP_KEY) if isinstance(meta, dict) else None)
+    if name.endswith(".json"):
+        doc = loads_json(data)
+        return _parse_step(doc.get(STEP_KEY) if isinstance(doc, dict) else None)
+    return None
+
+
+def declared_step_at(path: Path) -> int | None:
+    """`declared_step` of a file on disk, reading only a safetensors file's header."""
+    if path.name.endswith(".safetensors"):
+        meta = read_safetensors_header(path).get("__metadata__") or {}
+        return _parse_step(meta.get(STEP_KEY) if isinstance(meta, dict) else None)
+    if path.name.endswith(".json"):
+        return declared_step(path.name, read_prefix(path, 64 << 20))
+    return None
 
 
 @dataclass(frozen=True)
@@ -83,13 +132,24 @@ def write_checkpoint(
     trainer_files: Mapping[str, bytes],
     meta: Mapping[str, Any],
     keep_last: int | None,
+    trainer_step: int | None = None,
 ) -> Published:
-    """Encode and publish a cut; always releases the cut's row pin."""
+    """Encode and publish a cut; always releases the cut's row pin. `trainer_step` is the
+    step the trainer's snapshot says it is of; it must be the cut's version (a snapshot
+    from another step would be a bug) and is recorded in the manifest for restore step 5."""
     try:
+        if trainer_step is not None and trainer_step != c.ledger.version:
+            raise AuditFailure(
+                f"the trainer snapshot is of step {trainer_step}, the cut of step {c.ledger.version}",
+                expected="a snapshot taken at the cut's step boundary",
+                found=f"trainer step {trainer_step}",
+                remedy="this is a bug; the checkpoint was not written",
+            )
         files = checkpoint_files(c, trainer_files)
     finally:
         c.rows.release()
     full_meta = {
+        **({} if trainer_step is None else {"trainer_step": trainer_step}),
         "weight_version": c.ledger.version,
         "cut_time": c.time,
         "cut_hold_seconds": c.hold_seconds,

@@ -50,6 +50,12 @@ def format_diff(changes: Iterable[tuple[str, Any, Any]]) -> str:
     return "\n".join(f"  {path}: {old!r} -> {new!r}" for path, old, new in changes)
 
 
+def is_allowed(path: str, allow: Iterable[str]) -> bool:
+    """Whether `--allow-config-change` keys `allow` cover the dotted key `path` (a key
+    allows itself and everything under it)."""
+    return any(path == a or path.startswith(a + ".") for a in allow)
+
+
 def check_compatible(
     saved: Mapping[str, Any],
     current: Mapping[str, Any],
@@ -61,9 +67,7 @@ def check_compatible(
     itself and everything under it). Returns the allowed differences."""
     allowed = tuple(allow)
     changes = diff(saved, current)
-    refused = [
-        c for c in changes if not any(c[0] == a or c[0].startswith(a + ".") for a in allowed)
-    ]
+    refused = [c for c in changes if not is_allowed(c[0], allowed)]
     if refused:
         keys = " ".join(f"--allow-config-change {c[0]}" for c in refused)
         raise ConfigMismatch(

@@ -6,6 +6,7 @@ do, and keeps those as attributes so tests and tools can read them without parsi
     UserInputError     the user's config, dataset or command line is wrong
     CheckpointError    a checkpoint is corrupt, torn, or does not match this run
     ExternalError      something outside rollkeep failed (an engine, the filesystem)
+      FilesystemError  a write or read of the run directory failed (disk full, read-only)
     CustodyError       a custody rule would be broken: a bug in the caller or in rollkeep
 """
 
@@ -64,6 +65,24 @@ class ExternalError(RollkeepError):
     """Something outside rollkeep failed: an engine, a reward function, the filesystem."""
 
 
+class FilesystemError(ExternalError):
+    """A file or directory could not be written or read: a full disk, a read-only
+    filesystem, missing permissions. What was on disk before stays as it was."""
+
+    @classmethod
+    def of(cls, err: OSError, doing: str, path: object = None) -> FilesystemError:
+        """The error for `err`, raised while `doing` (e.g. "writing the trace")."""
+        where = path if path is not None else err.filename
+        return cls(
+            f"the filesystem failed while {doing}",
+            path=None if where is None else str(where),
+            expected="a writable directory with free space",
+            found=f"{err.strerror or err} (errno {err.errno})" if err.errno else str(err),
+            remedy="free space or fix the permissions, then run the same command again: the "
+            "run resumes from its last published checkpoint, which is intact",
+        )
+
+
 class CustodyError(RollkeepError):
     """A custody rule would be broken. Raised before any state changes."""
 
@@ -111,6 +130,13 @@ class LedgerDecodeError(CheckpointError):
 
 class CheckpointCustodyError(CheckpointError):
     """Step 5: the decoded ledger fails the custody audit."""
+
+    step = 5
+
+
+class BindingMismatch(CheckpointError):
+    """Step 5: the checkpoint's parts (ledger, trainer state, manifest) are of different
+    steps, e.g. trainer files copied in from another checkpoint."""
 
     step = 5
 

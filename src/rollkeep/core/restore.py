@@ -6,6 +6,9 @@ field and the remedy. Nothing here writes to disk; `rollkeep inspect` runs the s
     3  schema versions are supported                           SchemaUnsupported
     4  the ledger decodes strictly                             LedgerDecodeError
     5  the custody audit passes                                CheckpointCustodyError
+       and the parts are of one step: manifest weight_version
+       and trainer_step, and every trainer file's declared
+       step, equal the ledger's version                        BindingMismatch
     6  rows referenced by sealed attempts are present, and
        no row is unreferenced                                  RowsMismatch
     7  the dataset still matches (size, seed, each group's
@@ -25,9 +28,17 @@ from typing import Any
 
 from . import codec
 from .audit import audit
-from .checkpoint import LEDGER_FILE, ROWS_FILE, SUPPORTED_SCHEMAS, TRAINER_DIR, referenced_rows
+from .checkpoint import (
+    LEDGER_FILE,
+    ROWS_FILE,
+    STEP_KEY,
+    SUPPORTED_SCHEMAS,
+    TRAINER_DIR,
+    declared_step_at,
+    referenced_rows,
+)
 from .configdiff import check_compatible
-from .errors import CheckpointCustodyError, DatasetMismatch, RowsMismatch
+from .errors import BindingMismatch, CheckpointCustodyError, DatasetMismatch, RowsMismatch
 from .ledger import PROMPT_GROUP_CODE, AttemptStatus, GroupState, LedgerState
 from .rows import Row, RowId, decode_rows
 from .source import PromptSource
@@ -151,6 +162,41 @@ def check_custody(ck: OpenedCheckpoint) -> LedgerState:
     return state
 
 
+def check_binding(ck: OpenedCheckpoint, state: LedgerState) -> None:
+    """Step 5, second half: the manifest, the trainer files and the ledger are of one step.
+
+    Reads only what declares a step (a JSON file; a safetensors file's header), not the
+    weights: `open` has already verified every file's sha256."""
+    version = state.version
+
+    def refuse(what: str, path: str, field: str, found: Any) -> BindingMismatch:
+        return BindingMismatch(
+            f"checkpoint {ck.name}: {what}",
+            path=path,
+            field=field,
+            expected=f"step {version}, the ledger's version",
+            found=str(found),
+            remedy=_REMEDY_OLDER + "; its parts come from different checkpoints (copied or edited)",
+        )
+
+    manifest = str(ck.path / "MANIFEST.json")
+    for key in ("weight_version", "trainer_step"):
+        value = ck.manifest.get(key, version if key == "trainer_step" else None)
+        if value != version:
+            raise refuse(f"the manifest's {key} is not the ledger's version", manifest, key, value)
+    prefix = TRAINER_DIR + "/"
+    for rel in ck.files():
+        if not rel.startswith(prefix):
+            continue
+        path = ck.path / rel
+        try:
+            step = declared_step_at(path)
+        except (OSError, ValueError) as e:
+            raise refuse(f"{rel} does not declare its step readably", str(path), STEP_KEY, e) from None
+        if step is not None and step != version:
+            raise refuse(f"{rel} holds trainer state of another step", str(path), STEP_KEY, f"step {step}")
+
+
 def check_rows(ck: OpenedCheckpoint, state: LedgerState) -> dict[RowId, Row]:
     """Step 6: the rows are exactly the ones sealed attempts reference."""
     path = str(ck.path / ROWS_FILE)
@@ -171,9 +217,15 @@ def check_rows(ck: OpenedCheckpoint, state: LedgerState) -> dict[RowId, Row]:
 
 
 def check_dataset(
-    ck: OpenedCheckpoint, state: LedgerState, source: PromptSource, *, allow_dataset_change: bool = False
+    ck: OpenedCheckpoint,
+    state: LedgerState,
+    source: PromptSource,
+    *,
+    allow_dataset_change: bool = False,
+    extend_epochs: bool = False,
 ) -> None:
-    """Step 7: the dataset the checkpoint was written against is the one we have."""
+    """Step 7: the dataset the checkpoint was written against is the one we have.
+    `extend_epochs`: the source may have more epochs (or be unbounded); never fewer."""
     path = str(ck.path / LEDGER_FILE)
 
     def fail(what: str, fld: str, expected: Any, found: Any, remedy: str = "") -> DatasetMismatch:
@@ -192,7 +244,14 @@ def check_dataset(
     if state.seed != source.seed:
         raise fail("the permutation seed differs", "seed", state.seed, source.seed)
     if state.epochs != source.epochs:
-        raise fail("the number of epochs differs", "epochs", state.epochs, source.epochs)
+        grows = source.epochs is None or (state.epochs is not None and source.epochs > state.epochs)
+        if not (extend_epochs and grows):
+            raise fail(
+                "the number of epochs differs" + ("; it can only grow on resume" if extend_epochs else ""),
+                "epochs",
+                state.epochs,
+                source.epochs,
+            )
     bad = []
     for gid, rec in sorted(state.groups.items(), key=lambda kv: kv[1].key):
         problem = source.check_ref(rec.key, rec.idx, rec.task, rec.row_fingerprint)
@@ -225,13 +284,17 @@ def restore_chain(
     config: Mapping[str, Any] | None,
     allow_config_change: Iterable[str] = (),
     allow_dataset_change: bool = False,
+    extend_epochs: bool = False,
 ) -> Restored:
-    """Run steps 1–8. `source=None` / `config=None` skip steps 7 / 8 (`rollkeep audit`)."""
+    """Run steps 1–8. `source=None` / `config=None` skip steps 7 / 8 (`rollkeep audit`).
+
+    Step 8 is evaluated before step 7: a changed seed or number of epochs is a config
+    change (reported as a dotted diff, with what may be allowed), not a changed dataset;
+    step 7 still compares the ledger's own seed and epochs with the source's."""
     ck = open_checkpoint(target, name)
     state = check_custody(ck)
+    check_binding(ck, state)
     rows = check_rows(ck, state)
-    if source is not None:
-        check_dataset(ck, state, source, allow_dataset_change=allow_dataset_change)
     changes: list = []
     if config is not None:
         changes = check_compatible(
@@ -239,5 +302,9 @@ def restore_chain(
             config,
             allow=allow_config_change,
             path=str(ck.path / "MANIFEST.json"),
+        )
+    if source is not None:
+        check_dataset(
+            ck, state, source, allow_dataset_change=allow_dataset_change, extend_epochs=extend_epochs
         )
     return Restored(checkpoint=ck, ledger=state, rows=rows, plan=plan(state), config_changes=changes)

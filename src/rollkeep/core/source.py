@@ -27,6 +27,7 @@ import xxhash
 
 from rollkeep.core.errors import CustodyError, DatasetError, UserInputError
 from rollkeep.core.keys import Key, group_id
+from rollkeep.core.untrusted import loads_json, read_regular
 
 DEFAULT_TASK = "default"
 MAX_SEED = 2**63
@@ -103,7 +104,7 @@ def row_fingerprint(row: Mapping[str, Any]) -> int:
     """
     try:
         encoded = json.dumps(dict(row), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    except (TypeError, ValueError) as err:
+    except (TypeError, ValueError, RecursionError) as err:
         raise DatasetError(
             "Dataset row cannot be fingerprinted: it is not JSON-serializable",
             expected="JSON values only (str, number, bool, null, list, object with string keys)",
@@ -154,7 +155,7 @@ class JsonlDataset:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         try:
-            data = self.path.read_bytes()
+            data = read_regular(self.path, follow_symlinks=True)  # a FIFO is refused, not waited on
         except OSError as err:
             raise DatasetError(
                 "Cannot read the dataset file",
@@ -193,9 +194,11 @@ class JsonlDataset:
         except UnicodeDecodeError as err:
             raise fail("not UTF-8", "UTF-8 text", str(err)) from err
         try:
-            row = json.loads(text)
+            row = loads_json(text)  # strict: a duplicate key or NaN is refused, not guessed
         except json.JSONDecodeError as err:
             raise fail("not JSON", "a JSON object", f"{err.msg} at column {err.colno}") from err
+        except ValueError as err:  # a duplicate key, NaN/Infinity, or nesting too deep
+            raise fail(str(err), "a JSON object with distinct keys and finite numbers", str(err)) from err
         _check_row(row, where, str(self.path))
         return row
 

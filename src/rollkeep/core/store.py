@@ -42,11 +42,13 @@ A6. An fsync that returns an error may have lost the data ("fsyncgate"): the pub
 Steps of `publish(step, files, meta, keep_last=...)`
 ----------------------------------------------------
 
-Let N = `step_000012`, and HEX a fresh random suffix each time one is needed.
+Let N = `step_000012` (or a revision such as `step_000012.1`), and HEX a fresh random suffix each time one is needed.
 
-P1. Validate the arguments and build MANIFEST.json in memory (sizes, sha256s, its own
-    checksum); refuse to republish the step LATEST names. Nothing on disk has changed
-    yet; a bad argument raises ValueError (TypeError for content that is not bytes).
+P1. Pick the name N (`step_N`, or the next revision when LATEST names a checkpoint of
+    the same step: see "Republishing a step"), validate the arguments and build
+    MANIFEST.json in memory (sizes, sha256s, its own checksum). Nothing on disk has
+    changed yet; a bad argument raises ValueError (TypeError for content that is not
+    bytes).
 P2. Create `N.tmp-HEX/` (and its subdirectories). Create `checkpoints/` first if needed
     and fsync its parent.
 P3. Write each file and fsync it.                              [crash point publish.file_written]
@@ -100,17 +102,32 @@ but the new checkpoint *is* published (`latest()` says so); what remains are lef
 Republishing a step
 -------------------
 
-A crash between P6 and P8 leaves a complete `N/` that LATEST does not name; after the
-restart, training reaches step N again and publishes it again. P5 renames the old `N/`
-aside before P6 renames the new one in. That is safe because LATEST does not name the old
-`N/` (P1 checks, below): no reader can be sent to it, so the instant at which the name N is
-missing or refers to the new directory harms nobody. The old directory is deleted only
-after the commit point, so until then a failed publication can put it back as it found it.
+A checkpoint of step N is named `step_N`; a later cut of the same step (a run that stops
+at the version of its last periodic checkpoint, after drops or sealed work that the
+checkpoint does not hold) is the next *revision* `step_N.R` (R = 1, 2, ...). `publish`
+picks the name in P1: revision R+1 when LATEST names `step_N.R` (or `step_N`, R = 0),
+else `step_N`. So a publication never writes to the name LATEST holds: replacing a
+published directory would take two renames (aside, then in), and a crash between them
+would leave LATEST naming nothing.
 
-Republishing the step LATEST names is refused with ValueError in P1: replacing a published
-directory takes two renames (aside, then in), and a crash between them would leave LATEST
-naming nothing. A caller that wants a new checkpoint of the same step has nothing to do:
-the published one is already of that step.
+A crash between P6 and P8 leaves a complete directory that LATEST does not name; after the
+restart, the run reaches the same name again and publishes it again. P5 renames the old
+directory aside before P6 renames the new one in. That is safe because LATEST does not
+name the old one: no reader can be sent to it, so the instant at which the name is missing
+or refers to the new directory harms nobody. The old directory is deleted only after the
+commit point, so until then a failed publication can put it back as it found it.
+
+Resuming from an older checkpoint
+---------------------------------
+
+`rollkeep train --resume-from step_K` restores a checkpoint other than LATEST's on
+purpose. After the restore chain has passed on it (nothing changed before), `set_aside`
+moves every newer checkpoint directory into `abandoned-<UTC time>/` (mkdir, fsync the
+store, one rename each, fsync both), then `point_latest` replaces LATEST with `step_K`
+(the commit point, as P7-P8). Nothing is deleted, and a later publication of the same
+names cannot touch the abandoned ones (they no longer carry those names in the store).
+A crash before the commit point leaves LATEST naming a directory that has moved; the same
+`--resume-from` command completes it.
 
 Why the manifest checks itself, and LATEST does not
 ---------------------------------------------------
@@ -154,6 +171,7 @@ changed after `open`; the price is hashing the files that are read twice.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -183,6 +201,7 @@ __all__ = [
     "OpenedCheckpoint",
     "Published",
     "checkpoint_name",
+    "checkpoint_order",
     "open_path",
 ]
 
@@ -195,27 +214,36 @@ RESERVED_KEYS = frozenset(
     {"manifest_schema", "name", "step", "created", "files", "manifest_sha256"}
 )
 
-_NAME_RE = re.compile(r"step_(\d{6,})")
-_TMP_RE = re.compile(r"(?:step_\d{6,}|LATEST)\.tmp-[0-9a-f]+")
+_NAME_RE = re.compile(r"step_(\d{6,})(?:\.([1-9]\d*))?")
+_TMP_RE = re.compile(r"(?:step_\d{6,}(?:\.[1-9]\d*)?|LATEST)\.tmp-[0-9a-f]+")
+ABANDONED_PREFIX = "abandoned-"
 _COMPONENT_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _NO_SCHEMA_CHECK: Mapping[str, AbstractSet[int]] = MappingProxyType({})
 
 
-def checkpoint_name(step: int) -> str:
-    """`step_{step:06d}`: the directory name of the checkpoint taken after `step`."""
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ValueError(f"checkpoint step must be an int >= 0, got {step!r}")
-    return f"step_{step:06d}"
+def checkpoint_name(step: int, revision: int = 0) -> str:
+    """`step_{step:06d}`, or `step_{step:06d}.{revision}` for a later cut of the same step
+    (see "Republishing a step")."""
+    for what, v in (("step", step), ("revision", revision)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"checkpoint {what} must be an int >= 0, got {v!r}")
+    return f"step_{step:06d}" + (f".{revision}" if revision else "")
+
+
+def checkpoint_order(name: str) -> tuple[int, int] | None:
+    """(step, revision) of a canonical checkpoint name, or None if it is not one."""
+    m = _NAME_RE.fullmatch(name)
+    if m is None:
+        return None
+    key = (int(m.group(1)), int(m.group(2) or 0))
+    return key if checkpoint_name(*key) == name else None
 
 
 def _step_of(name: str) -> int | None:
     """The step a canonical checkpoint name stands for, or None if it is not one."""
-    m = _NAME_RE.fullmatch(name)
-    if m is None:
-        return None
-    step = int(m.group(1))
-    return step if checkpoint_name(step) == name else None
+    key = checkpoint_order(name)
+    return None if key is None else key[0]
 
 
 def _tmp_suffix() -> str:
@@ -408,7 +436,7 @@ class CheckpointStore:
         fs, root = self._fs, self.root
 
         # P1: validate everything and build the manifest before touching the disk.
-        name = checkpoint_name(step)
+        name = self._next_name(step)
         if keep_last is not None and (not _is_int(keep_last) or keep_last < 1):
             raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
         entries = _check_files(files)
@@ -416,11 +444,6 @@ class CheckpointStore:
         manifest_bytes = _encode_manifest(fields)
         if _encode_manifest(_decode_json(manifest_bytes)) != manifest_bytes:
             raise ValueError("meta does not survive a JSON round trip unchanged")
-        if self._latest_or_none() == name:
-            raise ValueError(
-                f"{name} is the published checkpoint (LATEST names it); replacing it in "
-                f"place cannot be made atomic, and it already is a checkpoint of step {step}"
-            )
         subdirs = sorted({rel.split("/")[0] for rel, _ in entries if "/" in rel})
         final = root / name
 
@@ -487,6 +510,56 @@ class CheckpointStore:
         total = sum(len(view) for _, view in entries) + len(manifest_bytes)
         return Published(name, final, total, time.perf_counter() - t0)
 
+    def _next_name(self, step: int) -> str:
+        """The name a new checkpoint of `step` gets: `step_N`, or the next revision
+        `step_N.R` when LATEST names a checkpoint of the same step (never LATEST's own
+        name: the directory LATEST names is never touched)."""
+        latest = checkpoint_order(self._latest_or_none() or "")
+        if latest is None or latest[0] != step:
+            return checkpoint_name(step)
+        return checkpoint_name(step, latest[1] + 1)
+
+    def set_aside(self, names: list[str]) -> str | None:
+        """Move the checkpoint directories `names` into a new `abandoned-<UTC time>/`
+        directory of the store (nothing is deleted) and return its name; None if `names`
+        is empty. Each move is a rename, made durable before this returns. See "Resuming
+        from an older checkpoint" in the module docstring."""
+        if not names:
+            return None
+        fs, root = self._fs, self.root
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        aside = root / f"{ABANDONED_PREFIX}{stamp}"
+        n = 1
+        while os.path.lexists(aside):
+            n += 1
+            aside = root / f"{ABANDONED_PREFIX}{stamp}-{n}"
+        fs.mkdir(aside)
+        fs.fsync(root)
+        for name in names:
+            if checkpoint_order(name) is None:
+                raise ValueError(f"{name!r} is not a checkpoint name")
+            fs.rename(root / name, aside / name)
+        fs.fsync(aside)
+        fs.fsync(root)
+        return aside.name
+
+    def point_latest(self, name: str) -> None:
+        """Make LATEST name the existing checkpoint directory `name` (P7-P8 alone)."""
+        if checkpoint_order(name) is None or not (self.root / name).is_dir():
+            raise ValueError(f"{name!r} is not a checkpoint directory of {self.root}")
+        fs = self._fs
+        latest_tmp = self.root / (LATEST + _tmp_suffix())
+        try:
+            fs.write(latest_tmp, (name + "\n").encode("ascii"))
+            fs.fsync(latest_tmp)
+            fs.rename(latest_tmp, self.root / LATEST)
+        except BaseException:
+            if os.path.lexists(latest_tmp):
+                with contextlib.suppress(OSError):
+                    fs.unlink(latest_tmp)
+            raise
+        fs.fsync(self.root)
+
     def cleanup_tmp(self) -> list[str]:
         """Remove the `*.tmp-*` leftovers of interrupted publications and deletions, and
         return their names (sorted) for the caller to report. Call it at start-up, never
@@ -527,7 +600,7 @@ class CheckpointStore:
             raise CheckpointNotFound(
                 "LATEST does not hold a checkpoint name",
                 path=str(path),
-                expected="'step_NNNNNN' followed by one newline",
+                expected="'step_NNNNNN' (or 'step_NNNNNN.R') followed by one newline",
                 found=f"{shown!r}{'...' if len(raw) > 80 else ''}{hint}",
                 remedy=self._latest_remedy(),
             )
@@ -541,7 +614,7 @@ class CheckpointStore:
             for e in self._scan()
             if _step_of(e.name) is not None and e.is_dir(follow_symlinks=False)
         ]
-        return sorted(names, key=lambda n: _step_of(n) or 0)
+        return sorted(names, key=lambda n: checkpoint_order(n) or (0, 0))
 
     def open(
         self,
@@ -569,7 +642,7 @@ class CheckpointStore:
             raise CheckpointNotFound(
                 f"{name!r} is not a checkpoint name",
                 path=str(self.root / name),
-                expected="a name of the form step_NNNNNN",
+                expected="a name of the form step_NNNNNN (or step_NNNNNN.R, a later cut of that step)",
                 found=repr(name),
                 remedy=self._latest_remedy(),
             )
@@ -753,14 +826,14 @@ def _oserror_text(e: OSError) -> str:
 
 def _earlier_remedy(ckdir: Path) -> str:
     """What to do about a bad checkpoint: name the newest earlier one, if any."""
-    root, step = ckdir.parent, _step_of(ckdir.name)
+    root, step = ckdir.parent, checkpoint_order(ckdir.name)
     try:
         with os.scandir(root) as it:
             names = [e.name for e in it if e.is_dir(follow_symlinks=False)]
     except OSError:
         names = []
     earlier = sorted(
-        (s, n) for n in names if (s := _step_of(n)) is not None and (step is None or s < step)
+        (s, n) for n in names if (s := checkpoint_order(n)) is not None and (step is None or s < step)
     )
     if earlier:
         prev = earlier[-1][1]

@@ -43,12 +43,14 @@ class ToyEngine:
         infra_fail_rate: float = 0.0,
         data_fail_rate: float = 0.0,
         completion_tokens: int = 8,
+        hang_rate: float = 0.0,
     ) -> None:
         self.latency_ms = latency_ms
         self.latency_jitter_ms = latency_jitter_ms
         self.infra_fail_rate = infra_fail_rate
         self.data_fail_rate = data_fail_rate
         self.completion_tokens = completion_tokens
+        self.hang_rate = hang_rate
         self._version = 0
 
     @property
@@ -59,8 +61,10 @@ class ToyEngine:
         delay = self.latency_ms + self.latency_jitter_ms * _unit(req.seed, "latency", req.attempt)
         if delay > 0:
             await asyncio.sleep(delay / 1000.0)
-        # Infra failures are keyed by the sibling's infra-retry count, not the attempt
-        # number (restarts add attempts), so the same failures happen in every lineage.
+        # Infra failures and hangs are keyed by the sibling's infra-retry count, not the
+        # attempt number (restarts add attempts), so the same ones happen in every lineage.
+        if _unit(req.seed, "hang", req.infra_retries) < self.hang_rate:
+            await asyncio.Event().wait()  # never returns; the caller's deadline cancels it
         if _unit(req.seed, "infra", req.infra_retries) < self.infra_fail_rate:
             raise InfraError(f"toy engine: injected infra failure ({req.group_id}/{req.generation})")
         if _unit(req.seed, "data") < self.data_fail_rate:

@@ -37,9 +37,21 @@ def load_pretrained(model_path: str, *, field: str) -> tuple[Any, Any]:
             path=str(path), field=field, expected=_EXPECTED, found=found,
             remedy=f"point {field} at a directory written by save_pretrained (downloads are off)",
         )
+    pickles = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+    if pickles and not any(path.glob("*.safetensors")):
+        # Other weight formats (pytorch_model.bin, *.pt) are pickles: reading one runs
+        # whatever code it holds. rollkeep never reads a pickle.
+        raise UserInputError(
+            f"{field} {str(path)!r} holds no safetensors weights",
+            path=str(path), field=field,
+            expected="model.safetensors (or sharded model-*.safetensors): rollkeep reads no pickle",
+            found=f"weights in a pickle format only: {', '.join(pickles)}",
+            remedy="convert it once, on a machine where you trust the file: "
+            "AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(DIR, safe_serialization=True)",
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, use_safetensors=True)
     except Exception as e:
         raise UserInputError(
             f"{field} {str(path)!r}: transformers could not load a causal LM and its tokenizer",

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ..core.errors import CheckpointError
 from ..core.rows import Row
 
 
@@ -37,8 +38,14 @@ class Batch:
 
 
 class TrainerSnapshot(Protocol):
+    step: int  # optimizer steps taken = the weight version the state is of
+
     def files(self) -> dict[str, bytes]:
-        """The trainer's checkpoint files (names relative to `trainer/`). Off-loop."""
+        """The trainer's checkpoint files (names relative to `trainer/`). Off-loop.
+
+        Each file declares `step` (`rollkeep_step`: a top-level key of a JSON file, a
+        safetensors `__metadata__` entry), so the restore chain can refuse a file copied
+        in from another checkpoint (DESIGN §5, step 5)."""
         ...
 
 
@@ -53,8 +60,9 @@ class Trainer(Protocol):
         """State at this step boundary, copied so later steps cannot change it."""
         ...
 
-    def load(self, files: Mapping[str, bytes]) -> None:
-        """Restore from the files of a snapshot. Raises CheckpointError if they are bad."""
+    def load(self, files: Mapping[str, bytes], *, step: int | None = None) -> None:
+        """Restore from the files of a snapshot. Raises CheckpointError if they are bad or,
+        with `step`, if they are not of that step (the controller always passes it)."""
         ...
 
     def weights(self) -> Any:
@@ -64,3 +72,16 @@ class Trainer(Protocol):
     def weights_sha256(self) -> str:
         """Digest of the current weights: equal iff the weights are byte-identical."""
         ...
+
+
+def check_step(file: str, found: int | None, step: int | None) -> None:
+    """Refuse a trainer file whose declared step is not `step` (None: no check)."""
+    if step is not None and found != step:
+        raise CheckpointError(
+            f"the trainer file {file} holds the state of step {found}, not of step {step}",
+            path=f"trainer/{file}",
+            field="rollkeep_step",
+            expected=f"step {step} (the ledger's version)",
+            found=f"step {found}",
+            remedy="restore from another checkpoint; this one mixes files of different steps",
+        )

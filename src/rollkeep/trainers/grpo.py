@@ -68,6 +68,11 @@ Checkpoint files (`snapshot().files()`, loaded by `load`; DESIGN.md §4: no pick
                            on CPU; a GPU subclass must add them.)
     reference.safetensors  the KL reference's weights, when one exists
 
+Every file declares the step its state is of (`rollkeep_step`: in trainer.json, and in
+each safetensors file's metadata), which is `rl_steps`, the weight version; `load(files,
+step=N)` refuses a file of another step, so trainer files copied from another checkpoint
+never load under a ledger of a different version.
+
 `load` checks every file and tensor (presence, parse, names, dtypes, shapes, ties) before
 it changes anything, then restores model, optimizers (moments and step counts), RNG,
 counters and reference bit-exactly. Any problem raises CheckpointError naming the file
@@ -92,10 +97,12 @@ from safetensors.torch import save as st_save
 from torch import Tensor
 
 from ..config import TorchTrainerConfig
+from ..core.checkpoint import STEP_KEY, declared_step, step_metadata
 from ..core.errors import CheckpointError
+from ..core.untrusted import loads_json
 from ..models.gpt import GPT
 from ..models.tokenizer import PAD
-from .base import Batch
+from .base import Batch, check_step
 
 __all__ = ["GRPOSnapshot", "GRPOTrainer", "TorchTrainer", "grpo_loss", "token_logprobs"]
 
@@ -422,8 +429,9 @@ class GRPOTrainer:
             reference=reference,
         )
 
-    def load(self, files: Mapping[str, bytes]) -> None:
-        """Restore a snapshot's files bit-exactly. Checks everything, then changes state."""
+    def load(self, files: Mapping[str, bytes], *, step: int | None = None) -> None:
+        """Restore a snapshot's files bit-exactly. Checks everything, then changes state.
+        With `step`, every file must declare that step (`rl_steps` is the weight version)."""
         # 1. Check every file against this trainer; nothing changes yet.
         for name in files:
             if name not in ALL_FILES:
@@ -450,6 +458,7 @@ class GRPOTrainer:
             raise _bad(REFERENCE_FILE, f"{REFERENCE_FILE} is present but {STATE_FILE} says "
                        "there is no reference", field="reference", expected="true",
                        found="false")
+        _check_steps(files, meta, step)  # well-formed files, but all of one step?
 
         # 2. Apply.
         with torch.no_grad():
@@ -513,6 +522,11 @@ class GRPOSnapshot:
     rng: Tensor  # torch.get_rng_state(), uint8
     reference: dict[str, Tensor] | None
 
+    @property
+    def step(self) -> int:
+        """The weight version this state is of: RL steps taken (the warm start is step 0)."""
+        return self.rl_steps
+
     def files(self) -> dict[str, bytes]:
         """Serialise (on the checkpoint writer's thread): safetensors and JSON only."""
         optimizer_tensors = {
@@ -520,6 +534,7 @@ class GRPOSnapshot:
         }
         meta = {
             "format": FORMAT,
+            STEP_KEY: self.rl_steps,
             "rl_steps": self.rl_steps,
             "sft_steps": self.sft_steps,
             "ties": self.ties,
@@ -529,14 +544,15 @@ class GRPOSnapshot:
                 for opt, s in self.optimizers.items()
             },
         }
+        bound = step_metadata(self.rl_steps)  # each file says which step it is of
         out = {
-            MODEL_FILE: st_save(self.model),
-            OPTIMIZER_FILE: st_save(optimizer_tensors),
+            MODEL_FILE: st_save(self.model, metadata=bound),
+            OPTIMIZER_FILE: st_save(optimizer_tensors, metadata=bound),
             STATE_FILE: json.dumps(meta, indent=1, sort_keys=True).encode(),
-            RNG_FILE: st_save({"cpu": self.rng}),
+            RNG_FILE: st_save({"cpu": self.rng}, metadata=bound),
         }
         if self.reference is not None:
-            out[REFERENCE_FILE] = st_save(self.reference)
+            out[REFERENCE_FILE] = st_save(self.reference, metadata=bound)
         return out
 
 
@@ -640,11 +656,13 @@ def _read_meta(files: Mapping[str, bytes]) -> dict[str, Any]:
         raise _bad(STATE_FILE, f"The trainer file {STATE_FILE} is missing",
                    found=f"only {sorted(files)}")
     try:
-        meta = json.loads(files[STATE_FILE])
-    except (ValueError, UnicodeDecodeError) as err:
+        meta = loads_json(files[STATE_FILE])
+    except ValueError as err:
         raise _bad(STATE_FILE, f"{STATE_FILE} is not valid JSON", found=str(err)) from None
     shape = {"format": str, "rl_steps": int, "sft_steps": int, "ties": dict,
              "reference": bool, "optimizers": dict}
+    if isinstance(meta, dict) and STEP_KEY in meta:  # absent in files written before the binding
+        shape[STEP_KEY] = int
     if not isinstance(meta, dict):
         raise _bad(STATE_FILE, f"{STATE_FILE} is not a JSON object", found=type(meta).__name__)
     for key, typ in shape.items():
@@ -672,6 +690,25 @@ def _read_meta(files: Mapping[str, bytes]) -> dict[str, Any]:
                        expected='{"param_groups": [{"lr": <float>, ...}], "scalars": {...}}',
                        found=repr(entry)[:120])
     return meta
+
+
+def _check_steps(files: Mapping[str, bytes], meta: Mapping[str, Any], step: int | None) -> None:
+    """Every file declares the same step: `rl_steps` (trainer.json's `rollkeep_step`, and
+    each safetensors file's metadata). A file copied from another checkpoint is refused."""
+    bound = STEP_KEY in meta
+    if bound and meta[STEP_KEY] != meta["rl_steps"]:
+        raise _bad(STATE_FILE, f"{STEP_KEY} and rl_steps disagree", field=STEP_KEY,
+                   expected=str(meta["rl_steps"]), found=str(meta[STEP_KEY]))
+    check_step(STATE_FILE, meta["rl_steps"], step)
+    for name, data in sorted(files.items()):
+        if not name.endswith(".safetensors"):
+            continue
+        try:
+            declared = declared_step(name, data)
+        except ValueError as err:
+            raise _bad(name, f"{name} is not a readable safetensors file", found=str(err)) from None
+        if bound or declared is not None:
+            check_step(name, declared, meta["rl_steps"])
 
 
 def _read_optimizers(

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 
 import msgspec
 
+from ..core.checkpoint import STEP_KEY
 from ..core.errors import CheckpointError
-from .base import Batch
+from ..core.untrusted import loads_json
+from .base import Batch, check_step
 
 STATE_FILE = "toy_trainer.json"
 
@@ -35,10 +37,10 @@ def canonical(batch: Batch) -> bytes:
 @dataclass(frozen=True)
 class ToySnapshot:
     digest: str
-    steps: int
+    step: int  # optimizer steps taken = the weight version this state is of
 
     def files(self) -> dict[str, bytes]:
-        return {STATE_FILE: json.dumps({"digest": self.digest, "steps": self.steps}).encode()}
+        return {STATE_FILE: json.dumps({"digest": self.digest, STEP_KEY: self.step}).encode()}
 
 
 class ToyTrainer:
@@ -60,20 +62,22 @@ class ToyTrainer:
     def snapshot(self) -> ToySnapshot:
         return ToySnapshot(self._digest, self._steps)
 
-    def load(self, files: Mapping[str, bytes]) -> None:
+    def load(self, files: Mapping[str, bytes], *, step: int | None = None) -> None:
         try:
-            state = json.loads(files[STATE_FILE])
-            digest, steps = state["digest"], state["steps"]
-            if not (isinstance(digest, str) and len(digest) == 64 and isinstance(steps, int)):
+            state = loads_json(files[STATE_FILE])
+            # Before the step binding the same count was called "steps".
+            digest, steps = state["digest"], state.get(STEP_KEY, state.get("steps"))
+            if not (isinstance(digest, str) and len(digest) == 64 and type(steps) is int and steps >= 0):
                 raise ValueError("bad field types")
-        except (KeyError, ValueError, TypeError) as e:
+        except (KeyError, ValueError, TypeError, AttributeError) as e:
             raise CheckpointError(
                 "the toy trainer state is unreadable",
                 path=f"trainer/{STATE_FILE}",
-                expected='{"digest": <64 hex>, "steps": <int>}',
+                expected=f'{{"digest": <64 hex>, "{STEP_KEY}": <int>}}',
                 found=str(e),
                 remedy="restore from another checkpoint",
             ) from None
+        check_step(STATE_FILE, steps, step)
         self._digest, self._steps = digest, steps
 
     def weights(self) -> str:
