@@ -35,7 +35,7 @@ examples:
   rollkeep bench --suite core --json core.json            # the custody core, a few minutes
   rollkeep bench --suite preemption --kills 4 --repeats 3 --json p.json  # ~7 minutes
   rollkeep bench --suite speedup                          # ~3 minutes
-  rollkeep bench --suite waste --json w.json              # ~1 minute
+  rollkeep bench --suite waste --json w.json              # ~30 seconds
 """
 
 
