@@ -209,9 +209,10 @@ class WeightFifo:
     need(t) <= P, so the P oldest alive groups always qualify; the P oldest READY ones
     hold the most of every N(t) that READY groups can, so if they do not qualify, no
     choice does, and waiting for the older groups still generating is the only way to keep
-    them in time. (Taking the newest READY groups first, as selection used to, could push
-    an older, slower group past its due step.) Groups admitted while step v+1 trains start
-    at v, and the gate still counts S: after the commit N(v) - P <= P·W.
+    them in time. (Selection used to claim the P oldest READY groups without this check,
+    so newer groups overtook an older, slower one until it was past its due step.) Groups
+    admitted while step v+1 trains start at v, and the gate still counts S: after the
+    commit N(v) - P <= P·W.
 
     By (I) at version s + W + 1, N(s) = 0: every group started at s was trained with
     weights of version <= s + W. So in an uninterrupted run no group is ever stale and
@@ -219,8 +220,8 @@ class WeightFifo:
     still generating, whose siblings are dispatched without any gate.
 
     Failures: an infra or data failure with a retry keeps its group alive and counted, so
-    the trainer waits for it (up to the retry backoff) when it is due, rather than letting
-    it go stale. A group dropped (budget spent) leaves every N(t): (I) only gets easier. A
+    the trainer waits for it when it is due (until a retry seals it, or its budget is spent
+    and it is dropped) rather than letting it go stale. A group dropped (budget spent) leaves every N(t): (I) only gets easier. A
     restart restores the ledger as cut, so (I) holds on resume too (claims are released,
     start versions kept). Only a change of P or W on resume can break (I); need(t) is
     capped at P, so selection then waits for the oldest groups first, some groups may go
