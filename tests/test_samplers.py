@@ -338,9 +338,12 @@ def test_weight_fifo_gate_keeps_at_most_capacity_groups_alive():
     gids = d.sampler.select(d.ledger, 1, final=False)
     assert ords(gids) == [0, 1]
     d.apply(Claimed(step=1, group_ids=tuple(gids)))
-    assert d.sampler.admission(d.ledger) == (True, None)  # claimed groups leave the count
+    # Claimed groups still count until the commit: steps 1 and 2 are full, and a group
+    # admitted now (version 0) would be due by step 2.
+    assert d.sampler.admission(d.ledger) == (False, None)
     d.apply(d.ledger.commit_event(1))
     assert ords(admit_all(d)) == [4, 5]
+    assert d.sampler.admission(d.ledger) == (False, None)
 
 
 def test_weight_fifo_selects_the_oldest_by_start_version_then_key():

@@ -8,7 +8,7 @@ import math
 import time
 from typing import Any
 
-SUITES = ("core", "preemption", "speedup", "all")
+SUITES = ("core", "preemption", "speedup", "waste", "all")
 
 HELP = """\
 Run the benchmark suite and print what it measured, side by side, in one invocation:
@@ -22,14 +22,20 @@ Run the benchmark suite and print what it measured, side by side, in one invocat
               tokens that end up trained, prompts lost, prompts duplicated, wall time
   speedup     async speedup: the same jobs uninterrupted with sampler.max_lookahead_versions
               0 vs 1 (and 2)
+  waste       wasted generation: the same uneven toy job, uninterrupted and without
+              failures, per sampler (in_order, weight_fifo, windowed): completions
+              generated / trained (1.00 = nothing generated twice), groups evicted as
+              stale, run time and throughput
 
-Medians over --repeats; ratios against sibling (preemption) and lookahead 0 (speedup).
+Medians over --repeats; ratios against sibling (preemption), lookahead 0 (speedup) and
+in_order (waste).
 
 examples:
   rollkeep bench --quick                                  # everything small, ~2 minutes
   rollkeep bench --suite core --json core.json            # the custody core, a few minutes
   rollkeep bench --suite preemption --kills 4 --repeats 3 --json p.json  # ~7 minutes
   rollkeep bench --suite speedup                          # ~3 minutes
+  rollkeep bench --suite waste --json w.json              # ~30 seconds
 """
 
 
@@ -58,7 +64,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "--repeats",
         type=int,
         default=None,
-        help="preemption and speedup: repeats, medians reported (default 3; 1 with --quick)",
+        help="preemption, speedup and waste: repeats, medians reported (default 3; 1 with --quick)",
     )
     p.add_argument("--seed", type=int, default=0, help="preemption: seed of the kill schedules")
     p.add_argument("--json", help="also write the results as JSON to this file")
@@ -75,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
             "bench: --kills must be >= 0 and --repeats >= 1",
             found=f"--kills {kills} --repeats {repeats}",
         )
-    suites = ("core", "preemption", "speedup") if args.suite == "all" else (args.suite,)
+    suites = ("core", "preemption", "speedup", "waste") if args.suite == "all" else (args.suite,)
     results: dict = {
         "settings": {
             "suite": args.suite,
@@ -116,6 +122,12 @@ def run(args: argparse.Namespace) -> int:
             r = async_speedup(name, repeats=repeats, quick=args.quick, log=_note)
             results["speedup"][name] = r
             _print(speedup_table(r))
+    if "waste" in suites:
+        from ..bench.waste import waste
+
+        print(f"== wasted generation per sampler ({repeats} repeat(s))")
+        results["waste"] = waste(repeats=repeats, quick=args.quick, log=_note)
+        _print(waste_table(results["waste"]))
     results["settings"]["seconds"] = time.monotonic() - t0
     if args.json:
         with open(args.json, "w") as f:
@@ -196,6 +208,42 @@ def speedup_table(r: dict) -> tuple[str, Any]:
         t.add_column(col, justify="right")
     for la, m in r["lookaheads"].items():
         t.add_row(la, f"{m['run_s']:.2f}", f"{m['steps_per_s']:.2f}", _x(m["speedup_vs_0"]))
+    return title, t
+
+
+def waste_table(r: dict) -> tuple[str, Any]:
+    """(title, rich table) of a `waste` result."""
+    from rich.table import Table
+
+    title = (
+        f"wasted generation per sampler: {r['describe']}; completions generated / trained "
+        f"(1.00 = nothing generated twice); medians of {r['repeats']} repeat(s)"
+    )
+    t = Table()
+    for col in (
+        "sampler",
+        "completions\ngenerated",
+        "completions\ntrained",
+        "generated\n/ trained",
+        "groups\nevicted",
+        "run s",
+        "steps/s",
+        "trained\ncompletions/s",
+        "vs in_order\n(speed)",
+    ):
+        t.add_column(col, justify="left" if col == "sampler" else "right")
+    for sampler, m in r["samplers"].items():
+        t.add_row(
+            sampler,
+            f"{m['generated']:g}",
+            f"{m['trained']:g}",
+            f"{m['ratio']:.2f}",
+            f"{m['evicted']:g}",
+            f"{m['run_s']:.2f}",
+            f"{m['steps_per_s']:.2f}",
+            f"{m['trained_per_s']:.0f}",
+            _x(m.get("speed_vs_in_order", float("nan"))),
+        )
     return title, t
 
 

@@ -10,12 +10,16 @@ stamped for is still the step that trains them (the bug of `reference/001_*` can
     in_order     admission stamps `target_step`; step k trains exactly the groups stamped k;
                  the gate lets admission run at most `window` (= max_lookahead_versions)
                  steps ahead of the trainer. The only sampler for `deterministic: true`.
-    weight_fifo  no stamps; step k trains the oldest READY groups (by start version, then
-                 key) whose age at step k is within `window` (= max_staleness_versions);
-                 the gate keeps at most capacity = P × (window + 1) groups alive.
-    windowed     like weight_fifo but ungated (only max_inflight_prompts and
-                 max_buffered_rollouts bound it); READY groups that fall out of the window
-                 are evicted — regenerated or dropped, by `on_stale`.
+    weight_fifo  no stamps; a group admitted at version s is due by step s + window + 1
+                 (window = max_staleness_versions). The gate admits only while fewer than
+                 capacity = P × (window + 1) groups are alive, counting the claimed ones;
+                 step k claims the oldest READY groups (by start version, then key), but
+                 only if every group left behind can still be trained by its due step,
+                 else it waits. Without failures no group is ever evicted (see WeightFifo).
+    windowed     ungated (only max_inflight_prompts and max_buffered_rollouts bound it);
+                 step k claims the oldest READY groups within the window and waits for no
+                 one; READY groups that fall out of the window are evicted — regenerated or
+                 dropped, by `on_stale`. It regenerates by design (see Windowed).
 
 `P` is `num_prompts_per_step`. Counts are in groups (one group = one prompt × its
 siblings).
@@ -31,6 +35,7 @@ from .errors import ConfigError, UserInputError
 from .ledger import GroupState, Ledger
 
 _READY = int(GroupState.READY)
+_CLAIMED = int(GroupState.CLAIMED)
 
 SAMPLERS = ("in_order", "weight_fifo", "windowed")
 STALE_POLICIES = ("regenerate", "drop")
@@ -170,43 +175,146 @@ class InOrder:
         return []  # the gate bounds age by construction
 
 
+def _fresh_enough(ledger: Ledger, gid: str, window: int) -> bool:
+    # Step version+1 trains with weights of `version`; age = version - start_version.
+    return ledger.version - ledger.group(gid).start_version <= window
+
+
+def _oldest_ready(ledger: Ledger, window: int) -> list[str]:
+    """READY groups within the window, oldest first: by start version, then key."""
+    fresh = [g for g in ledger.ready_ids() if _fresh_enough(ledger, g, window)]
+    return sorted(fresh, key=lambda g: (ledger.group(g).start_version, ledger.group(g).key))
+
+
 @dataclass(frozen=True)
-class _Windowed:
+class WeightFifo:
+    """Gated by capacity; trains the oldest READY groups; never lets a group go stale.
+
+    A group admitted at weight version s may be trained with weights up to s + W
+    (W = window = max_staleness_versions), so it is *due* by step s + W + 1. Let v be the
+    trainer's version and N(t) the live admitted groups (GENERATING .. CLAIMED) started at
+    a version <= t. Steps v+1 .. t+W+1 have P·(t+W+1-v) places, so the invariant is
+
+        (I)  N(t) <= P·(t + W + 1 - v)   for every t in [v - W, v].
+
+    Admission (at version v, start version v): open while fewer than P·(W+1) groups are
+    alive, claimed ones included. It adds to N(v) only, and keeps N(v) <= P·(W+1): (I) at
+    t = v. (The gate used to leave claimed groups out of the count, so while step v+1
+    trained it admitted P groups more than steps v+1 .. v+W+1 can hold: they went stale.)
+
+    Selection of step v+1: take the P oldest READY groups S; after the commit (version
+    v+1) the groups left are N(t) - |S ∩ N(t)|, which (I) at v+1 bounds by P·(t+W-v). So
+    claim S only if |S ∩ N(t)| >= need(t) = N(t) - P·(t+W-v) for every t, else wait:
+    at t = v-W, need = N(t) means the groups due at this step must all be in it. (I) gives
+    need(t) <= P, so the P oldest alive groups always qualify; the P oldest READY ones
+    hold the most of every N(t) that READY groups can, so if they do not qualify, no
+    choice does, and waiting for the older groups still generating is the only way to keep
+    them in time. (Selection used to claim the P oldest READY groups without this check,
+    so newer groups overtook an older, slower one until it was past its due step.) Groups
+    admitted while step v+1 trains start at v, and the gate still counts S: after the
+    commit N(v) - P <= P·W.
+
+    By (I) at version s + W + 1, N(s) = 0: every group started at s was trained with
+    weights of version <= s + W. So in an uninterrupted run no group is ever stale and
+    nothing is regenerated. Progress: selection waits only for admitted groups that are
+    still generating, whose siblings are dispatched without any gate.
+
+    Failures: an infra or data failure with a retry keeps its group alive and counted, so
+    the trainer waits for it when it is due (until a retry seals it, or its budget is spent
+    and it is dropped) rather than letting it go stale. A group dropped (budget spent) leaves every N(t): (I) only gets easier. A
+    restart restores the ledger as cut, so (I) holds on resume too (claims are released,
+    start versions kept). Only a change of P or W on resume can break (I); need(t) is
+    capped at P, so selection then waits for the oldest groups first, some groups may go
+    stale, and `stale` evicts them (regenerate or drop, by `on_stale`).
+    """
+
     limits: Limits
-    name: str
-    gated: bool
+    name: str = "weight_fifo"
     stamps: bool = False
 
     def admission(self, ledger: Ledger, *, new: bool = True) -> tuple[bool, int | None]:
-        open_ = not new or _room(ledger, self.limits)
-        if self.gated and new:
-            live = len(ledger) - ledger.n_claimed()
-            open_ = open_ and live < self.limits.capacity
-        return open_, None
-
-    def _fresh_enough(self, ledger: Ledger, gid: str) -> bool:
-        # Step version+1 trains with weights of `version`; age = version - start_version.
-        return ledger.version - ledger.group(gid).start_version <= self.limits.window
+        capacity = self.limits.capacity
+        if new:  # every live group counts: claimed ones, and RESERVED ones waiting to be admitted
+            return _room(ledger, self.limits) and len(ledger) < capacity, None
+        return len(ledger) - len(ledger.reserved_ids()) < capacity, None
 
     def select(self, ledger: Ledger, step: int, *, final: bool) -> list[str] | None:
-        eligible = [g for g in ledger.ready_ids() if self._fresh_enough(ledger, g)]
         p = self.limits.num_prompts_per_step
-        if len(eligible) < p and not (final and eligible):
+        ready = _oldest_ready(ledger, self.limits.window)
+        if len(ready) < p and not (final and ready):
             return None
-        eligible.sort(key=lambda g: (ledger.group(g).start_version, ledger.group(g).key))
-        return _by_key(ledger, eligible[:p])
+        chosen = ready[:p]
+        return _by_key(ledger, chosen) if self.leaves_every_group_in_time(ledger, chosen) else None
+
+    def leaves_every_group_in_time(self, ledger: Ledger, chosen: list[str]) -> bool:
+        """Whether claiming `chosen` for step version+1 keeps invariant (I): for every
+        start version t, at least need(t) = N(t) - P·(t+W-v) (capped to 0..P) of the
+        groups started at <= t are in `chosen`."""
+        if ledger.n_inflight() == 0:
+            return True  # every live group is READY: the oldest are chosen
+        p, w, v = self.limits.num_prompts_per_step, self.limits.window, ledger.version
+        oldest = v - w  # groups started before it are stale already: nothing can save them
+        alive = [0] * (w + 1)  # alive[i]: live admitted groups started at version oldest + i
+        taken = [0] * (w + 1)  # of them, in `chosen`
+        picked = set(chosen)
+        for gid, rec in ledger.groups():
+            s = rec.start_version
+            if s is None or s < oldest or rec.state == _CLAIMED:
+                continue
+            alive[s - oldest] += 1
+            taken[s - oldest] += gid in picked
+        n = k = 0
+        for i in range(w + 1):  # t = oldest + i, due by step v + 1 + i: i steps after this one
+            n, k = n + alive[i], k + taken[i]
+            if k < min(p, max(0, n - p * i)):
+                return False
+        return True
 
     def stale(self, ledger: Ledger) -> list[str]:
-        return _by_key(ledger, [g for g in ledger.ready_ids() if not self._fresh_enough(ledger, g)])
+        w = self.limits.window
+        return _by_key(ledger, [g for g in ledger.ready_ids() if not _fresh_enough(ledger, g, w)])
+
+
+@dataclass(frozen=True)
+class Windowed:
+    """Ungated; trains the oldest READY groups within the window; evicts the stale ones.
+
+    Admission is bounded only by max_inflight_prompts and max_buffered_rollouts, both of
+    which may exceed the P·(W+1) groups that the W+1 steps of a window can train, and
+    selection waits for no one: it takes the oldest READY groups within the window, so a
+    slow group is overtaken by newer ones. Groups that cannot be trained before they fall
+    out of the window are evicted — with `on_stale: regenerate` generated again from fresh
+    weights (the ledger keeps custody: each prompt is still trained exactly once), with
+    `drop` dropped with the reason "stale". That regeneration is the price of never
+    holding generation back: use weight_fifo to waste nothing.
+    """
+
+    limits: Limits
+    name: str = "windowed"
+    stamps: bool = False
+
+    def admission(self, ledger: Ledger, *, new: bool = True) -> tuple[bool, int | None]:
+        return (not new or _room(ledger, self.limits)), None
+
+    def select(self, ledger: Ledger, step: int, *, final: bool) -> list[str] | None:
+        p = self.limits.num_prompts_per_step
+        ready = _oldest_ready(ledger, self.limits.window)
+        if len(ready) < p and not (final and ready):
+            return None
+        return _by_key(ledger, ready[:p])
+
+    def stale(self, ledger: Ledger) -> list[str]:
+        w = self.limits.window
+        return _by_key(ledger, [g for g in ledger.ready_ids() if not _fresh_enough(ledger, g, w)])
 
 
 def make_sampler(name: str, limits: Limits) -> Sampler:
     if name == "in_order":
         return InOrder(limits)
     if name == "weight_fifo":
-        return _Windowed(limits, name="weight_fifo", gated=True)
+        return WeightFifo(limits)
     if name == "windowed":
-        return _Windowed(limits, name="windowed", gated=False)
+        return Windowed(limits)
     raise UserInputError(
         f"unknown sampler {name!r}",
         field="sampler.name",
