@@ -3,9 +3,9 @@
 Every sibling's advantage is its reward minus its group's mean reward, optionally divided
 by a spread of the rewards. For a group of G rewards r_1..r_G with mean m:
 
-    group_population  A_i = (r_i - m) / (std_pop(r) + eps)     std_pop²  = Σ (r_j - m)² / G
+    group_population  A_i = (r_i - m) / (std_pop(r) + eps)      std_pop² = Σ (r_j - m)² / G
                       (the default: rollkeep's behaviour before the option existed)
-    group             A_i = (r_i - m) / (std_sample(r) + eps)  std_sample² = Σ (r_j - m)² / (G - 1)
+    group             A_i = (r_i - m) / (std_sample(r) + eps)   std_sample² = Σ (r_j - m)² / (G-1)
                       (TRL's `scale_rewards="group"`, verl's `norm_adv_by_std_in_grpo: true`)
     batch             A_i = (r_i - m) / (std_sample(R) + eps), R = every reward of the step's
                       batch (TRL's `scale_rewards="batch"`)
