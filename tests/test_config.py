@@ -577,3 +577,53 @@ def test_semantic_of_torch_backends_keeps_sampling_and_optimizer_only():
     assert sem["trainer"]["model"]["n_embd"] == 128
     other = load_config(None, ["engine.name=torch", "trainer.name=torch"])
     assert semantic(other) == sem
+
+
+# ------------------------------------------------------------- GRPO options (issue 15)
+
+TORCH = ["engine.name=torch", "trainer.name=torch"]
+
+
+@pytest.mark.parametrize(
+    "change, path",
+    [
+        ("trainer.loss_type=grpo", "trainer.loss_type"),
+        ("trainer.dual_clip=3.0", "trainer.dual_clip"),
+        ("trainer.scale_rewards=group", "trainer.scale_rewards"),
+    ],
+)
+def test_grpo_options_are_semantic(change, path):
+    before, after = semantic(load_config(None, TORCH)), semantic(load_config(None, [*TORCH, change]))
+    assert [d[0] for d in diff(before, after)] == [path]
+    assert is_semantic(path)
+
+
+def test_scale_rewards_is_a_semantic_key_of_every_trainer():
+    # Advantages are computed at finalize and stored in the ledger, whatever the trainer.
+    assert Config().trainer.scale_rewards == "group_population"
+    before, after = semantic(Config()), semantic(load_config(None, ["trainer.scale_rewards=none"]))
+    assert [d[0] for d in diff(before, after)] == ["trainer.scale_rewards"]
+
+
+def test_micro_batch_size_is_semantic_under_bnpo_only():
+    for loss_type in ("dapo", "grpo", "dr_grpo"):
+        over = [*TORCH, f"trainer.loss_type={loss_type}"]
+        assert semantic(load_config(None, over)) == semantic(
+            load_config(None, [*over, "trainer.micro_batch_size=2"]))
+    bnpo = [*TORCH, "trainer.loss_type=bnpo"]
+    before = semantic(load_config(None, bnpo))
+    after = semantic(load_config(None, [*bnpo, "trainer.micro_batch_size=2"]))
+    assert before["trainer"]["micro_batch_size"] == 64
+    assert [d[0] for d in diff(before, after)] == ["trainer.micro_batch_size"]
+    # Switching to bnpo is itself refused on resume (loss_type differs).
+    assert "trainer.loss_type" in [d[0] for d in diff(semantic(load_config(None, TORCH)), before)]
+
+
+def test_grpo_option_values_are_checked():
+    err = problems(*TORCH, "trainer.loss_type=token_mean", "trainer.dual_clip=1.0",
+                   "trainer.scale_rewards=group_sample")
+    text = str(err)
+    assert "`trainer.loss_type`: expected one of dapo, grpo, dr_grpo or bnpo" in text
+    assert "`trainer.dual_clip`: expected a value > 1.0" in text
+    assert "`trainer.scale_rewards`: expected one of group_population, group, batch or none" in text
+    assert load_config(None, [*TORCH, "trainer.dual_clip=null"]).trainer.dual_clip is None

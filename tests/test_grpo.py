@@ -3,6 +3,7 @@ gradient accumulation, a bit-exact checkpoint round trip, and checkpoint errors.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import pickle
 
@@ -209,8 +210,9 @@ def test_train_step_raises_the_good_completion_and_lowers_the_bad():
         m = trainer.train_step(Batch(step, (group("e0.0", rows, (1.0, -1.0)),)))
     assert seq_logprobs(model, PROMPT, GOOD).sum() > good0 + 0.5
     assert seq_logprobs(model, PROMPT, BAD).sum() < bad0 - 0.5
-    assert set(m) == {"loss", "clip_frac", "ratio_mean", "kl", "grad_norm", "tokens",
-                      "reward_mean", "advantage_abs_mean", "lr"}
+    assert set(m) == {"loss", "clip_frac", "dual_clip_frac", "ratio_mean", "kl", "grad_norm",
+                      "tokens", "reward_mean", "advantage_abs_mean", "lr"}
+    assert m["dual_clip_frac"] == 0.0  # dual clip off by default
     assert m["tokens"] == 4.0 and m["reward_mean"] == 0.5 and m["advantage_abs_mean"] == 1.0
     assert m["lr"] == 1e-2 and m["kl"] == 0.0
     assert abs(m["ratio_mean"] - 1.0) < 1e-5  # on-policy, no dropout
@@ -463,3 +465,332 @@ def test_torch_trainer_from_config():
     assert abs(m["ratio_mean"] - 1.0) < 1e-5  # same temperature as the behaviour log-probs
     with pytest.raises(ValueError, match="n_embd"):
         TorchTrainer(cfg, model=tiny_gpt(n_embd=64), tokenizer=TOK, temperature=1.0, seed=1)
+
+
+# ---------------------------------------------------------------------------------------
+# loss_type, dual_clip, metrics: against the formulas, written out here independently
+# (module docstring of rollkeep.trainers.grpo), on random ragged batches in float64
+# ---------------------------------------------------------------------------------------
+
+LOSS_TYPES = ["dapo", "grpo", "dr_grpo", "bnpo"]
+L_MAX = 9  # dr_grpo's configured maximum completion length (>= every length below)
+
+
+def ragged_case(seed: int):
+    """B sequences of random lengths 0..L_MAX-1 (at least one token in the batch), one
+    advantage each (some exactly 0, some negative), log-ratios wide enough to leave the
+    clip range and pass ratio 2 often, and a reference policy. Padded positions hold junk."""
+    rng = np.random.default_rng(seed)
+    B = int(rng.integers(1, 8))
+    lengths = [int(x) for x in rng.integers(0, L_MAX, size=B)]
+    if sum(lengths) == 0:
+        lengths[0] = 1
+    T = max(lengths) + 1  # one all-padding column
+    old = rng.normal(-2.0, 0.5, size=(B, T))
+    logp = old + rng.normal(0.0, 0.7, size=(B, T))
+    ref = logp + rng.normal(0.0, 0.3, size=(B, T))
+    adv = rng.normal(0.0, 1.0, size=B)
+    adv[rng.random(B) < 0.2] = 0.0
+    mask = np.zeros((B, T))
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1.0
+    junk = rng.normal(0.0, 30.0, size=(B, T))
+    logp, old, ref = (np.where(mask > 0, x, junk) for x in (logp, old, ref))
+    return logp, old, ref, adv, mask, lengths
+
+
+def reference_loss(logp, old, ref, adv, lengths, *, loss_type, clip_eps, kl_coef, dual_clip,
+                   micro_batch_size=None):
+    """Loss, d loss / d logp and the token metrics, one token at a time in plain Python."""
+    B = len(lengths)
+    n_tokens = sum(lengths)
+    size = micro_batch_size or B
+    chunks = [range(s, min(B, s + size)) for s in range(0, B, size)]
+    chunk_of = {i: c for c in chunks for i in c}
+    loss, grad = 0.0, np.zeros_like(logp)
+    clipped = dual = 0
+    ratio_sum = k3_sum = 0.0
+    for i in range(B):
+        A = adv[i]
+        for t in range(lengths[i]):
+            r = math.exp(logp[i, t] - old[i, t])
+            # the PPO clip: min(r A, clip(r) A); its clipped branch is active (gradient 0)
+            # when r > 1 + eps with A > 0 or r < 1 - eps with A < 0
+            if (A > 0 and r > 1 + clip_eps) or (A < 0 and r < 1 - clip_eps):
+                s, ds = min(max(r, 1 - clip_eps), 1 + clip_eps) * A, 0.0
+                clipped += 1
+            else:
+                s, ds = r * A, r * A
+            if dual_clip is not None and A < 0 and r > dual_clip:  # floor c A, constant
+                s, ds = dual_clip * A, 0.0
+                dual += 1
+            d = ref[i, t] - logp[i, t]
+            k3 = math.exp(d) - d - 1
+            ell = -s + kl_coef * k3
+            dell = -ds + kl_coef * (1 - math.exp(d))
+            if loss_type == "dapo":
+                w = 1 / n_tokens
+            elif loss_type == "grpo":
+                w = 1 / (B * lengths[i])
+            elif loss_type == "dr_grpo":
+                w = 1 / (B * L_MAX)
+            else:  # bnpo: token mean in this sequence's micro-batch, mean over micro-batches
+                w = 1 / (len(chunks) * max(1, sum(lengths[j] for j in chunk_of[i])))
+            loss += w * ell
+            grad[i, t] = w * dell
+            ratio_sum += r
+            k3_sum += k3
+    metrics = {"clip_frac": clipped / n_tokens, "dual_clip_frac": dual / n_tokens,
+               "ratio_mean": ratio_sum / n_tokens, "kl": k3_sum / n_tokens}
+    return loss, grad, metrics
+
+
+def d(x) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("dual_clip", [None, 1.1, 2.0])
+@pytest.mark.parametrize("kl_coef", [0.0, 0.1])
+def test_grpo_loss_matches_its_formula(loss_type, dual_clip, kl_coef):
+    # 25 random ragged batches per option: loss, gradient and metrics, to float64 round-off.
+    # (dual_clip 1.1 < 1 + clip_eps: the cap then also reaches ratios inside the clip range.)
+    seen = dict.fromkeys(("clip_frac", "dual_clip_frac", "kl"), 0.0)
+    for seed in range(25):
+        logp, old, ref, adv, mask, lengths = ragged_case(seed)
+        want, want_grad, want_metrics = reference_loss(
+            logp, old, ref, adv, lengths, loss_type=loss_type, clip_eps=0.2, kl_coef=kl_coef,
+            dual_clip=dual_clip)
+        x = d(logp).requires_grad_()
+        loss, stats = grpo_loss(x, d(old), d(adv), d(mask), clip_eps=0.2,
+                                ref_logp=d(ref) if kl_coef else None, kl_coef=kl_coef,
+                                loss_type=loss_type, dual_clip=dual_clip,
+                                max_completion_length=L_MAX)
+        loss.backward()
+        assert loss.dtype == torch.float64
+        assert loss.item() == pytest.approx(want, rel=1e-12, abs=1e-14), seed
+        np.testing.assert_allclose(x.grad.numpy(), want_grad, rtol=1e-11, atol=1e-14)
+        for k, v in want_metrics.items():
+            got = stats[k].item()
+            if k == "kl" and not kl_coef:
+                assert got == 0.0  # no reference: no KL
+                continue
+            assert got == pytest.approx(v, rel=1e-12, abs=1e-15), (seed, k)
+            seen[k] = seen.get(k, 0.0) + got
+    assert seen["clip_frac"] > 0 and (seen["dual_clip_frac"] > 0) == (dual_clip is not None)
+
+
+def test_loss_types_differ_on_ragged_batches():
+    # The four are different objectives (same at equal lengths only up to constants).
+    logp, old, ref, adv, mask, lengths = ragged_case(3)
+    assert len(set(lengths)) > 1
+    losses = {lt: grpo_loss(d(logp), d(old), d(adv), d(mask), clip_eps=0.2, loss_type=lt,
+                            max_completion_length=L_MAX)[0].item()
+              for lt in ("dapo", "grpo", "dr_grpo")}
+    assert len({round(v, 12) for v in losses.values()}) == 3
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("micro_batch_size", [1, 2, 3])
+def test_micro_batch_parts_add_up(loss_type, micro_batch_size):
+    # Split into micro-batches with whole-batch counts passed in, the losses, gradients and
+    # metrics add up: to the one-batch values for dapo, grpo, dr_grpo (accumulation is
+    # exact), and for bnpo to its per-micro-batch formula (micro_batch_size is semantic).
+    for seed in range(20):
+        logp, old, ref, adv, mask, lengths = ragged_case(100 + seed)
+        B = len(lengths)
+        want, want_grad, want_metrics = reference_loss(
+            logp, old, ref, adv, lengths, loss_type=loss_type, clip_eps=0.2, kl_coef=0.1,
+            dual_clip=2.0, micro_batch_size=micro_batch_size if loss_type == "bnpo" else None)
+        x = d(logp).requires_grad_()
+        total = torch.zeros((), dtype=torch.float64)
+        metrics = dict.fromkeys(want_metrics, 0.0)
+        starts = range(0, B, micro_batch_size)
+        for s in starts:
+            part = slice(s, s + micro_batch_size)
+            loss, stats = grpo_loss(
+                x[part], d(old[part]), d(adv[part]), d(mask[part]), clip_eps=0.2,
+                ref_logp=d(ref[part]), kl_coef=0.1, loss_type=loss_type, dual_clip=2.0,
+                max_completion_length=L_MAX, batch_sequences=B, batch_tokens=sum(lengths),
+                micro_batches=len(starts))
+            total = total + loss
+            for k in metrics:
+                metrics[k] += stats[k].item()
+        total.backward()
+        assert total.item() == pytest.approx(want, rel=1e-12, abs=1e-14), seed
+        np.testing.assert_allclose(x.grad.numpy(), want_grad, rtol=1e-11, atol=1e-14)
+        for k, v in want_metrics.items():
+            assert metrics[k] == pytest.approx(v, rel=1e-12, abs=1e-15), (seed, k)
+
+
+def test_dual_clip_caps_a_negative_advantage_token_by_hand():
+    # A = -1, eps = 0.2, c = 3. ratio 5: clipped objective min(-5, -1.2) = -5 (unbounded,
+    # gradient -ratio*A/N = 5/2); dual clip: max(-5, -3) = -3, loss 3/2 there, gradient 0.
+    # ratio 2 (< c): untouched, min(-2, -1.2) = -2. loss = -(-3 - 2) / 2 = 2.5.
+    logp = t([[LN(5.0), LN(2.0)]]).requires_grad_()
+    loss, st = grpo_loss(logp, t([[0.0, 0.0]]), t([-1.0]), t([[1, 1]]), clip_eps=0.2,
+                         dual_clip=3.0)
+    torch.testing.assert_close(loss, t(2.5))
+    torch.testing.assert_close(st["dual_clip_frac"], t(0.5))
+    assert st["clip_frac"].item() == 0.0  # the PPO clip is not what removed that gradient
+    loss.backward()
+    torch.testing.assert_close(logp.grad, t([[0.0, 1.0]]))
+    # Positive advantages are never dual-clipped: A = +1, ratio 5 -> min(5, 1.2) = 1.2.
+    loss, st = grpo_loss(t([[LN(5.0)]]), t([[0.0]]), t([1.0]), t([[1]]), clip_eps=0.2,
+                         dual_clip=3.0)
+    torch.testing.assert_close(loss, t(-1.2))
+    assert st["dual_clip_frac"].item() == 0.0 and st["clip_frac"].item() == 1.0
+
+
+def test_loss_options_are_checked():
+    z = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match="loss_type"):
+        grpo_loss(z, z, t([1.0]), t([[1, 1]]), clip_eps=0.2, loss_type="token_mean")
+    with pytest.raises(ValueError, match="max_completion_length"):
+        grpo_loss(z, z, t([1.0]), t([[1, 1]]), clip_eps=0.2, loss_type="dr_grpo")
+    with pytest.raises(ValueError, match="dual_clip"):
+        grpo_loss(z, z, t([1.0]), t([[1, 1]]), clip_eps=0.2, dual_clip=1.0)
+    with pytest.raises(ValueError, match="max_completion_length"):
+        grpo(tiny_gpt(), loss_type="dr_grpo")
+    with pytest.raises(ValueError, match="scale_rewards"):
+        grpo(tiny_gpt(), scale_rewards="batch_sample")
+
+
+# ---------------------------------------------------------------------------------------
+# The options in the trainer
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_gradient_accumulation_is_exact_for_every_whole_batch_loss(loss_type):
+    # As test_gradient_accumulation_equals_the_whole_batch, per loss_type, dual clip on.
+    a, b = tiny_gpt(1), tiny_gpt(1)
+    batch = mixed_batch(a)
+    opts = dict(ppo_epochs=2, kl_coef=0.1, lr=3e-4, loss_type=loss_type, dual_clip=1.5,
+                max_completion_length=L_MAX)
+    ma = grpo(a, micro_batch_size=3, **opts).train_step(batch)
+    mb = grpo(b, micro_batch_size=8, **opts).train_step(batch)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert (pa - pb).abs().max().item() <= 1e-6, name
+        assert (pa.grad - pb.grad).abs().max().item() <= 1e-6, name
+    for k in ma:
+        assert ma[k] == pytest.approx(mb[k], rel=1e-5, abs=1e-6), k
+    assert ma["dual_clip_frac"] > 0 and ma["clip_frac"] > 0
+
+
+def trained_grads(loss_type, micro_batch_size):
+    model = tiny_gpt(1)
+    trainer = grpo(model, micro_batch_size=micro_batch_size, loss_type=loss_type, lr=3e-4,
+                   max_completion_length=L_MAX)
+    m = trainer.train_step(mixed_batch(model))
+    return m, [p.grad.clone() for p in model.parameters()]
+
+
+def test_bnpo_depends_on_the_micro_batch_size():
+    # bnpo is a token mean per micro-batch: one sequence per micro-batch is exactly grpo's
+    # mean of sequence means, one micro-batch for the whole batch is dapo, and in between
+    # it is neither (8 sequences of 2..8 tokens).
+    cases = {
+        "bnpo1": trained_grads("bnpo", 1), "grpo": trained_grads("grpo", 8),
+        "bnpo8": trained_grads("bnpo", 8), "dapo": trained_grads("dapo", 3),
+        "bnpo3": trained_grads("bnpo", 3),
+    }
+
+    def same(x, y):
+        return (cases[x][0]["loss"] == pytest.approx(cases[y][0]["loss"], rel=1e-5)
+                and all((gx - gy).abs().max().item() <= 1e-6
+                        for gx, gy in zip(cases[x][1], cases[y][1], strict=True)))
+
+    assert same("bnpo1", "grpo") and same("bnpo8", "dapo")
+    assert not same("bnpo3", "dapo") and not same("bnpo3", "grpo") and not same("grpo", "dapo")
+
+
+def left_aligned(model, rows, temperature=1.0):
+    """(B, T) float64 arrays of each row's completion-token log-probs under `model`, its
+    behaviour log-probs, and the lengths, tokens left-aligned from column 0."""
+    T = max(len(r.completion_ids) for r in rows) + 1
+    logp, old = np.zeros((len(rows), T)), np.zeros((len(rows), T))
+    for i, r in enumerate(rows):
+        n = len(r.completion_ids)
+        logp[i, :n] = seq_logprobs(model, r.prompt_ids.tolist(), r.completion_ids.tolist(),
+                                   temperature)
+        old[i, :n] = r.logprobs
+    return logp, old, [len(r.completion_ids) for r in rows]
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("dual_clip", [None, 1.5])
+def test_trainer_loss_and_metrics_match_their_definitions(loss_type, dual_clip):
+    # One PPO epoch: the reported loss and token metrics are those of the weights before
+    # the update, so the formulas, fed the model's own log-probs, must give them. A KL
+    # reference that differs from the policy (an SFT step after freezing it) makes kl > 0.
+    model = tiny_gpt(2)
+    trainer = grpo(model, micro_batch_size=3, loss_type=loss_type, dual_clip=dual_clip,
+                   kl_coef=0.1, max_completion_length=L_MAX, lr=3e-4)
+    trainer.set_reference()
+    trainer.sft_step(SFT_DATA, lr=1e-2)
+    batch = mixed_batch(model)
+    rows = [r for g in batch.groups for r in g.rows]
+    adv = np.array([a for g in batch.groups for a in g.advantages])
+    logp, old, lengths = left_aligned(model, rows)
+    ref, _, _ = left_aligned(trainer._reference, rows)
+    want, _, want_metrics = reference_loss(logp, old, ref, adv, lengths, loss_type=loss_type,
+                                           clip_eps=0.2, kl_coef=0.1, dual_clip=dual_clip,
+                                           micro_batch_size=3)
+    m = trainer.train_step(batch)
+    assert m["loss"] == pytest.approx(want, rel=1e-4, abs=1e-6)
+    for k, v in want_metrics.items():
+        assert m[k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
+    assert m["kl"] > 0 and m["clip_frac"] > 0
+    assert m["tokens"] == sum(lengths)
+    assert m["advantage_abs_mean"] == pytest.approx(np.abs(adv).mean())
+
+
+def test_batch_scaling_divides_by_the_sample_std_of_the_batch_rewards():
+    # scale_rewards=batch: the trainer divides the stored group-centred advantages by the
+    # sample std of all rewards of the step (+1e-6); the same update as a trainer handed
+    # those quotients directly. Groups without signal stay at exactly 0.
+    base = mixed_batch(tiny_gpt(3))
+    rewards = np.array([r.reward for g in base.groups for r in g.rows]) * 3.0 + 1.0
+    centred_groups, k = [], 0
+    for g in base.groups:
+        rs = rewards[k : k + len(g.rows)]
+        k += len(g.rows)
+        rows = [dataclasses.replace(r, reward=float(x)) for r, x in zip(g.rows, rs, strict=True)]
+        centred_groups.append(dataclasses.replace(g, rows=tuple(rows),
+                                                  advantages=tuple(rs - rs.mean())))
+    flat = dataclasses.replace(centred_groups[1], advantages=(0.0,) * 4,
+                               rows=tuple(dataclasses.replace(r, reward=1.0)
+                                          for r in centred_groups[1].rows))
+    groups = (centred_groups[0], flat)
+    all_rewards = np.array([r.reward for g in groups for r in g.rows])
+    std = all_rewards.std(ddof=1)
+    divided = tuple(dataclasses.replace(g, advantages=tuple(np.array(g.advantages) / (std + 1e-6)))
+                    for g in groups)
+
+    a, b = tiny_gpt(3), tiny_gpt(3)
+    ma = grpo(a, scale_rewards="batch").train_step(Batch(1, groups))
+    mb = grpo(b, scale_rewards="group").train_step(Batch(1, divided))
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert (pa - pb).abs().max().item() <= 1e-7
+    assert ma["advantage_abs_mean"] == pytest.approx(mb["advantage_abs_mean"], rel=1e-12)
+    assert ma["advantage_abs_mean"] == pytest.approx(
+        np.abs(np.concatenate([g.advantages for g in divided])).mean(), rel=1e-12)
+    # Without the division the update differs (the std here is far from 1).
+    c = tiny_gpt(3)
+    grpo(c, scale_rewards="none").train_step(Batch(1, groups))
+    moved = [(pa - pc).abs().max().item()
+             for pa, pc in zip(a.parameters(), c.parameters(), strict=True)]
+    assert max(moved) > 1e-6
+
+
+def test_torch_trainer_gets_the_options_from_config():
+    shape = TorchModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=32)
+    cfg = TorchTrainerConfig(model=shape, loss_type="dr_grpo", dual_clip=3.0,
+                             scale_rewards="batch")
+    trainer = make_trainer(cfg, model=tiny_gpt(), tokenizer=TOK, temperature=1.0, seed=1,
+                           max_completion_length=7)
+    assert (trainer.loss_type, trainer.dual_clip, trainer.scale_rewards,
+            trainer.max_completion_length) == ("dr_grpo", 3.0, "batch", 7)
+    with pytest.raises(ValueError, match="max_completion_length"):
+        make_trainer(cfg, model=tiny_gpt(), tokenizer=TOK, temperature=1.0, seed=1)

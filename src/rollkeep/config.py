@@ -201,7 +201,22 @@ EngineConfig = Annotated[
 # ----------------------------------------------------------------------------- trainers
 
 
-class ToyTrainerConfig(_Section):
+class _TrainerSection(_Section):
+    """What every trainer section has: how advantages are computed at finalize (they are
+    stored in the ledger, so this is a semantic key; `rollkeep.advantages` has the formulas)."""
+
+    scale_rewards: Literal["group_population", "group", "batch", "none"] = "group_population"
+    """What a group's centred rewards r - mean(group) are divided by: `group_population` the
+    group's population std (divisor G; the default, rollkeep's behaviour before this key),
+    `group` the group's sample std (divisor G - 1: TRL's `scale_rewards="group"`, verl's
+    `norm_adv_by_std_in_grpo: true`), `batch` the sample std of every reward in the step's
+    batch (TRL's `scale_rewards="batch"`; the ledger stores centred advantages and the
+    trainer divides at train time; the toy trainer records them as stored), `none` nothing
+    (TRL `"none"`, verl `false`, Dr. GRPO). Every mode adds eps = 1e-6; a group whose
+    siblings all scored alike gets exactly zero advantages in every mode."""
+
+
+class ToyTrainerConfig(_TrainerSection):
     """Deterministic fake trainer: a digest of the batches it saw (proves resume equivalence)."""
 
     name: Literal["toy"] = "toy"
@@ -227,8 +242,9 @@ class TorchModelConfig(_Section):
     """Dropout probability, in [0, 1)."""
 
 
-class _GRPOSection(_Section):
-    """GRPO and AdamW settings shared by the real trainers (torch, hf)."""
+class _GRPOSection(_TrainerSection):
+    """GRPO and AdamW settings shared by the real trainers (torch, hf). The formulas of
+    every option are in `rollkeep.trainers.grpo`."""
 
     lr: float = Field(3e-4, gt=0.0)
     """AdamW learning rate."""
@@ -246,7 +262,19 @@ class _GRPOSection(_Section):
     ppo_epochs: int = Field(1, ge=1)
     """Optimizer passes over each step's batch."""
     micro_batch_size: int = Field(64, ge=1)
-    """Sequences per forward/backward pass (gradient accumulation; memory only)."""
+    """Sequences per forward/backward pass (gradient accumulation; memory only, except under
+    `loss_type: bnpo`, where it changes the loss and is a semantic key)."""
+    loss_type: Literal["dapo", "grpo", "dr_grpo", "bnpo"] = "dapo"
+    """How per-token losses are aggregated over a step's batch: `dapo` token mean over the
+    whole batch (the default; TRL `loss_type="dapo"`, verl `loss_agg_mode: token-mean`),
+    `grpo` mean over sequences of each sequence's token mean (TRL `"grpo"`, verl
+    `seq-mean-token-mean`), `dr_grpo` token sum over (sequences x `engine.max_new_tokens`)
+    (TRL `"dr_grpo"`), `bnpo` token mean per micro-batch, averaged over micro-batches (TRL
+    `"bnpo"`; `micro_batch_size` then changes the update)."""
+    dual_clip: float | None = Field(None, gt=1.0)
+    """Dual clip (verl's `clip_ratio_c`, usually 3): a token with negative advantage A loses
+    at most -c x A however large its ratio grows (the clipped objective is unbounded there);
+    null = off. Must be > 1."""
 
 
 class TorchTrainerConfig(_GRPOSection):
@@ -268,7 +296,8 @@ class HFTrainerConfig(_GRPOSection):
     lr: float = Field(1e-5, gt=0.0)
     """AdamW learning rate (a pretrained model wants a small one)."""
     micro_batch_size: int = Field(8, ge=1)
-    """Sequences per forward/backward pass (gradient accumulation; memory only)."""
+    """Sequences per forward/backward pass (gradient accumulation; memory only, except under
+    `loss_type: bnpo`, where it changes the loss and is a semantic key)."""
 
 
 TrainerConfig = Annotated[
@@ -524,8 +553,18 @@ def _under(path: str, prefixes: Sequence[str]) -> bool:
 
 
 def is_semantic(path: str) -> bool:
-    """Whether the dotted config key `path` is part of `semantic()`."""
+    """Whether the dotted config key `path` is part of `semantic()` in every config (keys
+    that are semantic only under another key's value are in `_semantic_when`)."""
     return _under(path, _SEMANTIC) and not _under(path, _NOT_SEMANTIC)
+
+
+def _semantic_when(cfg: Config) -> frozenset[str]:
+    """Keys of `_NOT_SEMANTIC` that this config makes semantic: under `trainer.loss_type:
+    bnpo` the loss is a token mean per micro-batch, so `trainer.micro_batch_size` changes
+    the update, not only memory use."""
+    if isinstance(cfg.trainer, _GRPOSection) and cfg.trainer.loss_type == "bnpo":
+        return frozenset({"trainer.micro_batch_size"})
+    return frozenset()
 
 
 def semantic(cfg: Config) -> dict[str, Any]:
@@ -542,13 +581,15 @@ def semantic(cfg: Config) -> dict[str, Any]:
     buffer limits, rollout retry/backoff/drop settings (they decide whether a prompt is
     retried, not what a finished rollout contains), and the engine's latency,
     failure-injection, batch-size, memory and parallelism settings (throughput only).
-    `trainer.micro_batch_size` only splits a step's batch for memory, and
-    `trainer.step_sleep_ms` only slows the toy trainer.
+    `trainer.micro_batch_size` only splits a step's batch for memory (except under
+    `trainer.loss_type: bnpo`, which makes it semantic), and `trainer.step_sleep_ms` only
+    slows the toy trainer.
     """
     flat = _flatten(cfg.to_dict())
+    also = _semantic_when(cfg)
     out: dict[str, Any] = {}
     for path, value in flat.items():
-        if is_semantic(path):
+        if is_semantic(path) or path in also:
             *parents, leaf = path.split(".")
             node = out
             for p in parents:

@@ -1,7 +1,7 @@
 """Build a run's components from its config (the recipe's ingredients, torchtune-style):
 the dataset and prompt source, the engine, the trainer, the evaluator. Each gets only its
 own config section, plus what it must share with the others (the tokenizer, the model's
-initial weights, the sampling temperature)."""
+initial weights, the sampling temperature, the maximum completion length)."""
 
 from __future__ import annotations
 
@@ -81,7 +81,8 @@ def _build_torch(cfg: Config, dataset: Dataset, source: PromptSource, eval_rows)
     torch.manual_seed(cfg.seed)
     model = GPT(model_cfg)
     e = cfg.engine
-    trainer = TorchTrainer(cfg.trainer, model=model, tokenizer=tokenizer, temperature=e.temperature, seed=cfg.seed)
+    trainer = TorchTrainer(cfg.trainer, model=model, tokenizer=tokenizer, temperature=e.temperature,
+                           seed=cfg.seed, max_completion_length=e.max_new_tokens)
     engine = TorchEngine(
         temperature=e.temperature,
         top_p=e.top_p,
@@ -108,7 +109,8 @@ def _build_hf(cfg: Config, dataset: Dataset, source: PromptSource, eval_rows) ->
 
     if not torch.cuda.is_available():
         torch.set_num_threads(1)  # as for the built-in model: engine and trainer side by side
-    trainer = HFTrainer(cfg.trainer, temperature=cfg.engine.temperature, seed=cfg.seed)
+    trainer = HFTrainer(cfg.trainer, temperature=cfg.engine.temperature, seed=cfg.seed,
+                        max_completion_length=cfg.engine.max_new_tokens)
     if cfg.engine.name == "hf" and cfg.deterministic:
         # float64 sampling: a different batch composition must not flip a token (see _build_torch)
         engine = make_engine(cfg.engine, dtype=torch.float64)

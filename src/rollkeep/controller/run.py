@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from ..advantages import group_advantages
+from ..advantages import stored_advantages
 from ..config import Config, dump_yaml, semantic
 from ..core import crashpoints
 from ..core.checkpoint import Cut, cut, write_checkpoint
@@ -542,13 +542,15 @@ class Controller:
         self._not_before[(gid, g)] = asyncio.get_running_loop().time() + delay_ms / 1000.0
 
     def _finalize(self, gid: str) -> None:
-        """Rewards → group-relative advantages. Pure computation, so it runs inside one
+        """Rewards → group-relative advantages (`trainer.scale_rewards`; `batch` stores them
+        group-centred and the trainer divides). Pure computation, so it runs inside one
         synchronous section: FINALIZING is never left half done by a live run."""
         led = self.ledger
         led.apply(Finalizing(group_id=gid))
         rec = led.group(gid)
         rewards = [self.rows.get(RowId(gid, g, rec.attempts[g])).reward for g in range(rec.group_size)]
-        led.apply(Ready(group_id=gid, advantages=group_advantages(rewards)))
+        advantages = stored_advantages(rewards, self.cfg.trainer.scale_rewards)
+        led.apply(Ready(group_id=gid, advantages=advantages))
 
     def _drop(self, gid: str, reason: str, *, on_dropped_prompt: str | None = None) -> None:
         """Drop a group and refill or shrink its step, in one transition (DESIGN §6)."""

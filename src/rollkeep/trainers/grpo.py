@@ -6,23 +6,55 @@ optimizer updates on one batch), its checkpoint, and the built-in GPT wiring.
 The objective
 -------------
 A batch holds groups of sibling completions of one prompt. Their advantages were computed
-upstream (`rollkeep.advantages`: reward minus group mean, over group std) and arrive in
-`TrainGroup.advantages[generation]`; every completion token of a sibling gets its sibling's
-advantage A. For each completion token, with p the current policy and b the behaviour
-policy that generated it (`Row.logprobs`, a full-vocabulary log_softmax at the sampling
-temperature — `token_logprobs` computes the same quantity):
+upstream (`rollkeep.advantages`, chosen by `trainer.scale_rewards`: reward minus group mean,
+over a std or not) and arrive in `TrainGroup.advantages[generation]`; under
+`scale_rewards: batch` they arrive group-centred and `train_step` divides them by the
+sample std of the batch's rewards first. Every completion token of a sibling gets its
+sibling's advantage A. For each completion token t of sequence i, with p the current policy
+and b the behaviour policy that generated it (`Row.logprobs`, a full-vocabulary log_softmax
+at the sampling temperature — `token_logprobs` computes the same quantity):
 
     ratio      = exp(log p(token) - log b(token))
     surrogate  = min(ratio * A, clip(ratio, 1 - clip_eps, 1 + clip_eps) * A)
-    loss       = - token-mean(surrogate)  +  kl_coef * token-mean(k3)
+    surrogate  = max(surrogate, c * A)  if A < 0 and dual_clip = c is set (c > 1)
     k3         = exp(ref - logp) - (ref - logp) - 1        (KL estimator, >= 0)
+    l[i, t]    = - surrogate  +  kl_coef * k3              (the per-token loss)
 
-"token-mean" is over every completion token of the whole batch (not a mean of per-sequence
-means), so a long completion weighs more than a short one. Micro-batches accumulate
-gradients scaled by their share of the batch's tokens, so `micro_batch_size` changes memory
-use, not the update. The ratio is always taken against the behaviour log-probs, in every
-PPO epoch: in an asynchronous run the behaviour policy may be a few versions old, and the
-ratio is exactly the off-policy correction.
+The dual clip (verl's `clip_ratio_c`) bounds the loss of a negative-advantage token, which
+the clipped objective leaves unbounded (-ratio * A grows with the ratio): past ratio c the
+token's loss is the constant -c * A and it has no gradient. This is the regime that stale
+batches produce.
+
+The loss aggregates l over the batch's N sequences, sequence i having L_i completion
+tokens, by `loss_type`:
+
+    dapo     loss = Σ_i Σ_t l[i,t] / Σ_i L_i               token mean over the whole batch
+    grpo     loss = (1/N) Σ_i (1/L_i) Σ_t l[i,t]           mean of per-sequence token means
+    dr_grpo  loss = Σ_i Σ_t l[i,t] / (N * L_max)           L_max = engine.max_new_tokens
+    bnpo     loss = (1/M) Σ_m Σ_{i∈m} Σ_t l[i,t] / Σ_{i∈m} L_i
+                                                           token mean per micro-batch m of
+                                                           `micro_batch_size` sequences,
+                                                           averaged over the M micro-batches
+
+(a sequence without completion tokens adds nothing and still counts in N; a micro-batch
+without any counts in M; the KL term is aggregated with the policy term, as in TRL).
+In TRL / verl terms: `dapo` is TRL's `loss_type="dapo"` (its default) and verl's
+`loss_agg_mode: token-mean` (where verl normalises by the global batch's tokens; older verl
+normalised per micro-batch, which is `bnpo`); `grpo` is TRL's `"grpo"` and verl's
+`seq-mean-token-mean`; `dr_grpo` is TRL's `"dr_grpo"` (verl's `seq-mean-token-sum-norm`
+divides by the response length per micro-batch and averages over micro-batches, i.e.
+this times the micro-batch size); `bnpo` is TRL's `"bnpo"`. `dapo` weighs every token
+alike, so long completions weigh more; `grpo` weighs every sequence alike, so a token of a
+short completion weighs more; `dr_grpo` weighs every token alike with a constant
+denominator, so the step size does not depend on how long this batch's completions are.
+
+Micro-batches accumulate gradients: each micro-batch's loss is its part of the batch's
+loss (weights from whole-batch counts N, Σ L_i), so for `dapo`, `grpo` and `dr_grpo` the
+accumulated gradient is the whole batch's and `micro_batch_size` changes memory use, not
+the update. `bnpo` is a mean per micro-batch by definition, so there `micro_batch_size`
+changes the update (and is a semantic config key). The ratio is always taken against the
+behaviour log-probs, in every PPO epoch: in an asynchronous run the behaviour policy may be
+a few versions old, and the ratio is exactly the off-policy correction.
 
 The KL reference is a frozen copy of the policy made by `set_reference()` (call it after a
 warm start); if `kl_coef > 0` and it was never called, the first `train_step` makes it from
@@ -30,18 +62,24 @@ the weights at that moment. With `kl_coef == 0` no reference exists.
 
 Metrics returned by `train_step` (floats; averaged over the PPO epochs of the step)
 ---------------------------------------------------------------------------------------
-    loss                the minimised objective above (policy term + kl_coef * kl)
-    clip_frac           fraction of completion tokens whose clipped branch is active, i.e.
-                        the clip removed their gradient (ratio > 1+eps with A > 0, or
+The token statistics (clip_frac, dual_clip_frac, ratio_mean, kl) are token means over the
+whole batch under every `loss_type`: they describe the tokens, not the weighting.
+
+    loss                the minimised objective above, aggregated by `loss_type`
+    clip_frac           fraction of completion tokens whose PPO-clipped branch is active,
+                        i.e. the clip removed their gradient (ratio > 1+eps with A > 0, or
                         ratio < 1-eps with A < 0); high values mean the policy moved far
                         from the behaviour policy (stale batch, or too large a step)
+    dual_clip_frac      fraction of completion tokens the dual clip caps (A < 0 and
+                        ratio > c); 0 when `dual_clip` is off. Disjoint from clip_frac
     ratio_mean          token-mean of the ratio; ~1 on-policy, drifts with staleness
     kl                  token-mean k3 estimate of KL(policy || reference); 0 without one
     grad_norm           global gradient norm before clipping to `grad_clip`
-    tokens              completion tokens in the batch (the token-mean's denominator)
+    tokens              completion tokens in the batch (Σ L_i)
     reward_mean         mean reward of the batch's completions
-    advantage_abs_mean  mean |advantage| over the batch's completions; 0 when every group
-                        scored all its siblings alike (such a batch teaches nothing)
+    advantage_abs_mean  mean |advantage| over the batch's completions, as trained on (after
+                        the `batch` division); 0 when every group scored all its siblings
+                        alike (such a batch teaches nothing)
     lr                  the AdamW learning rate used
 
 Metrics returned by `sft_step` (the supervised warm start)
@@ -86,7 +124,7 @@ import hashlib
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -96,6 +134,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import Tensor
 
+from ..advantages import SCALE_REWARDS, ScaleRewards, batch_scaled
 from ..config import TorchTrainerConfig
 from ..core.checkpoint import STEP_KEY, declared_step, step_metadata
 from ..core.errors import CheckpointError
@@ -123,6 +162,10 @@ def token_logprobs(logits: Tensor, targets: Tensor, temperature: float) -> Tenso
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, T)
 
 
+LossType = Literal["dapo", "grpo", "dr_grpo", "bnpo"]
+LOSS_TYPES: tuple[str, ...] = ("dapo", "grpo", "dr_grpo", "bnpo")
+
+
 def grpo_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -132,16 +175,37 @@ def grpo_loss(
     clip_eps: float,
     ref_logp: Tensor | None = None,
     kl_coef: float = 0.0,
+    loss_type: LossType = "dapo",
+    dual_clip: float | None = None,
+    max_completion_length: int | None = None,
+    batch_sequences: int | None = None,
+    batch_tokens: int | None = None,
+    micro_batches: int = 1,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """The clipped GRPO objective, token-mean over the unmasked tokens of the batch.
+    """The clipped GRPO objective of these B sequences as their part of a step's batch
+    (the formulas are in the module docstring).
 
     logp, old_logp, mask, ref_logp: (B, T); advantages: (B,) one per sequence (or (B, T)).
-    Returns (loss, stats) with stats `clip_frac`, `ratio_mean`, `kl` (detached scalars).
-    An all-zero mask gives a zero loss (the denominator is clamped to 1)."""
+    `batch_sequences` (N) and `batch_tokens` (Σ L_i) are the whole batch's counts, and
+    `micro_batches` (M, bnpo only) the number of micro-batches it is split into; None / 1
+    means these B sequences are the whole batch. With them, the losses and stats of a
+    batch's micro-batches add up to those of the batch (for bnpo, by its definition).
+    `max_completion_length` (L_max) is required by dr_grpo. Returns (loss, stats) with
+    stats `clip_frac`, `dual_clip_frac`, `ratio_mean`, `kl` (detached scalars, each this
+    part's share of the batch's token mean). An all-zero mask gives a zero loss."""
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {LOSS_TYPES}")
+    if loss_type == "dr_grpo" and max_completion_length is None:
+        raise ValueError("loss_type dr_grpo needs max_completion_length (engine.max_new_tokens)")
+    if dual_clip is not None and not dual_clip > 1.0:
+        raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
     keep = mask.bool()
     mask = mask.to(logp.dtype)
-    n = mask.sum().clamp(min=1.0)
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages  # (B, 1)|(B, T)
+    adv = adv.to(logp.dtype)
+    n_tokens = float(mask.sum().item() if batch_tokens is None else batch_tokens)
+    n_tokens = max(n_tokens, 1.0)  # no tokens: every sum is 0, so is the loss
+    n_seqs = float(max(1, logp.shape[0] if batch_sequences is None else batch_sequences))
 
     # Masked positions (padding, prompt) get log-ratio 0, so whatever they hold can never
     # overflow exp() into inf * 0 = nan.
@@ -149,20 +213,42 @@ def grpo_loss(
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
     surrogate = torch.minimum(unclipped, clipped)
-    loss = -(surrogate * mask).sum() / n
+    dual = torch.zeros_like(keep)
+    if dual_clip is not None:
+        # A < 0: min(...) = A * max(ratio, clipped ratio) falls without bound as the ratio
+        # grows; c * A is its floor (a constant: no gradient through capped tokens).
+        floor = dual_clip * adv
+        dual = (adv < 0) & (floor > surrogate)
+        surrogate = torch.where(adv < 0, torch.maximum(surrogate, floor), surrogate)
+    per_token = -surrogate
 
     if ref_logp is not None:
         d = torch.where(keep, ref_logp - logp, 0.0)
-        kl = ((torch.exp(d) - d - 1.0) * mask).sum() / n  # k3: unbiased, always >= 0
-        loss = loss + kl_coef * kl
+        k3 = torch.exp(d) - d - 1.0  # unbiased, always >= 0
+        per_token = per_token + kl_coef * k3
+        kl = ((k3 * mask).sum() / n_tokens).detach()
     else:
         kl = torch.zeros((), dtype=logp.dtype, device=logp.device)
 
+    # Each token's weight in the batch's loss (module docstring); all from whole-batch
+    # counts except bnpo's, which is per micro-batch by definition.
+    if loss_type == "dapo":
+        weight = mask / n_tokens
+    elif loss_type == "grpo":
+        lengths = mask.sum(dim=-1, keepdim=True).clamp(min=1.0)  # (B, 1)
+        weight = mask / (n_seqs * lengths)
+    elif loss_type == "dr_grpo":
+        weight = mask / (n_seqs * float(max_completion_length))
+    else:  # bnpo
+        weight = mask / (float(micro_batches) * mask.sum().clamp(min=1.0))
+    loss = (per_token * weight).sum()
+
     with torch.no_grad():
         stats = {
-            "clip_frac": ((clipped < unclipped).to(logp.dtype) * mask).sum() / n,
-            "ratio_mean": (ratio * mask).sum() / n,
-            "kl": kl.detach(),
+            "clip_frac": ((clipped < unclipped).to(logp.dtype) * mask).sum() / n_tokens,
+            "dual_clip_frac": (dual.to(logp.dtype) * mask).sum() / n_tokens,
+            "ratio_mean": (ratio * mask).sum() / n_tokens,
+            "kl": kl,
         }
     return loss, stats
 
@@ -256,11 +342,25 @@ class GRPOTrainer:
         micro_batch_size: int,
         temperature: float,
         seed: int,
+        loss_type: LossType = "dapo",
+        dual_clip: float | None = None,
+        scale_rewards: ScaleRewards = "group_population",
+        max_completion_length: int | None = None,
     ) -> None:
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0 to define log-probs, got {temperature}")
         if ppo_epochs < 1 or micro_batch_size < 1:
             raise ValueError("ppo_epochs and micro_batch_size must be >= 1")
+        if loss_type not in LOSS_TYPES:
+            raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {LOSS_TYPES}")
+        if loss_type == "dr_grpo" and not (max_completion_length or 0) >= 1:
+            raise ValueError("loss_type dr_grpo needs max_completion_length >= 1 (the engine's "
+                             f"max_new_tokens), got {max_completion_length}")
+        if dual_clip is not None and not dual_clip > 1.0:
+            raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
+        if scale_rewards not in SCALE_REWARDS:
+            raise ValueError(f"unknown scale_rewards {scale_rewards!r}; expected one of "
+                             f"{SCALE_REWARDS}")
         self.model = model
         self.logits_fn = logits_fn
         self.pad_id = pad_id
@@ -268,6 +368,10 @@ class GRPOTrainer:
         self.grad_clip, self.clip_eps, self.kl_coef = grad_clip, clip_eps, kl_coef
         self.ppo_epochs, self.micro_batch_size = ppo_epochs, micro_batch_size
         self.temperature = temperature
+        self.loss_type, self.dual_clip = loss_type, dual_clip
+        # Only `batch` concerns the trainer: the other modes are final in the ledger.
+        self.scale_rewards = scale_rewards
+        self.max_completion_length = max_completion_length
         torch.manual_seed(seed)  # dropout is the only randomness; its state is checkpointed
 
         self._params = [p for p in model.parameters() if p.requires_grad]  # ties counted once
@@ -300,6 +404,8 @@ class GRPOTrainer:
                 )
             rows.extend(g.rows)
             advs.extend(g.advantages)
+        if self.scale_rewards == "batch":  # stored group-centred; the std is the batch's
+            advs = list(batch_scaled(advs, [r.reward for r in rows]))
         n_tokens = sum(r.tokens for r in rows)
         if self.kl_coef > 0 and self._reference is None:
             self.set_reference()  # default reference: the weights before the first RL step
@@ -323,8 +429,12 @@ class GRPOTrainer:
                     ref_logp = token_logprobs(ref_logits, mb.targets, self.temperature)
             micro.append((mb, ref_logp))
 
-        # 3. PPO epochs: one optimizer step each over the whole batch.
-        totals = dict.fromkeys(("loss", "clip_frac", "ratio_mean", "kl", "grad_norm"), 0.0)
+        # 3. PPO epochs: one optimizer step each over the whole batch. Each micro-batch's
+        #    loss and stats are its part of the batch's (whole-batch counts passed in), so
+        #    they add up; a micro-batch without tokens adds nothing.
+        totals = dict.fromkeys(
+            ("loss", "clip_frac", "dual_clip_frac", "ratio_mean", "kl", "grad_norm"), 0.0
+        )
         self.model.train()
         for _ in range(self.ppo_epochs if n_tokens else 0):  # no tokens: nothing to learn
             self.optimizer.zero_grad(set_to_none=True)
@@ -336,12 +446,14 @@ class GRPOTrainer:
                 loss, stats = grpo_loss(
                     logp, mb.old_logp, mb.advantages, mb.loss_mask,
                     clip_eps=self.clip_eps, ref_logp=ref_logp, kl_coef=self.kl_coef,
+                    loss_type=self.loss_type, dual_clip=self.dual_clip,
+                    max_completion_length=self.max_completion_length,
+                    batch_sequences=len(rows), batch_tokens=n_tokens, micro_batches=len(micro),
                 )
-                share = mb.tokens / n_tokens  # micro token-mean -> batch token-mean
-                (loss * share).backward()
-                totals["loss"] += loss.item() * share
+                loss.backward()
+                totals["loss"] += loss.item()
                 for k, v in stats.items():
-                    totals[k] += v.item() * share
+                    totals[k] += v.item()
             grad_norm = nn.utils.clip_grad_norm_(self._params, self.grad_clip)
             totals["grad_norm"] += grad_norm.item()
             self.optimizer.step()
@@ -774,8 +886,11 @@ class TorchTrainer(GRPOTrainer):
     name = "torch"
 
     def __init__(
-        self, cfg: TorchTrainerConfig, *, model: GPT, tokenizer: Any, temperature: float, seed: int
+        self, cfg: TorchTrainerConfig, *, model: GPT, tokenizer: Any, temperature: float,
+        seed: int, max_completion_length: int | None = None,
     ) -> None:
+        """`temperature` and `max_completion_length` (dr_grpo's L_max) are the engine's
+        `temperature` and `max_new_tokens`, handed over by the builder."""
         want = cfg.model
         vocab = want.vocab_size if want.vocab_size is not None else tokenizer.vocab_size
         for field, expected in (("vocab_size", vocab), ("n_layer", want.n_layer),
@@ -794,6 +909,7 @@ class TorchTrainer(GRPOTrainer):
             pad_id=PAD,
             temperature=temperature,
             seed=seed,
+            max_completion_length=max_completion_length,
             **hyperparameters(cfg),
         )
 
@@ -809,5 +925,8 @@ def hyperparameters(cfg: Any) -> dict[str, Any]:
         "kl_coef": cfg.kl_coef,
         "ppo_epochs": cfg.ppo_epochs,
         "micro_batch_size": cfg.micro_batch_size,
+        "loss_type": cfg.loss_type,
+        "dual_clip": cfg.dual_clip,
+        "scale_rewards": cfg.scale_rewards,
     }
 

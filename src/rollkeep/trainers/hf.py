@@ -36,7 +36,12 @@ class HFTokenizer:
 class HFTrainer(GRPOTrainer):
     name = "hf"
 
-    def __init__(self, cfg: HFTrainerConfig, *, temperature: float, seed: int) -> None:
+    def __init__(
+        self, cfg: HFTrainerConfig, *, temperature: float, seed: int,
+        max_completion_length: int | None = None,
+    ) -> None:
+        """`temperature` and `max_completion_length` (dr_grpo's L_max) are the engine's
+        `temperature` and `max_new_tokens`, handed over by the builder."""
         tok, model = load_pretrained(cfg.model_path, field="trainer.model_path")
         if torch.cuda.is_available():
             model = model.cuda()
@@ -51,5 +56,6 @@ class HFTrainer(GRPOTrainer):
             pad_id=pad,
             temperature=temperature,
             seed=seed,
+            max_completion_length=max_completion_length,
             **hyperparameters(cfg),
         )
