@@ -598,6 +598,15 @@ def semantic(cfg: Config) -> dict[str, Any]:
     return out
 
 
+#: Semantic keys added after rollkeep 0.1.0, with the value that reproduces what a run did
+#: before the key existed: a checkpoint written without the key resumes under that value
+#: (and any other value is a change to name with --allow-config-change).
+ADDED_KEYS: dict[str, Any] = {
+    "trainer.scale_rewards": "group_population",
+    "trainer.loss_type": "dapo",
+    "trainer.dual_clip": None,
+}
+
 #: Semantic keys a resume can never change, with the reason.
 _NEVER_CHANGE = {
     "seed": "it defines the permutation of prompts, and prompts already handed out were "

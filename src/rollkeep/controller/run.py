@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from ..advantages import stored_advantages
-from ..config import Config, dump_yaml, semantic
+from ..config import ADDED_KEYS, Config, dump_yaml, semantic
 from ..core import crashpoints
 from ..core.checkpoint import Cut, cut, write_checkpoint
 from ..core.configdiff import fingerprint, is_allowed
@@ -163,6 +163,7 @@ class Controller:
                 allow_config_change=self.allow_config_change,
                 allow_dataset_change=self.allow_dataset_change,
                 extend_epochs=is_allowed("data.epochs", self.allow_config_change),
+                config_added=ADDED_KEYS,
             )
             self.trainer.load(
                 {name: restored.trainer_file(name) for name in restored.trainer_files()},
@@ -176,6 +177,7 @@ class Controller:
         # Only now that the restore chain passed does anything on disk change.
         abandoned = self._resume_here(restored)
         if restored is None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)  # `train` made it; a direct caller may not
             (self.run_dir / "config.yaml").write_text(dump_yaml(cfg))
         leftovers = self.store.cleanup_tmp()
         self.trace = Trace(self.run_dir / "trace.jsonl")

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ..config import Config, semantic
+from ..config import ADDED_KEYS, Config, semantic
 from ..core.configdiff import check_compatible
 from ..core.errors import CheckpointError, ConfigError
 from ..core.source import Dataset
@@ -53,7 +53,8 @@ def run_warmup(cfg: Config, *, dataset: Dataset, trainer: Any, tokenizer: Any, l
     done = 0
     if store.latest() is not None:
         ck = store.open()
-        check_compatible(ck.manifest.get("config", {}), semantic(cfg), path=str(ck.path / "MANIFEST.json"))
+        check_compatible(ck.manifest.get("config", {}), semantic(cfg), path=str(ck.path / "MANIFEST.json"),
+                         added=ADDED_KEYS)
         trainer.load({f[len("trainer/"):]: ck.read(f) for f in ck.files() if f.startswith("trainer/")},
                      step=0)  # the warm start takes no RL step
         done = int(ck.manifest["step"])

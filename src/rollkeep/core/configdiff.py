@@ -62,11 +62,20 @@ def check_compatible(
     *,
     allow: Iterable[str] = (),
     path: str | None = None,
+    added: Mapping[str, Any] | None = None,
 ) -> list[tuple[str, Any, Any]]:
     """Raise `ConfigMismatch` unless every differing key is in `allow` (a key allows
-    itself and everything under it). Returns the allowed differences."""
+    itself and everything under it). Returns the allowed differences.
+
+    `added` maps keys that later versions added to the value that reproduces what runs
+    did before the key existed: a checkpoint without such a key is compatible with that
+    value (and only with it)."""
     allowed = tuple(allow)
-    changes = diff(saved, current)
+    added = added or {}
+    changes = [
+        c for c in diff(saved, current)
+        if not (c[1] == _MISSING and c[0] in added and c[2] == added[c[0]])
+    ]
     refused = [c for c in changes if not is_allowed(c[0], allowed)]
     if refused:
         keys = " ".join(f"--allow-config-change {c[0]}" for c in refused)

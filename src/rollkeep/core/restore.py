@@ -285,8 +285,11 @@ def restore_chain(
     allow_config_change: Iterable[str] = (),
     allow_dataset_change: bool = False,
     extend_epochs: bool = False,
+    config_added: Mapping[str, Any] | None = None,
 ) -> Restored:
     """Run steps 1–8. `source=None` / `config=None` skip steps 7 / 8 (`rollkeep audit`).
+    `config_added`: keys newer than some checkpoints, with the value that means "as before
+    the key existed" (see `configdiff.check_compatible`).
 
     Step 8 is evaluated before step 7: a changed seed or number of epochs is a config
     change (reported as a dotted diff, with what may be allowed), not a changed dataset;
@@ -302,6 +305,7 @@ def restore_chain(
             config,
             allow=allow_config_change,
             path=str(ck.path / "MANIFEST.json"),
+            added=config_added,
         )
     if source is not None:
         check_dataset(
