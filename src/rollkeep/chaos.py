@@ -256,6 +256,13 @@ def verify(cfg: Config, run_dir: Path, report: ChaosReport) -> None:
         report.problems.append("the final checkpoint's TRAINED set differs from the trace's lineage")
     dropped = {(k[0], source.idx(k)) for k in state.dropped}
     report.dropped = len(dropped)
+    if lin.finished is not None and set(lin.dropped) != dropped:
+        only_trace, only_ckpt = sorted(set(lin.dropped) - dropped), sorted(dropped - set(lin.dropped))
+        report.problems.append(
+            "the final checkpoint's DROPPED set differs from the trace's: "
+            f"{len(only_trace)} dropped only per the trace (e.g. {only_trace[:3]}), "
+            f"{len(only_ckpt)} only per the checkpoint (e.g. {only_ckpt[:3]})"
+        )
     # Prompts a run without a ledger loses (recovery.mode=cursor_only) are recorded as
     # drops with a "lost" reason: they count as lost, not as failures.
     lost_in_flight = sorted((k[0], source.idx(k)) for k, (reason, _) in state.dropped.items()
