@@ -92,6 +92,7 @@ class Behaviour:
     resolved: dict = field(default_factory=dict)  # overrides of the resolved config
     finish: dict = field(default_factory=dict)  # request-id prefix -> finish reason
     fail_step: bool = False
+    fail_abort: bool = False  # abort_request raises (the worker has no guard there)
     max_model_len: int = 64
     quantization: str | None = None
     on_build: Any = None  # called while building (e.g. to reseed global RNGs)
@@ -156,6 +157,8 @@ class FakeEngine:
         return request_id
 
     def abort_request(self, request_ids: list[str], internal: bool = False) -> None:
+        if FakeEngine.behaviour.fail_abort:
+            raise RuntimeError("EngineDeadError")
         for rid in request_ids:
             self.live.pop(rid, None)
             self.aborted.append(rid)

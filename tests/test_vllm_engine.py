@@ -468,6 +468,39 @@ def test_close_fails_what_runs_and_shuts_the_engine_down(fake):
     assert e.shut_down == 1 and not eng._worker.is_alive()
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_worker_that_dies_fails_every_awaiter_instead_of_hanging(fake):
+    eng = build(fake, max_new_tokens=8)
+    e = fake.instances[0]
+    e.gate = threading.Semaphore(0)
+    both = threading.Event()
+    seen = set()
+
+    def on_delta(name):
+        def f(d):
+            seen.add(name)
+            if len(seen) == 2:
+                both.set()
+        return f
+
+    async def body():
+        a = asyncio.create_task(eng.generate(request(gid="a"), on_delta=on_delta("a")))
+        b = asyncio.create_task(eng.generate(request(gid="b"), on_delta=on_delta("b")))
+        e.gate.release()
+        assert await asyncio.to_thread(both.wait, 10)
+        fake.behaviour.fail_abort = True
+        a.cancel()  # the worker's abort_request raises: a bug path
+        e.gate.release(100)
+        with pytest.raises(InfraError, match="worker died"):
+            await b
+        with pytest.raises(InfraError):
+            await eng.generate(request(gid="c"))
+        await eng.close()
+
+    run(body())
+    assert e.shut_down == 1 and not eng._worker.is_alive()
+
+
 # ------------------------------------------------------------------------------------ GPU
 
 

@@ -393,6 +393,7 @@ class VLLMEngine:
         self._adds: deque[_Job] = deque()
         self._aborts: deque[str] = deque()
         self._refits: deque[Refit] = deque()
+        self._live: dict[str, _Job] = {}  # worker thread only: requests inside vLLM
         # Set by the worker once the engine is built:
         self.weight_loading = ""  # "reload_weights" | "load_weights" (6.)
         self.continuation_token_identical = False  # Model Runner V2 (9.)
@@ -406,7 +407,11 @@ class VLLMEngine:
         try:
             ready.result()  # what building the engine raised, raised here
         except BaseException:
-            self._worker.join()
+            # Failed, or interrupted while vLLM was still starting: a worker that finishes
+            # building later finds the inbox shut and shuts vLLM down again at once.
+            self._inbox.shut(self._adds, self._refits)
+            if ready.done():
+                self._worker.join()
             raise
 
     @property
@@ -478,6 +483,11 @@ class VLLMEngine:
         ready.set_result(None)
         try:
             self._serve(engine)
+        except BaseException as e:  # a bug here: fail everything rather than hang its awaiters
+            self._fail(engine, self._live, f"vllm engine: the worker died: {type(e).__name__}: {e}", e)
+            for item in self._inbox.shut(self._adds, self._refits):
+                settle(item.future, exception=InfraError("vllm engine: the worker died"))
+            raise
         finally:
             shutdown_engine(engine)
             del engine
@@ -486,7 +496,7 @@ class VLLMEngine:
                 torch.cuda.empty_cache()
 
     def _serve(self, engine: Any) -> None:
-        live: dict[str, _Job] = {}
+        live = self._live
         while True:
             with self._inbox.cv:
                 self._inbox.cv.wait_for(lambda: live or self._adds or self._aborts or self._refits or self._inbox.closing)
