@@ -489,7 +489,9 @@ def test_a_worker_that_dies_fails_every_awaiter_instead_of_hanging(fake):
         e.gate.release()
         assert await asyncio.to_thread(both.wait, 10)
         fake.behaviour.fail_abort = True
-        a.cancel()  # the worker's abort_request raises: a bug path
+        a.cancel()  # the worker's abort_request will raise: a bug path
+        with pytest.raises(asyncio.CancelledError):
+            await a  # the abort is queued now, before the worker may step again
         e.gate.release(100)
         with pytest.raises(InfraError, match="worker died"):
             await b
