@@ -18,8 +18,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def make_tiny_hf_model(path: Path) -> Path:
-    """Write a tokenizer and a random tiny GPT-2 (safetensors) into `path`; return `path`."""
+def make_tiny_hf_model(path: Path, *, n_embd: int = 32, n_head: int = 2, n_positions: int = 64) -> Path:
+    """Write a tokenizer and a random tiny GPT-2 (safetensors) into `path`; return `path`.
+    (vLLM's attention kernels want a head size n_embd / n_head of at least 32.)"""
     import torch
     from tokenizers import Tokenizer, decoders, models
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
@@ -42,9 +43,9 @@ def make_tiny_hf_model(path: Path) -> Path:
 
     config = GPT2Config(
         n_layer=2,
-        n_head=2,
-        n_embd=32,
-        n_positions=64,
+        n_head=n_head,
+        n_embd=n_embd,
+        n_positions=n_positions,
         vocab_size=len(vocab),
         bos_token_id=vocab["<bos>"],
         eos_token_id=vocab["<eos>"],

@@ -1,30 +1,43 @@
-"""The vllm engine: its guards run everywhere; the GPU smoke test needs vllm and CUDA."""
+"""The vllm engine. Everywhere: its guards, its pure functions and its whole control flow
+against a fake `vllm` with the real one's shapes (fake_vllm.py). The GPU smoke test at the
+end needs vllm and CUDA (scripts/gpu_check.sh checks much more there); neither has run."""
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
+import random
 import sys
+import threading
 import types
+from types import SimpleNamespace
 
+import fake_vllm
+import numpy as np
 import pytest
+import torch
 
-from rollkeep.core.errors import UserInputError
+from rollkeep.config import load_config
+from rollkeep.core.errors import ConfigError, CustodyError, UserInputError
 from rollkeep.core.keys import Key
 from rollkeep.core.source import Prompt
-from rollkeep.engines import GenRequest
-from rollkeep.engines.vllm import VLLMEngine
+from rollkeep.engines import DataError, GenRequest, InfraError
+from rollkeep.engines import vllm as vl
+from rollkeep.engines.vllm import Prefix, VLLMEngine
 
 ARGS = dict(model_path="unused", temperature=1.0, top_p=1.0, max_new_tokens=8,
             gpu_memory_utilization=0.2, tensor_parallel_size=1)
 
 
 def _vllm_on_cuda() -> bool:
-    if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("torch") is None:
+    if importlib.util.find_spec("vllm") is None:
         return False
-    import torch
-
     return torch.cuda.is_available()
+
+
+def request(seed: int = 7, *, text: str = "12+34=", gid: str = "g", version: int | None = None) -> GenRequest:
+    prompt = Prompt(key=Key(0, 0), group_id=gid, idx=0, task="default", row={}, row_fingerprint=0, prompt=text)
+    return GenRequest(group_id=gid, generation=0, attempt=0, prompt=prompt, seed=seed, version=version)
 
 
 @pytest.fixture
@@ -34,6 +47,32 @@ def env(monkeypatch):
     return monkeypatch
 
 
+@pytest.fixture
+def fake(env, tmp_path):
+    engine_cls = fake_vllm.install(env)
+    (tmp_path / "config.json").write_text("{}")
+    engine_cls.model_dir = str(tmp_path)
+    return engine_cls
+
+
+def build(fake, **overrides) -> VLLMEngine:
+    return VLLMEngine(**(ARGS | {"model_path": fake.model_dir} | overrides))
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def closing(eng: VLLMEngine, coro):
+    try:
+        return await coro
+    finally:
+        await eng.close()
+
+
+# --------------------------------------------------------------------------------- guards
+
+
 def test_without_vllm_construction_names_the_install_remedy(env):
     env.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
     with pytest.raises(UserInputError, match=r"pip install 'rollkeep\[vllm\]' on a machine with a CUDA GPU"):
@@ -41,8 +80,6 @@ def test_without_vllm_construction_names_the_install_remedy(env):
 
 
 def test_without_cuda_construction_names_the_install_remedy(env):
-    import torch
-
     env.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
     env.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(UserInputError, match="needs a CUDA GPU") as e:
@@ -53,10 +90,9 @@ def test_without_cuda_construction_names_the_install_remedy(env):
 @pytest.mark.parametrize("overrides, message", [
     (dict(model_path="/no/such/model"), "/no/such/model"),
     (dict(tensor_parallel_size=2), "tensor_parallel_size 1 only"),
+    (dict(top_p=0.9), "top_p = 1 only"),
 ])
 def test_bad_settings_are_refused_before_vllm_starts(env, tmp_path, overrides, message):
-    import torch
-
     env.setitem(sys.modules, "vllm", types.ModuleType("vllm"))  # has no LLMEngine: must not be reached
     env.setattr(torch.cuda, "is_available", lambda: True)
     (tmp_path / "config.json").write_text("{}")
@@ -64,22 +100,422 @@ def test_bad_settings_are_refused_before_vllm_starts(env, tmp_path, overrides, m
         VLLMEngine(**(ARGS | {"model_path": str(tmp_path)} | overrides))
 
 
+def test_multiprocess_vllm_is_refused(env, tmp_path):
+    env.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    env.setattr(torch.cuda, "is_available", lambda: True)
+    env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(UserInputError, match="needs vLLM in this process"):
+        VLLMEngine(**(ARGS | {"model_path": str(tmp_path)}))
+
+
+def test_config_refuses_top_p_below_one_for_the_vllm_engine():
+    base = ["engine.name=vllm", "engine.model_path=/m", "trainer.name=hf", "trainer.model_path=/m"]
+    with pytest.raises(ConfigError, match=r"`engine.top_p`: expected 1.0 with engine vllm") as e:
+        load_config(None, [*base, "engine.top_p=0.9"])
+    assert e.value.field == "engine.top_p"
+    assert load_config(None, base).engine.top_p == 1.0
+    # nucleus sampling stays available where the behaviour log-probs are full-vocabulary
+    assert load_config(None, ["engine.name=hf", "engine.model_path=/m", "trainer.name=hf",
+                              "trainer.model_path=/m", "engine.top_p=0.9"]).engine.top_p == 0.9
+
+
+def test_extra_pins_the_supported_range():
+    text = (vl.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert f'vllm = ["vllm{vl.SUPPORTED}"]' in text
+
+
+# ------------------------------------------------------------------------- pure functions
+
+
+def test_engine_args_turn_off_async_scheduling_and_ask_for_processed_logprobs():
+    args = vl.engine_args(model="/m", gpu_memory_utilization=0.3, dtype="auto", enforce_eager=False)
+    assert args["async_scheduling"] is False and args["stream_interval"] == 1
+    assert args["logprobs_mode"] == "processed_logprobs" and args["enable_prefix_caching"] is True
+    assert args["tensor_parallel_size"] == 1
+
+
+def test_sampling_kwargs_keep_the_seed_a_pure_function_within_int64():
+    kw = vl.sampling_kwargs(temperature=0.7, top_p=1.0, max_tokens=5, seed=2**64 - 1, output_kind="D")
+    assert kw == dict(n=1, temperature=0.7, top_p=1.0, max_tokens=5, seed=(2**64 - 1) % 2**63,
+                      logprobs=0, output_kind="D")
+    with pytest.raises(ValueError):
+        vl.sampling_kwargs(temperature=1.0, top_p=1.0, max_tokens=0, seed=1, output_kind="D")
+
+
+def test_stale_kv_cache_regression_prompt_is_salted_with_the_weight_version():
+    a, b = vl.prompt_kwargs([5, 6], [], 0), vl.prompt_kwargs([5, 6], [], 3)
+    assert a == {"prompt_token_ids": [5, 6], "cache_salt": "w0"} and b["cache_salt"] == "w3"
+    assert vl.prompt_kwargs([5, 6], [9], 3)["prompt_token_ids"] == [5, 6, 9]
+
+
+@pytest.mark.parametrize("reason, outcome", [
+    ("stop", "stop"), ("length", "length"),
+    ("abort", InfraError), ("error", InfraError),
+    ("repetition", RuntimeError), (None, RuntimeError), ("something new", RuntimeError),
+])
+def test_finish_reasons(reason, outcome):
+    if isinstance(outcome, str):
+        assert vl.finish_reason(reason) == outcome
+    else:
+        with pytest.raises(outcome) as e:
+            vl.finish_reason(reason)
+        assert outcome is InfraError or not isinstance(e.value, InfraError)  # a bug is not infra
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(async_scheduling=True), "async_scheduling"),
+    (dict(async_scheduling=None), "async_scheduling"),
+    (dict(stream_interval=2), "stream_interval"),
+    (dict(logprobs_mode="raw_logprobs"), "logprobs_mode"),
+])
+def test_engine_config_resolved_otherwise_is_refused(change, message):
+    ok = dict(async_scheduling=False, stream_interval=1, logprobs_mode="processed_logprobs") | change
+    cfg = SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=ok["async_scheduling"],
+                                                           stream_interval=ok["stream_interval"]),
+                          model_config=SimpleNamespace(logprobs_mode=ok["logprobs_mode"]))
+    with pytest.raises(UserInputError, match=message):
+        vl.check_engine_config(cfg)
+
+
+def test_weight_loading_path_is_a_feature_probe():
+    def new(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True): ...
+
+    def old(self): ...
+
+    with_rpc = SimpleNamespace(collective_rpc=lambda *a, **k: None)
+    assert vl.weight_loading_path(with_rpc, new) == "reload_weights"
+    assert vl.weight_loading_path(with_rpc, old) == "load_weights"
+    assert vl.weight_loading_path(with_rpc, None) == "load_weights"
+    assert vl.weight_loading_path(SimpleNamespace(), new) == "load_weights"
+
+
+def test_token_logprobs_reads_lists_and_refuses_missing_ones():
+    steps = [{4: fake_vllm.Logprob(-0.5)}, {9: fake_vllm.Logprob(-1.5)}]
+    assert vl.token_logprobs([4, 9], steps) == [-0.5, -1.5]
+    assert vl.token_logprobs([], None) == []
+    with pytest.raises(RuntimeError, match="log-probabilities"):
+        vl.token_logprobs([4], None)
+
+
+def test_preserve_global_rng_restores_every_generator():
+    random.seed(1)
+    np.random.seed(1)
+    torch.manual_seed(1)
+    precision = torch.get_float32_matmul_precision()
+    with vl.preserve_global_rng(cuda=False):
+        random.seed(99)
+        np.random.seed(99)
+        torch.manual_seed(99)
+        torch.set_float32_matmul_precision("medium")
+    draws = (random.random(), np.random.rand(), torch.rand(1).item())
+    random.seed(1)
+    np.random.seed(1)
+    torch.manual_seed(1)
+    assert draws == (random.random(), np.random.rand(), torch.rand(1).item())
+    assert torch.get_float32_matmul_precision() == precision
+
+
+def test_shutdown_engine_calls_the_engine_core():
+    calls = []
+    vl.shutdown_engine(SimpleNamespace(engine_core=SimpleNamespace(shutdown=lambda: calls.append(1))))
+    vl.shutdown_engine(SimpleNamespace())  # nothing to call: no error
+    assert calls == [1]
+
+
+# ------------------------------------------------------------ the engine, on the fake vllm
+
+
+def test_builds_in_process_with_the_settings_and_streams_a_completion(fake):
+    eng = build(fake, max_new_tokens=4, temperature=0.7)
+    c = run(closing(eng, eng.generate(request(seed=2**64 - 1))))
+    e = fake.instances[0]
+    assert e.args == vl.engine_args(model=fake.model_dir, gpu_memory_utilization=0.2, dtype="auto",
+                                    enforce_eager=False)
+    rid, prompt, params = e.added[0]
+    tokens = fake_vllm.Tokenizer().encode("12+34=")
+    assert prompt == {"prompt_token_ids": tokens, "cache_salt": "w0"}
+    assert (params.seed, params.temperature, params.top_p, params.max_tokens, params.logprobs) == (
+        (2**64 - 1) % 2**63, 0.7, 1.0, 4, 0)
+    assert c.prompt_ids.tolist() == tokens
+    want = [fake_vllm.token_at(params.seed, len(tokens) + i) for i in range(4)]
+    assert c.completion_ids.tolist() == want and c.finish_reason == "length"
+    assert c.versions.tolist() == [0] * 4 and c.text == "".join(chr(t + 60) for t in want)
+    np.testing.assert_allclose(c.logprobs, [-1.0 - (len(tokens) + i) / 100 for i in range(4)], rtol=1e-6)
+    assert eng.weight_loading == "reload_weights" and eng.continuation_token_identical
+    assert e.shut_down == 1 and len(e.thread_ids) == 1  # built, driven and shut down on one thread
+
+
+def test_update_in_flight_stamps_each_token_with_the_version_that_sampled_it(fake):
+    eng = build(fake, max_new_tokens=4)
+    e = fake.instances[0]
+    e.gate = threading.Semaphore(0)
+    got_two = threading.Event()
+    deltas = []
+
+    def on_delta(d):
+        deltas.append(d)
+        if len(deltas) == 2:
+            got_two.set()
+
+    async def body():
+        task = asyncio.create_task(eng.generate(request(), on_delta=on_delta))
+        e.gate.release(2)  # two steps run under version 0 ...
+        assert await asyncio.to_thread(got_two.wait, 10)
+        # ... and the worker is inside its third step(): the update lands after it returns.
+        assert await asyncio.to_thread(e.wait_entered, 3)
+        update = asyncio.create_task(eng.update_weights({"w": 1.0}, 5))
+        await asyncio.sleep(0)  # let the update reach the worker's inbox
+        e.gate.release(2)
+        await update
+        return await task
+
+    c = run(closing(eng, body()))
+    assert c.versions.tolist() == [0, 0, 0, 5]
+    assert [d.version for d in deltas] == [0, 0, 0, 5] and all(len(d.token_ids) == 1 for d in deltas)
+    lp = c.logprobs.tolist()
+    assert lp[2] > -1.5 and lp[3] < -1.5  # the last token was sampled by the new "weights"
+    assert eng.version == 5
+
+
+def test_weights_load_through_collective_rpc_and_later_requests_get_the_new_salt(fake):
+    eng = build(fake, max_new_tokens=2)
+
+    async def body():
+        await eng.generate(request())
+        await eng.update_weights({"w": 2.0, "x": 0.0}, 3)
+        return await eng.generate(request())
+
+    c = run(closing(eng, body()))
+    e = fake.instances[0]
+    method, kwargs = e.rpc[0]
+    assert method == "reload_weights" and kwargs["is_checkpoint_format"] is True
+    assert kwargs["weights_iterator"] == [("w", 2.0), ("x", 0.0)]
+    assert [p["cache_salt"] for _, p, _ in e.added] == ["w0", "w3"]
+    assert c.versions.tolist() == [3, 3] and (c.logprobs < -2.5).all()
+
+
+def test_without_reload_weights_the_driver_model_is_loaded_and_post_processed(env, tmp_path):
+    fake = fake_vllm.install(env, reload_weights=False)
+    (tmp_path / "config.json").write_text("{}")
+    eng = VLLMEngine(**(ARGS | {"model_path": str(tmp_path)}))
+    run(closing(eng, eng.update_weights({"w": 1.0}, 1)))
+    e = fake.instances[0]
+    assert eng.weight_loading == "load_weights" and e.rpc == []
+    assert e.model.loaded == [{"w": 1.0}] and eng.version == 1
+    assert fake_vllm.post_processed == [(e.model, e.model_config, "cuda:0")]
+
+
+def test_fallback_refuses_a_quantized_model(env, tmp_path):
+    fake = fake_vllm.install(env, reload_weights=False)
+    fake.behaviour.quantization = "fp8"
+    (tmp_path / "config.json").write_text("{}")
+    eng = VLLMEngine(**(ARGS | {"model_path": str(tmp_path)}))
+    with pytest.raises(UserInputError, match="quantized"):
+        run(closing(eng, eng.update_weights({"w": 1.0}, 1)))
+    assert eng.version == 0
+
+
+def test_weights_that_do_not_fit_are_a_user_error_and_keep_the_version(fake):
+    eng = build(fake)
+    with pytest.raises(UserInputError, match="do not fit"):
+        run(closing(eng, eng.update_weights({"nope": 1.0}, 1)))
+    assert eng.version == 0
+
+
+@pytest.mark.parametrize("reason, error", [("abort", InfraError), ("error", InfraError),
+                                           ("repetition", RuntimeError)])
+def test_abort_and_error_finishes_are_infra_failures_others_are_bugs(fake, reason, error):
+    fake.behaviour.finish = {"bad/": reason}
+    eng = build(fake, max_new_tokens=4)
+
+    async def body():
+        ok = asyncio.create_task(eng.generate(request(gid="ok")))
+        with pytest.raises(error) as e:
+            await eng.generate(request(gid="bad"))
+        return e.value, await ok
+
+    failure, ok = run(closing(eng, body()))
+    assert isinstance(failure, InfraError) == (error is InfraError)
+    assert ok.finish_reason == "length" and len(ok.completion_ids) == 4  # its batch mate is unharmed
+
+
+def test_engine_config_that_vllm_resolved_otherwise_is_refused_and_shut_down(fake):
+    fake.behaviour.resolved = {"async_scheduling": True}
+    with pytest.raises(UserInputError, match="async_scheduling"):
+        build(fake)
+    assert fake.instances[0].shut_down == 1
+
+
+def test_building_the_engine_leaves_the_global_generators_alone(fake):
+    def reseed():  # what vLLM's set_random_seed does while the engine is built
+        random.seed(0)
+        np.random.seed(0)
+        torch.manual_seed(0)
+        torch.set_float32_matmul_precision("high")
+
+    fake.behaviour.on_build = reseed
+    random.seed(5)
+    torch.manual_seed(5)
+    np.random.seed(5)
+    precision = torch.get_float32_matmul_precision()
+    eng = build(fake)
+    draws = (random.random(), np.random.rand(), torch.rand(1).item())
+    run(eng.close())
+    random.seed(5)
+    torch.manual_seed(5)
+    np.random.seed(5)
+    assert draws == (random.random(), np.random.rand(), torch.rand(1).item())
+    assert torch.get_float32_matmul_precision() == precision
+
+
+def test_a_prefix_is_continued_from_exact_ids_with_the_same_seed(fake):
+    eng = build(fake, max_new_tokens=6)
+
+    async def body():
+        full = await eng.generate(request(seed=11))
+        cut = Prefix(full.completion_ids[:2].tolist(), full.logprobs[:2].tolist(), [0, 0])
+        await eng.update_weights({"w": 1.0}, 1)
+        return full, await eng.generate(request(seed=11), prefix=cut)
+
+    full, cont = run(closing(eng, body()))
+    e = fake.instances[0]
+    _, prompt, params = e.added[1]
+    tokens = fake_vllm.Tokenizer().encode("12+34=")
+    assert prompt["prompt_token_ids"] == tokens + full.completion_ids[:2].tolist()
+    assert params.seed == e.added[0][2].seed and params.max_tokens == 4
+    # The fake draws like Model Runner V2 (seed, absolute position): the continuation is
+    # token-identical; the prefix keeps its recorded log-probs and versions.
+    assert cont.completion_ids.tolist() == full.completion_ids.tolist()
+    assert cont.prompt_ids.tolist() == tokens
+    assert cont.versions.tolist() == [0, 0, 1, 1, 1, 1]
+    np.testing.assert_array_equal(cont.logprobs[:2], full.logprobs[:2])
+
+
+def test_a_prefix_must_leave_something_to_generate(fake):
+    eng = build(fake, max_new_tokens=2)
+    with pytest.raises(ValueError, match="nothing to"):
+        run(closing(eng, eng.generate(request(), prefix=Prefix([1, 2], [0.0, 0.0], [0, 0]))))
+
+
+def test_a_prompt_that_does_not_fit_the_context_is_a_data_failure(fake):
+    fake.behaviour.max_model_len = 6
+    eng = build(fake)
+    with pytest.raises(DataError, match="does not fit"):
+        run(closing(eng, eng.generate(request(text="123456"))))
+    assert fake.instances[0].added == []
+
+
+def test_a_request_pinned_to_another_version_is_a_custody_error(fake):
+    eng = build(fake)
+    with pytest.raises(CustodyError, match="pinned"):
+        run(closing(eng, eng.generate(request(version=1))))
+
+
+def test_a_failing_step_fails_its_requests_as_infra_and_the_worker_lives_on(fake):
+    eng = build(fake, max_new_tokens=2)
+
+    async def body():
+        fake.behaviour.fail_step = True
+        with pytest.raises(InfraError, match="step failed: RuntimeError: CUDA error"):
+            await eng.generate(request())
+        fake.behaviour.fail_step = False
+        return await eng.generate(request())
+
+    assert len(run(closing(eng, body())).completion_ids) == 2
+
+
+def test_cancelling_the_task_aborts_the_request_in_vllm(fake):
+    eng = build(fake, max_new_tokens=8)
+    e = fake.instances[0]
+    e.gate = threading.Semaphore(0)
+    first = threading.Event()
+
+    async def body():
+        task = asyncio.create_task(eng.generate(request(), on_delta=lambda d: first.set()))
+        e.gate.release()
+        assert await asyncio.to_thread(first.wait, 10)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        e.gate.release(100)  # the worker may step once more before it sees the abort
+        return await eng.generate(request(gid="next"))
+
+    after = run(closing(eng, body()))
+    assert e.aborted and e.aborted[0].startswith("g/0/0/") and len(after.completion_ids) == 8
+
+
+def test_close_fails_what_runs_and_shuts_the_engine_down(fake):
+    eng = build(fake, max_new_tokens=8)
+    e = fake.instances[0]
+    e.gate = threading.Semaphore(0)
+    first = threading.Event()
+
+    async def body():
+        task = asyncio.create_task(eng.generate(request(), on_delta=lambda d: first.set()))
+        e.gate.release()
+        assert await asyncio.to_thread(first.wait, 10)
+        closer = asyncio.create_task(eng.close())
+        await asyncio.sleep(0)
+        e.gate.release(100)
+        await closer
+        with pytest.raises(InfraError, match="closed"):
+            await task
+        with pytest.raises(InfraError, match="after close"):
+            await eng.generate(request())
+
+    run(body())
+    assert e.shut_down == 1 and not eng._worker.is_alive()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_worker_that_dies_fails_every_awaiter_instead_of_hanging(fake):
+    eng = build(fake, max_new_tokens=8)
+    e = fake.instances[0]
+    e.gate = threading.Semaphore(0)
+    both = threading.Event()
+    seen = set()
+
+    def on_delta(name):
+        def f(d):
+            seen.add(name)
+            if len(seen) == 2:
+                both.set()
+        return f
+
+    async def body():
+        a = asyncio.create_task(eng.generate(request(gid="a"), on_delta=on_delta("a")))
+        b = asyncio.create_task(eng.generate(request(gid="b"), on_delta=on_delta("b")))
+        e.gate.release()
+        assert await asyncio.to_thread(both.wait, 10)
+        fake.behaviour.fail_abort = True
+        a.cancel()  # the worker's abort_request will raise: a bug path
+        with pytest.raises(asyncio.CancelledError):
+            await a  # the abort is queued now, before the worker may step again
+        e.gate.release(100)
+        with pytest.raises(InfraError, match="worker died"):
+            await b
+        with pytest.raises(InfraError):
+            await eng.generate(request(gid="c"))
+        await eng.close()
+
+    run(body())
+    assert e.shut_down == 1 and not eng._worker.is_alive()
+
+
+# ------------------------------------------------------------------------------------ GPU
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _vllm_on_cuda(), reason="needs vllm and a CUDA device")
 def test_gpu_smoke_generate_and_update_weights(tmp_path):
-    import torch
     from hf_fixture import make_tiny_hf_model
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    model_dir = make_tiny_hf_model(tmp_path / "model")
+    model_dir = make_tiny_hf_model(tmp_path / "model", n_embd=64, n_head=2, n_positions=128)
     eng = VLLMEngine(**(ARGS | {"model_path": str(model_dir)}))
     torch.manual_seed(1)
     new = GPT2LMHeadModel(GPT2Config.from_pretrained(model_dir)).state_dict()  # other random weights
-
-    def request(seed):
-        prompt = Prompt(key=Key(0, 0), group_id="g", idx=0, task="default", row={}, row_fingerprint=0,
-                        prompt="12+34=")
-        return GenRequest(group_id="g", generation=0, attempt=0, prompt=prompt, seed=seed, version=None)
 
     async def body():
         try:

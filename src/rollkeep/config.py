@@ -191,6 +191,22 @@ class VLLMEngineConfig(_SamplingSection):
     tensor_parallel_size: int = Field(1, ge=1)
     """Number of GPUs the model is sharded over."""
 
+    @field_validator("top_p")
+    @classmethod
+    def _full_vocabulary_only(cls, v: float) -> float:
+        # vLLM renormalises its behaviour log-probs over the nucleus; GRPO's ratio takes
+        # the full-vocabulary log_softmax(logits / T): they agree only at top_p = 1.
+        if v != 1.0:
+            from pydantic_core import PydanticCustomError
+
+            raise PydanticCustomError(
+                "vllm_top_p",
+                "1.0 with engine vllm (with top_p < 1 vLLM renormalises its behaviour log-probs "
+                "over the nucleus, and GRPO's ratio against them would be wrong; use engine.name=hf "
+                "for nucleus sampling)",
+            )
+        return v
+
 
 EngineConfig = Annotated[
     ToyEngineConfig | TorchEngineConfig | HFEngineConfig | VLLMEngineConfig,
