@@ -31,7 +31,7 @@ chaos: $(STAMP)
 	$(PY) -m rollkeep chaos configs/toy.yaml --kills 10 $(ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests scripts
 
 clean:
 	rm -rf runs .pytest_cache .hypothesis

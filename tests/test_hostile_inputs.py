@@ -10,6 +10,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,8 @@ from pyroaring import BitMap
 from run_harness import DEFAULTS, FAST, check, config, run_child, run_to_end, trace_lines
 
 from rollkeep.cli import main
+from rollkeep.core import codec
+from rollkeep.core.ledger import AttemptStatus
 from rollkeep.core.store import _encode_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -209,13 +212,12 @@ def test_manifest_weight_version_other_than_the_ledgers_is_refused(run, capsys):
 
 def test_grpo_trainer_files_of_another_step_are_refused_by_load():
     torch = pytest.importorskip("torch")
+    from rollkeep.config import TorchModelConfig, TorchTrainerConfig
     from rollkeep.core.checkpoint import declared_step
     from rollkeep.core.errors import CheckpointError
     from rollkeep.models.gpt import GPT, GPTConfig
     from rollkeep.models.tokenizer import CharTokenizer
     from rollkeep.trainers.grpo import TorchTrainer
-
-    from rollkeep.config import TorchModelConfig, TorchTrainerConfig
 
     tok = CharTokenizer()
     torch.manual_seed(0)
@@ -429,6 +431,33 @@ def test_enospc_while_publishing_is_exit_5_and_the_previous_checkpoint_stands(tm
     check(config(run))
 
 
+def test_enospc_while_writing_the_trace_is_exit_5(tmp_path, monkeypatch, capsys):
+    from rollkeep import trace as trace_module
+
+    real_open = trace_module.open_append
+
+    class FillingFile:
+        def __init__(self, f):
+            self.f, self.written = f, 0
+
+        def write(self, data):
+            self.written += len(data)
+            if self.written > 20_000:
+                raise OSError(28, "No space left on device")
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    monkeypatch.setattr(trace_module, "open_append", lambda path: FillingFile(real_open(path)))
+    run = tmp_path / "run"
+    err = refused(capsys, 0, train_args(run), 5)
+    assert "writing the trace" in err and "trace.jsonl" in err
+    monkeypatch.undo()
+    assert main(train_args(run)) == 0  # resumes from the last checkpoint, exactly once
+    check(config(run))
+
+
 def test_a_failed_run_releases_the_run_dir_and_closes_the_engine(tmp_path, monkeypatch):
     from rollkeep import controller
     from rollkeep.engines.toy import ToyEngine
@@ -584,11 +613,23 @@ def test_final_checkpoint_holds_the_drops_after_its_last_step(tmp_path, capsys):
 
 
 def test_a_stop_at_the_version_of_the_last_checkpoint_writes_its_next_revision(tmp_path):
-    cfg = config(tmp_path / "run", "train.total_steps=4", "checkpoint.every_steps=4")
-    assert run_child(cfg, "ledger.dispatched:40", crash_signal="TERM") == 0
+    # SIGTERM right after step 4 commits: its periodic checkpoint is cut, step 5's groups
+    # are admitted (lookahead 0: only now, so step 5 cannot be claimed before the stop is
+    # seen), then the stop abandons what is in flight. That later state of the same step
+    # is published as step_000004.1 instead of being lost (the store never rewrites the
+    # checkpoint LATEST names).
+    from rollkeep.controller import train
+
+    cfg = config(tmp_path / "run", "checkpoint.every_steps=4", "sampler.max_lookahead_versions=0")
+    train(cfg, on_step=lambda step, _: os.kill(os.getpid(), signal.SIGTERM) if step == 4 else None)
     ck = Path(cfg.run_dir) / "checkpoints"
+    assert (ck / "LATEST").read_text() == "step_000004.1\n"
     published = [e["name"] for e in trace_lines(cfg) if e["event"] == "checkpoint_published"]
-    assert published and (ck / "LATEST").read_text() == published[-1] + "\n"
+    assert published == ["step_000004", "step_000004.1"]
+    first, final = (codec.decode((ck / n / "ledger.msgpack").read_bytes()) for n in published)
+    assert first.version == final.version == 4
+    assert set(first.groups) < set(final.groups)  # step 5's groups, kept for the resumed run
+    assert not any(AttemptStatus.DISPATCHED in r.status for r in final.groups.values())
     run_to_end(cfg)
     check(cfg)
 
