@@ -382,12 +382,47 @@ def test_a_deeply_nested_dataset_row_is_refused_with_its_line(tmp_path, capsys):
     assert "line 2" in err and "nested too deeply" in err
 
 
+def test_a_deeply_nested_config_is_refused(tmp_path, capsys):
+    (tmp_path / "deep.yaml").write_text("a: " + "[" * DEEP + "]" * DEEP + "\n")
+    err = refused(capsys, 0, ["train", str(tmp_path / "deep.yaml"), f"run_dir={tmp_path / 'r'}"], 2)
+    assert "nested too deeply" in err
+
+
+def test_a_dataset_row_with_a_duplicate_key_is_refused_with_its_line(tmp_path, capsys):
+    data = tmp_path / "dup.jsonl"
+    data.write_text('{"prompt": "1+1="}\n{"prompt": "1+1=", "prompt": "2+2="}\n')
+    err = refused(capsys, 0, train_args(tmp_path / "r", f"data.path={data}"), 2)
+    assert "line 2" in err and "duplicate key 'prompt'" in err
+
+
 def test_a_deeply_nested_trace_line_is_skipped_and_counted(run, capsys):
     with open(run / "trace.jsonl", "a") as f:
         f.write('{"event": ' + "[" * DEEP + "]" * DEEP + "}\n")
     assert main(["trace", str(run), "--json", "--no-plots"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["torn_lines"] == 1 and report["summary"]["steps"] == 10
+
+
+# -- 12. no pickle -------------------------------------------------------------------------
+
+
+def test_an_hf_model_directory_with_pickled_weights_only_is_refused(tmp_path):
+    pytest.importorskip("transformers")
+    import torch
+    from hf_fixture import make_tiny_hf_model
+    from transformers import AutoModelForCausalLM
+
+    from rollkeep.core.errors import UserInputError
+    from rollkeep.models.hf import load_pretrained
+
+    path = make_tiny_hf_model(tmp_path / "model")
+    model = AutoModelForCausalLM.from_pretrained(path)
+    for p in path.glob("*.safetensors"):
+        p.unlink()
+    torch.save(model.state_dict(), path / "pytorch_model.bin")  # the legacy pickle format
+    with pytest.raises(UserInputError, match="no safetensors weights") as e:
+        load_pretrained(str(path), field="engine.model_path")
+    assert "pytorch_model.bin" in e.value.found and "safe_serialization=True" in e.value.remedy
 
 
 # -- 6, 7. filesystem faults and cleanup ----------------------------------------------------

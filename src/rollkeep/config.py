@@ -857,7 +857,10 @@ _Loader.add_implicit_resolver(
 
 
 def _parse_yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)  # _Loader is a SafeLoader: no arbitrary objects
+    try:
+        return yaml.load(text, Loader=_Loader)  # _Loader is a SafeLoader: no arbitrary objects
+    except RecursionError:  # PyYAML recurses per nesting level; no config nests that deep
+        raise yaml.YAMLError("nested too deeply to be a config") from None
 
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
