@@ -8,7 +8,7 @@ import rollkeep
 
 PUBLIC = {
     "Abandoned", "Admitted", "AttemptStatus", "AuditReport", "CheckpointError", "CheckpointStore",
-    "Claimed", "ConfigError", "CustodyError", "Cut", "DatasetError", "Dispatched", "Dropped",
+    "Claimed", "ConfigError", "Configured", "CustodyError", "Cut", "DatasetError", "Dispatched", "Dropped",
     "Event", "Evicted", "ExternalError", "Failed", "Finalizing", "GroupState",
     "IllegalTransition", "Key", "Ledger", "LedgerState", "Limits", "Owner", "PromptSource",
     "Ready", "Released", "Restored", "RollkeepError", "Row", "RowId", "RowStore", "Sealed",
