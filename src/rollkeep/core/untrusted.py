@@ -54,30 +54,30 @@ def _kind(mode: int) -> str:
     return f"not a regular file ({stat.filemode(mode)})"
 
 
-def open_regular(path: str | Path, *, follow_symlinks: bool = False) -> int:
-    """A read-only descriptor of the regular file at `path`; OSError for anything else.
-
-    Never blocks: O_NONBLOCK makes opening a FIFO return at once, and the type is checked
-    on the descriptor itself. Without `follow_symlinks` a symlink is refused (ELOOP)."""
-    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
-    if not follow_symlinks:
-        flags |= os.O_NOFOLLOW
+def _open_checked(path: str | Path, flags: int) -> int:
+    """A descriptor of the regular file at `path`, opened with `flags` plus O_NONBLOCK (so
+    opening a FIFO returns at once), its type checked on the descriptor itself."""
     try:
-        fd = os.open(path, flags)
+        fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
     except OSError as e:
-        if e.errno == errno.ELOOP and not follow_symlinks:
-            raise OSError(errno.ELOOP, "is a symlink (only regular files are read)", str(path)) from None
+        if e.errno == errno.ELOOP and flags & os.O_NOFOLLOW:
+            raise OSError(errno.ELOOP, "is a symlink (only regular files are used)", str(path)) from None
         raise
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             raise OSError(errno.EINVAL, f"is {_kind(mode)}, not a regular file", str(path))
-        # Regular files ignore O_NONBLOCK for reads, but clear it for tidiness.
-        os.set_blocking(fd, True)
+        os.set_blocking(fd, True)  # regular files ignore O_NONBLOCK; clear it for tidiness
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def open_regular(path: str | Path, *, follow_symlinks: bool = False) -> int:
+    """A read-only descriptor of the regular file at `path`; OSError for anything else.
+    Never blocks; without `follow_symlinks` a symlink is refused (ELOOP)."""
+    return _open_checked(path, os.O_RDONLY | (0 if follow_symlinks else os.O_NOFOLLOW))
 
 
 def read_regular(path: str | Path, *, follow_symlinks: bool = False) -> bytes:
@@ -181,22 +181,9 @@ def read_safetensors_header(path: str | Path) -> dict[str, Any]:
 def open_append(path: str | Path) -> Any:
     """A binary append-mode file object for the regular file at `path` (created if
     missing), also readable with `os.pread` (to check for a torn last line). Never blocks
-    on a FIFO (O_NONBLOCK; the type is then checked on the descriptor) and refuses a
-    symlink, so a planted link cannot redirect our writes."""
-    flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+    on a FIFO and refuses a symlink, so a planted link cannot redirect our writes."""
+    fd = _open_checked(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW)
     try:
-        fd = os.open(path, flags, 0o644)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise OSError(errno.ELOOP, "is a symlink (only regular files are written)", str(path)) from None
-        if e.errno == errno.ENXIO:
-            raise OSError(errno.ENXIO, "is a FIFO (named pipe), not a regular file", str(path)) from None
-        raise
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise OSError(errno.EINVAL, f"is {_kind(mode)}, not a regular file", str(path))
-        os.set_blocking(fd, True)
         return os.fdopen(fd, "ab")
     except BaseException:
         os.close(fd)
