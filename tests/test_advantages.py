@@ -13,7 +13,7 @@ import pytest
 from run_harness import check, config, final_sha, killed, run_child, run_to_end
 
 from rollkeep.advantages import SCALE_REWARDS, batch_scaled, group_advantages, stored_advantages
-from rollkeep.controller import Controller
+from rollkeep.controller import Runner
 from rollkeep.controller.build import build
 from rollkeep.trainers.toy import ToyTrainer
 
@@ -154,7 +154,7 @@ def test_controller_stores_the_modes_advantages(tmp_path, mode):
     cfg = config(tmp_path / mode, *PARTIAL, f"trainer.scale_rewards={mode}")
     parts = build(cfg)
     trainer = RecordingTrainer()
-    asyncio.run(Controller(cfg, source=parts.source, engine=parts.engine, trainer=trainer).run())
+    asyncio.run(Runner(cfg, source=parts.source, engine=parts.engine, trainer=trainer).run())
     groups = [g for b in trainer.batches for g in b.groups]
     assert len(groups) == cfg.train.total_steps * cfg.train.num_prompts_per_step
     with_signal = 0

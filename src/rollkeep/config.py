@@ -219,7 +219,7 @@ EngineConfig = Annotated[
 
 class _TrainerSection(_Section):
     """What every trainer section has: how advantages are computed at finalize (they are
-    stored in the ledger, so this is a semantic key; `rollkeep.advantages` has the formulas)."""
+    stored in the ledger, so this is a semantic key; `rollkeep.core.advantages` has the formulas)."""
 
     scale_rewards: Literal["group_population", "group", "batch", "none"] = "group_population"
     """What a group's centred rewards r - mean(group) are divided by: `group_population` the

@@ -1,4 +1,5 @@
-"""The single controller and the entry point of `rollkeep train`."""
+"""The single controller (the scheduler driven by the runner) and the entry point of
+`rollkeep train`."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ from ..config import Config, check_allowed_changes
 from ..core.errors import FilesystemError, RollkeepError
 from ..core.store import CheckpointStore
 from .build import build
-from .run import Controller, RunResult
 from .rundir import RunDir, start_point
+from .runner import Runner, RunResult
 from .warmup import run_warmup
 
-__all__ = ["Controller", "RunResult", "train"]
+__all__ = ["RunResult", "Runner", "train"]
 
 
 def train(
@@ -40,7 +41,7 @@ def train(
     try:
         with RunDir(run_dir):  # held from before the warm start until the run has closed
             start = start_point(CheckpointStore(run_dir / "checkpoints"), run_dir / "trace.jsonl", resume_from)
-            controller = Controller(
+            runner = Runner(
                 cfg,
                 source=parts.source,
                 engine=parts.engine,
@@ -55,7 +56,7 @@ def train(
                 run_warmup(cfg, dataset=parts.dataset, trainer=parts.trainer, tokenizer=parts.tokenizer,
                            log=lambda line: print(line, flush=True) if cfg.logger.progress != "none" else None)
             try:
-                return asyncio.run(controller.run())
+                return asyncio.run(runner.run())
             except BaseExceptionGroup as group:
                 raise _primary(group) from group
     except OSError as e:

@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..core.errors import ConfigError
 
 
@@ -53,3 +55,38 @@ class MetricsLog:
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+
+
+def step_record(batch: Any, metrics: dict[str, float], *, train_seconds: float, step_seconds: float,
+                generated_per_s: float, counts: dict[str, int]) -> dict[str, Any]:
+    """One `metrics.jsonl` line for a committed step (the keys are listed in the README)."""
+    rows = [r for g in batch.groups for r in g.rows]
+    tokens = sum(r.tokens for r in rows)
+    trainer_version = batch.step - 1
+    age = float(sum(int((trainer_version - r.versions).sum()) for r in rows) / tokens) if tokens else 0.0
+    return {
+        "weight_version": batch.step,
+        "groups": len(batch.groups),
+        "tokens": tokens,
+        "reward_mean": float(np.mean([r.reward for r in rows])) if rows else 0.0,
+        "batch_age": age,
+        "train_seconds": train_seconds,
+        "step_seconds": step_seconds,
+        "tokens_generated_per_s": generated_per_s,
+        **{f"trainer/{k}": float(v) for k, v in metrics.items()},
+        **{f"custody/{k}": v for k, v in counts.items()},
+    }
+
+
+def progress_fields(record: dict[str, Any], last_eval: dict[str, float]) -> dict[str, Any]:
+    """What the progress bar shows of a step record."""
+    return {
+        "reward": record["reward_mean"],
+        "acc": last_eval.get("eval/accuracy"),
+        "age": record["batch_age"],
+        "tok/s": round(record["tokens_generated_per_s"]),
+        "gen": record["custody/generating"] + record["custody/reserved"],
+        "ready": record["custody/ready"],
+        "trained": record["custody/trained"],
+        "dropped": record["custody/dropped"],
+    }

@@ -8,51 +8,11 @@ composition, so a regenerated rollout can reproduce the lost one (DESIGN §2).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
-import xxhash
+from ..core.generation import Completion, DataError, GenRequest, InfraError, sampling_seed
 
-from ..core.source import Prompt
-
-
-class InfraError(Exception):
-    """The engine failed to produce a result (crash, timeout, OOM): an infra failure."""
-
-
-class DataError(Exception):
-    """The environment or the reward rejected this rollout: a data failure."""
-
-
-def sampling_seed(run_seed: int, group_id: str, generation: int, data_retries: int) -> int:
-    """DESIGN §2: a function of (run seed, group id, generation index, data-retry count).
-
-    An infra retry reuses the seed (it should reproduce the lost rollout); a data retry
-    changes it (the same sample would fail the same way)."""
-    return xxhash.xxh3_64_intdigest(f"{run_seed}/{group_id}/{generation}/{data_retries}".encode())
-
-
-@dataclass(frozen=True)
-class GenRequest:
-    group_id: str
-    generation: int
-    attempt: int
-    prompt: Prompt
-    seed: int
-    version: int | None  # deterministic mode: generate under exactly this weight version
-    infra_retries: int = 0  # failures so far of this sibling, for engines that inject them
-    data_retries: int = 0
-
-
-@dataclass(frozen=True)
-class Completion:
-    prompt_ids: np.ndarray  # int32 [P]
-    completion_ids: np.ndarray  # int32 [C]
-    logprobs: np.ndarray  # float32 [C]: behaviour log-probabilities
-    versions: np.ndarray  # int32 [C]: weight version of each token
-    finish_reason: str  # "stop" | "length"
-    text: str  # decoded completion, for the reward function
+__all__ = ["Completion", "DataError", "Engine", "GenRequest", "InfraError", "sampling_seed"]
 
 
 class Engine(Protocol):

@@ -9,32 +9,12 @@ checkpoint writer's thread.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ..core.batch import Batch, TrainGroup
 from ..core.errors import CheckpointError
-from ..core.rows import Row
 
-
-@dataclass(frozen=True)
-class TrainGroup:
-    group_id: str
-    epoch: int
-    ordinal: int
-    idx: int
-    task: str
-    advantages: tuple[float, ...]
-    rows: tuple[Row, ...]  # by generation index
-
-
-@dataclass(frozen=True)
-class Batch:
-    step: int  # the optimizer step this batch makes; it trains from weight version step - 1
-    groups: tuple[TrainGroup, ...]  # sorted by key (deterministic order)
-
-    @property
-    def tokens(self) -> int:
-        return sum(r.tokens for g in self.groups for r in g.rows)
+__all__ = ["Batch", "TrainGroup", "Trainer", "TrainerSnapshot", "check_step"]
 
 
 class TrainerSnapshot(Protocol):

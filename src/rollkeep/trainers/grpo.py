@@ -6,7 +6,7 @@ optimizer updates on one batch), its checkpoint, and the built-in GPT wiring.
 The objective
 -------------
 A batch holds groups of sibling completions of one prompt. Their advantages were computed
-upstream (`rollkeep.advantages`, chosen by `trainer.scale_rewards`: reward minus group mean,
+upstream (`rollkeep.core.advantages`, chosen by `trainer.scale_rewards`: reward minus group mean,
 over a std or not) and arrive in `TrainGroup.advantages[generation]`; under
 `scale_rewards: batch` they arrive group-centred and `train_step` divides them by the
 sample std of the batch's rewards first. Every completion token of a sibling gets its
@@ -134,8 +134,8 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import Tensor
 
-from ..advantages import SCALE_REWARDS, ScaleRewards, batch_scaled
 from ..config import TorchTrainerConfig
+from ..core.advantages import SCALE_REWARDS, ScaleRewards, batch_scaled
 from ..core.checkpoint import STEP_KEY, declared_step, step_metadata
 from ..core.errors import CheckpointError
 from ..core.untrusted import loads_json

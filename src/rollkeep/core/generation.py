@@ -1,0 +1,55 @@
+"""What a generation is asked for and what it returns, as the scheduler sees them.
+
+A `GenRequest` names one attempt of one sibling; a `Completion` is its finished rollout.
+Sampling randomness is a pure function of `GenRequest.seed` (and the weights), never of
+timing or batch composition, so a regenerated rollout can reproduce the lost one. The two
+exception classes are an engine's *declared* failures: only they (and the deadline, and a
+lost connection) are retried; any other exception from an engine is a bug.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from .source import Prompt
+
+
+class InfraError(Exception):
+    """The engine failed to produce a result (crash, timeout, OOM): an infra failure."""
+
+
+class DataError(Exception):
+    """The environment or the reward rejected this rollout: a data failure."""
+
+
+def sampling_seed(run_seed: int, group_id: str, generation: int, data_retries: int) -> int:
+    """DESIGN §2: a function of (run seed, group id, generation index, data-retry count).
+
+    An infra retry reuses the seed (it should reproduce the lost rollout); a data retry
+    changes it (the same sample would fail the same way)."""
+    return xxhash.xxh3_64_intdigest(f"{run_seed}/{group_id}/{generation}/{data_retries}".encode())
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    group_id: str
+    generation: int
+    attempt: int
+    prompt: Prompt
+    seed: int
+    version: int | None  # deterministic mode: generate under exactly this weight version
+    infra_retries: int = 0  # failures so far of this sibling, for engines that inject them
+    data_retries: int = 0
+
+
+@dataclass(frozen=True)
+class Completion:
+    prompt_ids: np.ndarray  # int32 [P]
+    completion_ids: np.ndarray  # int32 [C]
+    logprobs: np.ndarray  # float32 [C]: behaviour log-probabilities
+    versions: np.ndarray  # int32 [C]: weight version of each token
+    finish_reason: str  # "stop" | "length"
+    text: str  # decoded completion, for the reward function

@@ -1,0 +1,43 @@
+"""The scheduler: a pure, synchronous object that makes every decision of a run (DESIGN
+§2), and the commands it talks in. `rollkeep.Scheduler` is the public entry point."""
+
+from .commands import (
+    AttemptKey,
+    Cancel,
+    Command,
+    Cut,
+    Dispatch,
+    Failure,
+    Generated,
+    Note,
+    Outcome,
+    Reason,
+    Refit,
+    Stop,
+    Train,
+    WakeAt,
+)
+from .retry import RetryPolicy
+from .scheduler import TRAIN_TABLE, Phase, Scheduler, Settings
+
+__all__ = [
+    "TRAIN_TABLE",
+    "AttemptKey",
+    "Cancel",
+    "Command",
+    "Cut",
+    "Dispatch",
+    "Failure",
+    "Generated",
+    "Note",
+    "Outcome",
+    "Phase",
+    "Reason",
+    "Refit",
+    "RetryPolicy",
+    "Scheduler",
+    "Settings",
+    "Stop",
+    "Train",
+    "WakeAt",
+]

@@ -1,0 +1,117 @@
+"""What the scheduler asks its runner to do, and what the runner reports back.
+
+The scheduler (h11's pattern) never waits and never does IO: `Scheduler.poll(now)`
+returns commands, and the runner carries each one out and reports the outcome through a
+callback (`on_result`, `on_trained`, `on_refit`, `on_cut_written`, `on_signal`). Commands
+are frozen records; carrying them out never changes custody by itself.
+
+    Dispatch(request)      start one generation attempt          -> on_result(key, outcome)
+    Cancel(attempts)       stop these attempts' work (results are ignored anyway)
+    Train(step, batch)     run one optimizer step on `batch`      -> on_trained(step)
+    Cut(cut, final)        snapshot the trainer now, then write
+                           this captured custody state            -> on_cut_written(step, name)
+    Refit(version)         load the trainer's weights into the
+                           engine (and evaluate, if due)          -> on_refit(version)
+    Note(event, fields)    record a line in the trace
+    WakeAt(time)           poll again at `time` even if nothing reports before
+    Stop(reason)           the run is over: nothing is in flight, the final cut is written
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..batch import Batch
+from ..checkpoint import Cut as CapturedCut
+from ..generation import Completion, GenRequest
+
+AttemptKey = tuple[str, int, int]  # (group id, generation index, attempt)
+
+
+class Reason(enum.StrEnum):
+    """Why something ended. The values are the strings the trace has always carried."""
+
+    FINISHED = "finished"  # train.total_steps reached
+    DATA_EXHAUSTED = "data exhausted"  # no batch can ever come
+    SIGNAL = "signal"  # SIGINT / SIGTERM (a graceful stop)
+    RESTART = "restart"  # attempts in flight at the cut, abandoned on restore
+    SHUTDOWN = "shutdown"  # attempts in flight when a run stops, abandoned
+    STALE = "stale"  # a READY group outside the sampler's window
+    LOST = "lost in flight at the cut (recovery.mode=cursor_only)"
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    request: GenRequest
+
+    @property
+    def key(self) -> AttemptKey:
+        r = self.request
+        return (r.group_id, r.generation, r.attempt)
+
+
+@dataclass(frozen=True)
+class Cancel:
+    attempts: tuple[AttemptKey, ...]
+
+
+@dataclass(frozen=True)
+class Train:
+    step: int
+    batch: Batch
+
+
+@dataclass(frozen=True)
+class Cut:
+    cut: CapturedCut  # custody, captured at this instant (O(1), copy-on-write)
+    final: bool  # the last cut of the run (written before Stop)
+
+    @property
+    def step(self) -> int:
+        return self.cut.ledger.version
+
+
+@dataclass(frozen=True)
+class Refit:
+    version: int
+
+
+@dataclass(frozen=True)
+class Note:
+    event: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WakeAt:
+    time: float
+
+
+@dataclass(frozen=True)
+class Stop:
+    reason: Reason
+
+
+Command = Dispatch | Cancel | Train | Cut | Refit | Note | WakeAt | Stop
+
+
+@dataclass(frozen=True)
+class Generated:
+    """A finished attempt: the completion and its reward (computed by the runner, which
+    owns the reward functions)."""
+
+    completion: Completion
+    reward: float
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A failed attempt: `kind` is infra or data (DESIGN §6)."""
+
+    kind: str
+    error: str
+
+
+Outcome = Generated | Failure

@@ -1,0 +1,23 @@
+"""Finalize: a group whose siblings are all sealed gets its advantages (DESIGN §1).
+
+Rewards → group-relative advantages (`trainer.scale_rewards`, formulas in
+`rollkeep.core.advantages`). Pure computation, so it runs inside one synchronous section:
+FINALIZING is never left half done by a live run (a restore finalizes again)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..advantages import ScaleRewards, stored_advantages
+from ..events import Event, Finalizing, Ready
+from ..ledger import Ledger
+from ..rows import RowId, RowStore
+
+
+def finalize(
+    ledger: Ledger, rows: RowStore, gid: str, scale_rewards: ScaleRewards, apply: Callable[[Event], object]
+) -> None:
+    apply(Finalizing(group_id=gid))
+    rec = ledger.group(gid)
+    rewards = [rows.get(RowId(gid, g, rec.attempts[g])).reward for g in range(rec.group_size)]
+    apply(Ready(group_id=gid, advantages=stored_advantages(rewards, scale_rewards)))

@@ -1,0 +1,47 @@
+"""Restart normalisation (DESIGN §5) and the `cursor_only` emulation.
+
+A restored ledger is made ready to run: claims and running finalizations are released,
+attempts in flight at the cut are abandoned (reason `restart`) and get fresh attempts,
+all-or-nothing groups drop their sealed siblings. Under `recovery.mode: cursor_only` --
+what a system without a ledger does, for comparison only -- every group still in flight
+at the cut is lost: it is recorded as DROPPED (reason `lost ...`) so the trace and
+`rollkeep chaos` show the loss instead of hiding it."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from ..events import Event
+from ..ledger import GroupState, Ledger
+from ..restore import RestorePlan
+
+
+def normalize(ledger: Ledger, apply: Callable[[Event], object]) -> None:
+    for ev in ledger.normalize_for_restart():
+        apply(ev)
+
+
+def lost_in_flight(ledger: Ledger) -> list[str]:
+    """cursor_only: the groups a ledger-less system would have lost at the cut, by key."""
+    lost = [g for g, r in ledger.groups() if r.state < GroupState.READY]
+    return sorted(lost, key=lambda g: ledger.group(g).key)
+
+
+def restored_fields(plan: RestorePlan, *, lost: int, mode: str) -> dict[str, Any]:
+    """The counts of the `restored` trace event (DESIGN §8)."""
+    if mode == "cursor_only":  # nothing of the lost groups is reused or regenerated
+        plan = dataclasses.replace(plan, groups_finalize_again=0, siblings_reused=0, siblings_discarded=0,
+                                   siblings_regenerated=0, siblings_pending=0, groups_readmitted=0)
+    return {
+        "groups_reused": plan.groups_reused,
+        "groups_finalize_again": plan.groups_finalize_again,
+        "siblings_reused": plan.siblings_reused,
+        "siblings_regenerated": plan.siblings_regenerated + plan.siblings_discarded,
+        "siblings_pending": plan.siblings_pending,
+        "groups_readmitted": plan.groups_readmitted,
+        "spare_prompts": plan.spare_prompts,
+        "groups_lost": lost,
+        "recovery_mode": mode,
+    }

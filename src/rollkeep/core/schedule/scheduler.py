@@ -1,0 +1,487 @@
+"""The scheduler: every decision of an asynchronous RL run, as a pure, synchronous object.
+
+It owns the ledger and the row store together (rows a transition frees are deleted here,
+never by the caller), reads no clock (time is an argument), performs no IO and never
+waits. A runner drives it (h11's pattern):
+
+    sched = Scheduler(ledger, rows, source, sampler, settings)
+    sched.subscribe(trace)                 # every ledger event, for the trace
+    restored_fields = sched.start(restored)
+    while True:
+        for cmd in sched.poll(now()):      # Dispatch, Cancel, Train, Cut, Refit, Note, WakeAt, Stop
+            carry it out; report back with on_result / on_trained / on_cut_written / on_refit
+        (on SIGINT/SIGTERM: on_signal())
+
+Two sides, as DESIGN §2 draws them:
+
+- the **rollout side** (the rollout pump) tops up the spare pool, admits and takes prompts
+  through the sampler's gate (`admission`), dispatches every RESERVED sibling whose
+  backoff has passed (restored ADMITTED groups first: they have the lowest keys), seals or
+  fails results as they arrive (`retry`), finalizes complete groups (`finalize`) and aborts
+  attempts past their deadline;
+- the **train side** (the train pump) is the state machine of `TRAIN_TABLE`: refit the
+  engine, claim the next step's batch from the sampler, train it, commit, cut a checkpoint
+  at the step boundary when one is due, refit, and so on; and when the run stops (finished,
+  data exhausted, a signal), abandon what is in flight and write the final cut.
+
+Deterministic mode (`pinning`) and restart normalisation (`restart`) are policies of their
+own modules.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .. import crashpoints
+from ..advantages import ScaleRewards
+from ..batch import Batch, TrainGroup
+from ..checkpoint import cut
+from ..errors import CustodyError
+from ..events import (
+    DATA,
+    INFRA,
+    PROMPT_GROUP,
+    SIBLING,
+    Abandoned,
+    Claimed,
+    Configured,
+    Dispatched,
+    Event,
+    Evicted,
+    Failed,
+    Sealed,
+)
+from ..generation import GenRequest, sampling_seed
+from ..handout import check_step_size, drop_event
+from ..ledger import AttemptStatus, GroupState, Ledger
+from ..restore import Restored
+from ..rows import Row, RowId, RowStore
+from ..samplers import Sampler
+from ..source import PromptSource
+from . import admission, restart
+from .commands import (
+    AttemptKey,
+    Cancel,
+    Command,
+    Cut,
+    Dispatch,
+    Failure,
+    Generated,
+    Note,
+    Outcome,
+    Reason,
+    Refit,
+    Stop,
+    Train,
+    WakeAt,
+)
+from .finalize import finalize
+from .pinning import Pinning
+from .retry import RetryPolicy, budget_reason
+
+crashpoints.register("train.before_commit")
+crashpoints.register("train.after_commit")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The run's settings the scheduler decides from (each taken from the config once)."""
+
+    seed: int
+    group_size: int
+    total_steps: int
+    checkpoint_every: int
+    checkpoint_on_shutdown: bool
+    deterministic: bool
+    recovery_mode: str  # sibling | prompt_group | cursor_only
+    on_dropped_prompt: str  # replace | shrink
+    on_stale: str  # regenerate | drop
+    spare_prompts: int
+    timeout_s: float
+    retry: RetryPolicy
+    scale_rewards: ScaleRewards = "group_population"
+
+
+class Phase(enum.Enum):
+    """The train side's state."""
+
+    START = "start"  # the engine has not been given the trainer's weights yet
+    REFITTING = "refitting"  # Refit issued: waiting for on_refit
+    IDLE = "idle"  # may claim the next step
+    TRAINING = "training"  # Train issued: waiting for on_trained
+    COMMITTED = "committed"  # the step committed: its cut (if due), then the refit
+    STOPPING = "stopping"  # the run stops: abandon what is in flight, then the final cut
+    FINAL_CUT = "final_cut"  # the final cut is being written
+    STOPPED = "stopped"
+
+
+#: (phase, what happened) → next phase. Pairs not listed are a bug (CustodyError).
+TRAIN_TABLE: dict[tuple[Phase, str], Phase] = {
+    (Phase.START, "refit"): Phase.REFITTING,
+    (Phase.START, "stop"): Phase.STOPPING,
+    (Phase.REFITTING, "refitted"): Phase.IDLE,
+    (Phase.IDLE, "claim"): Phase.TRAINING,
+    (Phase.IDLE, "stop"): Phase.STOPPING,
+    (Phase.TRAINING, "trained"): Phase.COMMITTED,
+    (Phase.COMMITTED, "refit"): Phase.REFITTING,
+    (Phase.COMMITTED, "stop"): Phase.STOPPING,
+    (Phase.STOPPING, "final_cut"): Phase.FINAL_CUT,
+    (Phase.STOPPING, "stopped"): Phase.STOPPED,
+    (Phase.FINAL_CUT, "written"): Phase.STOPPED,
+}
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        ledger: Ledger,
+        rows: RowStore,
+        source: PromptSource,
+        sampler: Sampler,
+        settings: Settings,
+    ) -> None:
+        self.ledger, self.rows, self.source, self.sampler, self.settings = ledger, rows, source, sampler, settings
+        limits = sampler.limits
+        self.pinning = Pinning(settings.deterministic, limits.window, limits.num_prompts_per_step,
+                               settings.total_steps)
+        # cursor_only emulates systems without a ledger; its groups are plain sibling groups.
+        self._granularity = PROMPT_GROUP if settings.recovery_mode == "prompt_group" else SIBLING
+        self.phase = Phase.START
+        self.stopping: Reason | None = None
+        self.engine_version: int | None = None  # the weights the engine holds (on_refit)
+        self.tokens_generated = 0  # completion tokens sealed by this run
+        self._step: int | None = None  # the step being trained
+        self._writing = False  # a cut is being written (one at a time)
+        self._changed_since_cut = True
+        self._in_flight: dict[AttemptKey, float] = {}  # dispatched attempt → its deadline
+        self._deadlines: list[tuple[float, AttemptKey]] = []  # heap; entries may be stale
+        self._not_before: dict[tuple[str, int], float] = {}  # backoff of a retried sibling
+        self._queued: list[Command] = []  # commands decided inside a callback
+        ledger.subscribe(self._on_event)
+
+    # ============================================================== wiring
+
+    def subscribe(self, sink) -> None:
+        """`sink(event)` after every ledger event (the trace, the journal, crash points)."""
+        self.ledger.subscribe(sink)
+
+    def _on_event(self, ev: Event) -> None:
+        if not isinstance(ev, Configured):  # limits alone give a checkpoint nothing new
+            self._changed_since_cut = True
+
+    def _apply(self, ev: Event) -> None:
+        """Apply an event and delete the rows it frees: the only way this class mutates."""
+        for gid, g, attempt in self.ledger.apply(ev):
+            self.rows.delete(RowId(gid, g, attempt))
+
+    def _go(self, what: str) -> None:
+        nxt = TRAIN_TABLE.get((self.phase, what))
+        if nxt is None:
+            raise CustodyError(
+                f"scheduler: '{what}' in phase {self.phase.value}",
+                expected="a pair of TRAIN_TABLE",
+                found=f"({self.phase.value}, {what})",
+                remedy="this is a bug in the scheduler or its runner",
+            )
+        self.phase = nxt
+
+    # ============================================================== start
+
+    def start(self, restored: Restored | None, *, epochs: int | None) -> dict[str, Any] | None:
+        """Record the run's limits; after a restore, normalise the ledger (DESIGN §5) and
+        return the counts of the `restored` trace event."""
+        limits = self.sampler.limits
+        self._apply(Configured(num_prompts_per_step=limits.num_prompts_per_step, window=limits.window,
+                               epochs=epochs))
+        fields = None
+        if restored is not None:
+            restart.normalize(self.ledger, self._apply)
+            lost = 0
+            if self.settings.recovery_mode == "cursor_only":
+                lost_ids = restart.lost_in_flight(self.ledger)
+                for gid in lost_ids:
+                    self._drop(gid, Reason.LOST.value, on_dropped_prompt="replace")
+                lost = len(lost_ids)
+            fields = restart.restored_fields(restored.plan, lost=lost, mode=self.settings.recovery_mode)
+            # Groups sealed but not finalized at the cut are finalized again (no side effects).
+            for gid, rec in self.ledger.groups():
+                if rec.state == GroupState.READY_TO_FINALIZE:
+                    finalize(self.ledger, self.rows, gid, self.settings.scale_rewards, self._apply)
+        self._changed_since_cut = False  # the state is the restored checkpoint's (or empty)
+        return fields
+
+    # ============================================================== poll
+
+    def poll(self, now: float) -> list[Command]:
+        """Everything to do now, in order. Call again after any callback, and at WakeAt."""
+        out: list[Command] = []
+        self._expire(now, out)
+        wake = None
+        # Nothing is generated before the engine holds the trainer's weights (the first Refit).
+        if self.stopping is None and self.phase is not Phase.STOPPED and self.engine_version is not None:
+            admission.top_up_spare(self.ledger, self.settings.spare_prompts, self._apply)
+            admission.admit_and_take(
+                self.ledger, self.source, self.sampler, group_size=self.settings.group_size,
+                granularity=self._granularity, total_steps=self.settings.total_steps,
+                start_version=lambda target: self.pinning.start_version(target, self.ledger.version),
+                apply=self._apply,
+            )
+            wake = self._dispatch(now, out)
+        self._train_side(out)
+        if self._deadlines:
+            wake = self._deadlines[0][0] if wake is None else min(wake, self._deadlines[0][0])
+        if wake is not None and self.phase is not Phase.STOPPED:
+            out.append(WakeAt(wake))
+        # Cancels decided in callbacks (and in this poll) go first: their attempts are
+        # already superseded, so nothing waits for them.
+        out[:0], self._queued = self._queued, []
+        return out
+
+    # -------------------------------------------------------------- rollout side
+
+    def _dispatch(self, now: float, out: list[Command]) -> float | None:
+        """Dispatch every RESERVED sibling of admitted groups whose backoff has passed;
+        return when the next backoff expires, if one is pending."""
+        led, wake_at = self.ledger, None
+        for gid in led.pending_ids():
+            rec = led.group(gid)
+            pinned = self.pinning.version_for(rec.target_step)
+            if pinned is not None and self.engine_version != pinned:
+                if self.engine_version > pinned:
+                    raise CustodyError(
+                        f"deterministic mode: group {gid} of step {rec.target_step} would "
+                        f"generate under version {self.engine_version}",
+                        expected=f"version {pinned}",
+                        found=f"engine at version {self.engine_version}",
+                        remedy="this is a bug in the scheduler's refit ordering",
+                    )
+                continue  # waits for the refit to its pinned version
+            gens = []
+            for g in rec.generations_with(AttemptStatus.RESERVED):
+                nb = self._not_before.get((gid, g))
+                if nb is not None and nb > now:
+                    wake_at = nb if wake_at is None else min(wake_at, nb)
+                    continue
+                gens.append(g)
+            if not gens:
+                continue
+            self._apply(Dispatched(group_id=gid, generations=tuple(gens), version=self.engine_version))
+            rec = led.group(gid)
+            prompt = self.source.rehydrate(rec.key)
+            deadline = now + self.settings.timeout_s
+            for g in gens:
+                self._not_before.pop((gid, g), None)
+                req = GenRequest(
+                    group_id=gid, generation=g, attempt=rec.attempts[g], prompt=prompt,
+                    seed=sampling_seed(self.settings.seed, gid, g, rec.data_failures[g]),
+                    version=pinned, infra_retries=rec.infra_failures[g], data_retries=rec.data_failures[g],
+                )
+                key = (gid, g, req.attempt)
+                self._in_flight[key] = deadline
+                heapq.heappush(self._deadlines, (deadline, key))
+                out.append(Dispatch(req))
+        return wake_at
+
+    def _expire(self, now: float, out: list[Command]) -> None:
+        """Attempts past their deadline (`rollout.timeout_s`) fail as infra and are aborted."""
+        while self._deadlines and self._deadlines[0][0] <= now:
+            deadline, key = heapq.heappop(self._deadlines)
+            if self._in_flight.get(key) != deadline:
+                continue  # finished or cancelled already
+            out.append(Cancel((key,)))
+            self.on_result(key, Failure(INFRA, f"deadline: no result within rollout.timeout_s="
+                                               f"{self.settings.timeout_s:g} s"), now)
+
+    def on_result(self, key: AttemptKey, outcome: Outcome, now: float) -> None:
+        """Seal or fail one attempt (one transition, plus finalize or drop). A result for an
+        attempt that is no longer current (abandoned, its group dropped) is ignored."""
+        self._in_flight.pop(key, None)
+        gid, g, attempt = key
+        led = self.ledger
+        if not led.is_current(gid, g, attempt):
+            return
+        if isinstance(outcome, Generated) and not math.isfinite(outcome.reward):
+            outcome = Failure(DATA, f"reward function: returned {outcome.reward} (rewards must be finite)")
+        if isinstance(outcome, Generated):
+            c = outcome.completion
+            row = Row(prompt_ids=c.prompt_ids, completion_ids=c.completion_ids, logprobs=c.logprobs,
+                      versions=c.versions, reward=outcome.reward, finish_reason=c.finish_reason)
+            self.rows.put(RowId(gid, g, attempt), row)
+            version = int(row.versions.max()) if row.tokens else self.engine_version
+            self._apply(Sealed(group_id=gid, generation=g, attempt=attempt, version=version, tokens=row.tokens))
+            self.tokens_generated += row.tokens
+            if led.group(gid).state == GroupState.READY_TO_FINALIZE:
+                finalize(led, self.rows, gid, self.settings.scale_rewards, self._apply)
+            return
+        self._apply(Failed(group_id=gid, generation=g, attempt=attempt, kind=outcome.kind,
+                           error=outcome.error[:500]))
+        rec = led.group(gid)
+        if self.settings.retry.spent(rec, g, outcome.kind):
+            self._drop(gid, budget_reason(outcome.kind, outcome.error))
+            return
+        self._cancel_stale(gid)  # an all-or-nothing group abandoned its other siblings
+        self._not_before[(gid, g)] = self.settings.retry.retry_at(rec, g, now)
+
+    def _cancel_stale(self, gid: str) -> None:
+        stale = tuple(k for k in self._in_flight if k[0] == gid and not self.ledger.is_current(*k))
+        for k in stale:
+            del self._in_flight[k]
+        if stale:
+            self._queued.append(Cancel(stale))
+
+    def _drop(self, gid: str, reason: str, *, on_dropped_prompt: str | None = None) -> None:
+        """Drop a group and refill or shrink its step, in one transition (DESIGN §6)."""
+        ev = drop_event(self.ledger, self.source, gid, reason,
+                        on_dropped_prompt=on_dropped_prompt or self.settings.on_dropped_prompt,
+                        group_size=self.settings.group_size, granularity=self._granularity)
+        stale = tuple(k for k in self._in_flight if k[0] == gid)
+        for k in stale:
+            del self._in_flight[k]
+        if stale:
+            self._queued.append(Cancel(stale))
+        self._apply(ev)
+        if ev.shrink:
+            check_step_size(self.ledger, self.sampler.limits, ev.step)
+
+    # -------------------------------------------------------------- train side
+
+    def _train_side(self, out: list[Command]) -> None:
+        led, s = self.ledger, self.settings
+        if self.phase is Phase.START:
+            if self.stopping is None:
+                self._go("refit")
+                out.append(Refit(led.version))
+            else:
+                self._go("stop")
+        if self.phase is Phase.COMMITTED:
+            if self.stopping is not None:
+                self._go("stop")
+            elif self.pinning.work_done(led):  # deterministic: never refit past pinned work
+                step = led.version
+                if step % s.checkpoint_every == 0 and step < s.total_steps and self._changed_since_cut:
+                    if self._writing:
+                        return  # one write at a time: the step boundary waits for it
+                    out.append(self._cut(final=False))
+                self._go("refit")
+                out.append(Refit(step))
+        if self.phase is Phase.IDLE:
+            self._claim_next(out)
+        if self.phase is Phase.STOPPING:
+            self._stop(out)
+        if self.phase is Phase.STOPPED:
+            out.append(Stop(self.stopping or Reason.FINISHED))
+
+    def _claim_next(self, out: list[Command]) -> None:
+        led = self.ledger
+        step = led.version + 1
+        if self.stopping is None and step > self.settings.total_steps:
+            self.stopping = Reason.FINISHED
+        if self.stopping is not None:
+            self._go("stop")
+            return
+        for gid in self.sampler.stale(led):
+            if self.settings.on_stale == "regenerate":
+                self._apply(Evicted(group_id=gid, reason=Reason.STALE.value))
+            else:
+                self._drop(gid, Reason.STALE.value)
+        final = led.exhausted and not led.spare and led.n_inflight() == 0
+        gids = self.sampler.select(led, step, final=final)
+        if gids:
+            self._apply(Claimed(step=step, group_ids=tuple(gids)))
+            self._step = step
+            self._go("claim")
+            out.append(Train(step, self._batch(step, gids)))
+        elif final:
+            self.stopping = Reason.DATA_EXHAUSTED
+            self._go("stop")
+
+    def _batch(self, step: int, gids: list[str]) -> Batch:
+        groups = []
+        for gid in gids:
+            rec = self.ledger.group(gid)
+            rows = tuple(self.rows.get(RowId(gid, g, rec.attempts[g])) for g in range(rec.group_size))
+            groups.append(TrainGroup(gid, rec.epoch, rec.ordinal, rec.idx, rec.task, tuple(rec.advantages), rows))
+        return Batch(step=step, groups=tuple(groups))
+
+    def _stop(self, out: list[Command]) -> None:
+        """Abandon what is still generating (visibly, in the trace), then write the final
+        cut unless nothing changed (or a signal stop with checkpoint.on_shutdown: false)."""
+        for gid, rec in self.ledger.groups():
+            gens = tuple(rec.generations_with(AttemptStatus.DISPATCHED))
+            if gens and rec.state == GroupState.GENERATING:
+                self._apply(Abandoned(group_id=gid, generations=gens, reason=Reason.SHUTDOWN.value))
+        if self._in_flight:
+            out.append(Cancel(tuple(self._in_flight)))
+            self._in_flight.clear()
+            self._deadlines.clear()
+        wanted = self.stopping is not Reason.SIGNAL or self.settings.checkpoint_on_shutdown
+        if not (wanted and self._may_cut(out)):
+            self._go("stopped")
+        elif not self._writing:  # else: poll again once the periodic write is done
+            out.append(self._cut(final=True))
+            self._go("final_cut")
+
+    def _may_cut(self, out: list[Command]) -> bool:
+        """A cut is written when custody changed since the last one (a later cut of the
+        same step becomes the next revision of its checkpoint, so a final checkpoint always
+        matches the trace). In deterministic mode not while a group still has to generate
+        under a version older than the trainer's: only a stop can leave that state, and
+        then the previous checkpoint stands (and the trace says so)."""
+        if not self._changed_since_cut:
+            return False
+        if not self.pinning.work_done(self.ledger):
+            out.append(Note("checkpoint_skipped", {
+                "step": self.ledger.version,
+                "reason": "deterministic: generation pinned to an older version unfinished"}))
+            self._changed_since_cut = False  # say it once
+            return False
+        return True
+
+    def _cut(self, *, final: bool) -> Cut:
+        self._writing = True
+        self._changed_since_cut = False
+        return Cut(cut(self.ledger, self.rows), final=final)
+
+    # ============================================================== callbacks
+
+    def on_trained(self, step: int) -> None:
+        """The optimizer step of `step` is applied: commit it (its groups become TRAINED)."""
+        if step != self._step:
+            raise CustodyError(f"scheduler: trained step {step}", expected=f"step {self._step}",
+                               found=str(step), remedy="this is a bug in the runner")
+        crashpoints.hit("train.before_commit")
+        self._apply(self.ledger.commit_event(step))
+        crashpoints.hit("train.after_commit")
+        self._step = None
+        self._go("trained")
+
+    def on_refit(self, version: int) -> None:
+        """The engine holds the trainer's weights of `version`."""
+        self.engine_version = version
+        self._go("refitted")
+
+    def on_cut_written(self, step: int) -> None:
+        """The cut of `step` is published (or its write ended)."""
+        self._writing = False
+        if self.phase is Phase.FINAL_CUT:
+            self._go("written")
+
+    def on_signal(self, reason: Reason = Reason.SIGNAL) -> None:
+        """Stop gracefully: finish the step being trained, then stop (DESIGN §6)."""
+        if self.stopping is None:
+            self.stopping = reason
+
+    # ============================================================== reading
+
+    @property
+    def version(self) -> int:
+        return self.ledger.version
+
+    def counts(self) -> dict[str, int]:
+        """How many prompts each owner holds (metrics and the progress bar)."""
+        return self.ledger.counts()
