@@ -28,6 +28,7 @@ from rollkeep.core.errors import (
     RollkeepError,
     UserInputError,
 )
+from rollkeep.version import rollkeep_version
 
 __all__ = ["EXIT_CODES", "exit_code", "main"]
 
@@ -105,15 +106,6 @@ def _load(name: str) -> ModuleType | None:
         ) from e
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("rollkeep")
-    except PackageNotFoundError:
-        return "unknown"
-
-
 def build_parser(command: str | None) -> argparse.ArgumentParser:
     """The top-level parser. Only `command`'s module is imported and builds its own
     subparser; the others appear in `--help` with their one-line summary."""
@@ -124,7 +116,7 @@ def build_parser(command: str | None) -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"rollkeep {_version()}")
+    parser.add_argument("--version", action="version", version=f"rollkeep {rollkeep_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, summary in COMMANDS.items():
         module = _load(name) if name == command else None

@@ -3,10 +3,8 @@
 Every decision is the scheduler's (`rollkeep.core.schedule`); the runner never reads a
 group record. Top to bottom:
 
-  start   restore the checkpoint `train` chose through the full restore chain (read-only:
-          a refused restore changes nothing on disk), load the trainer, then change the run
-          directory: set newer checkpoints aside (--resume-from), remove leftover temp
-          files, open the trace and the metrics, start the scheduler.
+  start   restore the checkpoint `train` chose, or start fresh, and open the run
+          (`startup.open_run`: nothing on disk changes before the restore chain passed).
   drive   poll the scheduler and carry out each command: generation attempts, train steps
           and refits as tasks, the cut's trainer snapshot right away and its write in the
           background; each task reports its outcome back to the scheduler and wakes the
@@ -23,24 +21,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import os
 import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import ADDED_KEYS, Config, dump_yaml, semantic
+from ..config import Config, semantic
 from ..core import crashpoints
 from ..core.checkpoint import write_checkpoint
-from ..core.configdiff import fingerprint, is_allowed
+from ..core.configdiff import fingerprint
 from ..core.errors import FilesystemError
 from ..core.events import ALL_EVENTS, DATA, INFRA, Event, event_name
-from ..core.ledger import Ledger
-from ..core.restore import restore_chain
-from ..core.rows import RowStore
-from ..core.samplers import check_limits, make_sampler
+from ..core.samplers import check_limits
 from ..core.schedule import (
     Cancel,
     Cut,
@@ -49,21 +42,21 @@ from ..core.schedule import (
     Generated,
     Note,
     Refit,
-    RetryPolicy,
     Scheduler,
-    Settings,
     Stop,
     Train,
     WakeAt,
 )
 from ..core.source import PromptSource
-from ..core.store import CheckpointStore, checkpoint_order
+from ..core.store import CheckpointStore
 from ..engines import DataError, Engine, GenRequest, InfraError
 from ..progress import RunProgress
 from ..tasks import reward_fn
 from ..trace import Trace
 from ..trainers import Trainer
+from ..version import rollkeep_version
 from .metrics import MetricsLog, progress_fields, step_record
+from .startup import open_run
 
 for _ev in ALL_EVENTS:
     crashpoints.register("ledger." + event_name(_ev))
@@ -76,19 +69,6 @@ class RunResult:
     step: int
     weights_sha256: str
     reason: str  # "finished", "data exhausted", "signal"
-
-
-def settings(cfg: Config) -> Settings:
-    r = cfg.rollout
-    return Settings(
-        seed=cfg.seed, group_size=r.group_size, total_steps=cfg.train.total_steps,
-        checkpoint_every=cfg.checkpoint.every_steps, checkpoint_on_shutdown=cfg.checkpoint.on_shutdown,
-        deterministic=cfg.deterministic, recovery_mode=cfg.recovery.mode,
-        on_dropped_prompt=r.on_dropped_prompt, on_stale=cfg.sampler.on_stale, spare_prompts=r.spare_prompts,
-        timeout_s=r.timeout_s, retry=RetryPolicy(r.max_infra_attempts, r.max_data_attempts, r.backoff_ms,
-                                                 r.backoff_max_ms),
-        scale_rewards=cfg.trainer.scale_rewards,
-    )
 
 
 class Runner:
@@ -119,68 +99,12 @@ class Runner:
     # ================================================================== start
 
     def _start(self) -> None:
-        cfg, restored = self.cfg, None
-        rows = RowStore()
-        if self.resume is not None:
-            restored = restore_chain(
-                self.store, name=self.resume, source=self.source, config=self.semantic,
-                allow_config_change=self.allow_config_change, allow_dataset_change=self.allow_dataset_change,
-                extend_epochs=is_allowed("data.epochs", self.allow_config_change), config_added=ADDED_KEYS)
-            self.trainer.load({n: restored.trainer_file(n) for n in restored.trainer_files()},
-                              step=restored.ledger.version)
-            ledger = Ledger.from_state(restored.ledger)
-            for rid, row in restored.rows.items():
-                rows.put(rid, row)
-        else:
-            ledger = Ledger(n_rows=self.source.n_rows, seed=self.source.seed, epochs=self.source.epochs)
-        # Only now that the restore chain passed does anything on disk change.
-        abandoned = self._resume_here(restored)
-        if restored is None:
-            self.run_dir.mkdir(parents=True, exist_ok=True)  # `train` made it; a direct caller may not
-            (self.run_dir / "config.yaml").write_text(dump_yaml(cfg))
-        leftovers = self.store.cleanup_tmp()
-        self.trace = trace = Trace(self.run_dir / "trace.jsonl")
-        self._metrics = MetricsLog(self.run_dir, trace.run_id, tensorboard=cfg.logger.tensorboard)
-        with open(self.run_dir / "config-history.jsonl", "a") as f:
-            f.write(json.dumps({"t": time.time(), "run_id": trace.run_id, "config": cfg.to_dict()}) + "\n")
-        self.sched = Scheduler(ledger=ledger, rows=rows, source=self.source,
-                               sampler=make_sampler(cfg.sampler.name, self.limits), settings=settings(cfg))
-        self.sched.subscribe(trace.ledger_event)
+        opened = open_run(self.cfg, store=self.store, source=self.source, trainer=self.trainer,
+                          limits=self.limits, semantic=self.semantic, resume=self.resume,
+                          allow_config_change=self.allow_config_change,
+                          allow_dataset_change=self.allow_dataset_change)
+        self.sched, self.trace, self._metrics, self._progress = opened
         self.sched.subscribe(_crash_point)
-        trace.emit("run_started", resumed_from_step=None if restored is None else ledger.version,
-                   checkpoint=None if restored is None else restored.name, pid=os.getpid(),
-                   config_fingerprint=fingerprint(self.semantic), cleaned_tmp=leftovers,
-                   **({"abandoned_checkpoints": abandoned} if abandoned else {}))
-        counts = self.sched.start(restored, epochs=self.source.epochs)
-        self._progress = progress = RunProgress(cfg.logger.progress, total_steps=cfg.train.total_steps,
-                                                start_step=ledger.version)
-        if leftovers:
-            progress.note(f"removed {len(leftovers)} leftover temporary file(s): {', '.join(leftovers)}")
-        if abandoned:
-            progress.note(f"resuming from {restored.name}: moved the newer checkpoint(s) "
-                          f"{', '.join(abandoned['names'])} aside into {abandoned['into']}/")
-        if restored is not None:
-            trace.emit("restored", checkpoint=restored.name, step=ledger.version,
-                       cut_time=restored.manifest.get("cut_time"), **counts,
-                       config_changes=[list(c) for c in restored.config_changes])
-            lost = counts["groups_lost"]
-            progress.note(
-                f"restored {restored.name}: reuse {counts['groups_reused']} finished group(s) and "
-                f"{counts['siblings_reused']} sealed sibling(s); regenerate {counts['siblings_regenerated']} "
-                f"sibling(s); re-admit {counts['groups_readmitted']} group(s); {counts['spare_prompts']} spare"
-                + (f"; LOST {lost} group(s) in flight (recovery.mode=cursor_only)" if lost else ""))
-
-    def _resume_here(self, restored) -> dict[str, Any] | None:
-        """--resume-from an older checkpoint: move the newer ones aside (nothing is
-        deleted), then point LATEST at the restored one (the store's protocol)."""
-        if restored is None:
-            return None
-        mine = checkpoint_order(restored.name)
-        newer = [n for n in self.store.list() if checkpoint_order(n) > mine]
-        into = self.store.set_aside(newer)
-        if self.store.latest() != restored.name:
-            self.store.point_latest(restored.name)
-        return {"names": newer, "into": into} if newer else None
 
     # ================================================================== drive
 
@@ -313,7 +237,7 @@ class Runner:
         meta = {"dataset": {"n_rows": src.n_rows, "seed": src.seed, "epochs": src.epochs,
                             "fingerprint": src.fingerprint()},
                 "config": self.semantic, "config_fingerprint": fingerprint(self.semantic),
-                "rollkeep_version": _version(), "run_id": self.trace.run_id}
+                "rollkeep_version": rollkeep_version(), "run_id": self.trace.run_id}
 
         def work():  # on a worker thread, while the loop keeps going
             t0 = time.perf_counter()
@@ -350,31 +274,13 @@ class Runner:
             self.trace.emit("run_failed", step=self.sched.version if self.sched else None, error=error)
 
     async def _close(self) -> None:
-        """Release everything the run holds, each step even if an earlier one fails."""
-        try:
-            if self._progress is not None:
-                self._progress.close()
-        finally:
-            try:
-                if self.trace is not None:
-                    with contextlib.suppress(OSError, ValueError):
-                        self.trace.close()
-            finally:
-                try:
-                    if self._metrics is not None:
-                        self._metrics.close()
-                finally:
-                    await self.engine.close()
+        """Release everything the run holds, each even if another fails (LIFO order)."""
+        async with contextlib.AsyncExitStack() as stack:
+            stack.push_async_callback(self.engine.close)
+            for closable in (self._metrics, self.trace, self._progress):
+                if closable is not None:
+                    stack.callback(closable.close)
 
 
 def _crash_point(ev: Event) -> None:
     crashpoints.hit("ledger." + ev.__struct_config__.tag)  # type: ignore[attr-defined]
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("rollkeep")
-    except PackageNotFoundError:  # pragma: no cover - running from a source tree
-        return "unknown"
