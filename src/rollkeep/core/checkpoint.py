@@ -24,7 +24,6 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from . import codec
@@ -32,8 +31,8 @@ from .audit import audit
 from .errors import AuditFailure
 from .ledger import AttemptStatus, Ledger, LedgerState
 from .rows import RowId, RowPin, RowStore, encode_rows
-from .store import CheckpointStore, Published
-from .untrusted import loads_json, read_prefix, read_safetensors_header, safetensors_header
+from .store import CheckpointStore, OpenedCheckpoint, Published
+from .untrusted import SAFETENSORS_MAX_HEADER, loads_json, safetensors_header
 
 LEDGER_FILE = "ledger.msgpack"
 ROWS_FILE = "rows.safetensors"
@@ -72,13 +71,17 @@ def declared_step(name: str, data: bytes | memoryview) -> int | None:
     return None
 
 
-def declared_step_at(path: Path) -> int | None:
-    """`declared_step` of a file on disk, reading only a safetensors file's header."""
-    if path.name.endswith(".safetensors"):
-        meta = read_safetensors_header(path).get("__metadata__") or {}
+def declared_step_in(ck: OpenedCheckpoint, rel: str) -> int | None:
+    """`declared_step` of a listed file of an opened checkpoint, reading only a
+    safetensors file's header (the weights were hashed by `open` already)."""
+    if rel.endswith(".safetensors"):
+        head = ck.read_prefix(rel, 8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else 0
+        head = ck.read_prefix(rel, 8 + min(max(n, 0), SAFETENSORS_MAX_HEADER))
+        meta = safetensors_header(head, ck.size(rel)).get("__metadata__") or {}
         return _parse_step(meta.get(STEP_KEY) if isinstance(meta, dict) else None)
-    if path.name.endswith(".json"):
-        return declared_step(path.name, read_prefix(path, 64 << 20))
+    if rel.endswith(".json"):
+        return declared_step(rel, ck.read(rel))
     return None
 
 

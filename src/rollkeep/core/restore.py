@@ -34,7 +34,7 @@ from .checkpoint import (
     STEP_KEY,
     SUPPORTED_SCHEMAS,
     TRAINER_DIR,
-    declared_step_at,
+    declared_step_in,
     referenced_rows,
 )
 from .configdiff import check_compatible
@@ -190,7 +190,7 @@ def check_binding(ck: OpenedCheckpoint, state: LedgerState) -> None:
             continue
         path = ck.path / rel
         try:
-            step = declared_step_at(path)
+            step = declared_step_in(ck, rel)
         except (OSError, ValueError) as e:
             raise refuse(f"{rel} does not declare its step readably", str(path), STEP_KEY, e) from None
         if step is not None and step != version:

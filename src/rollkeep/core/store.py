@@ -175,11 +175,8 @@ import contextlib
 import hashlib
 import json
 import math
-import os
 import re
 import secrets
-import shutil
-import stat
 import time
 from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
@@ -190,7 +187,8 @@ from typing import Any
 
 from rollkeep.core import crashpoints
 from rollkeep.core.errors import CheckpointNotFound, ManifestMismatch, SchemaUnsupported
-from rollkeep.core.untrusted import hash_regular, loads_json, read_regular
+from rollkeep.core.fs import DEFAULT_FS, DIR, FS
+from rollkeep.core.untrusted import loads_json
 
 __all__ = [
     "FS",
@@ -295,48 +293,6 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-# -- the filesystem seam -----------------------------------------------------------------
-
-
-class FS:
-    """Every filesystem call that `publish` and `cleanup_tmp` make, and nothing else.
-
-    Tests substitute a subclass that raises OSError at the n-th call of a kind, to check
-    that a failure at any point leaves the previous checkpoint published. Reading (`open`,
-    `latest`, `list`) does not go through it: it never writes.
-    """
-
-    def mkdir(self, path: Path) -> None:
-        os.mkdir(path, 0o755)
-
-    def write(self, path: Path, data: bytes | bytearray | memoryview) -> None:
-        """Create `path` (it must not exist) and write all of `data`; no fsync."""
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        try:
-            view = memoryview(data).cast("B")
-            while view:
-                view = view[os.write(fd, view) :]
-        finally:
-            os.close(fd)
-
-    def fsync(self, path: Path) -> None:
-        """fsync a file or a directory by path."""
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def rename(self, src: Path, dst: Path) -> None:
-        os.rename(src, dst)
-
-    def rmtree(self, path: Path) -> None:
-        shutil.rmtree(path)
-
-    def unlink(self, path: Path) -> None:
-        os.unlink(path)
-
-
 # -- results -----------------------------------------------------------------------------
 
 
@@ -359,6 +315,7 @@ class OpenedCheckpoint:
     path: Path
     manifest: dict[str, Any]
     _expected: Mapping[str, tuple[int, str]] = field(repr=False, compare=False)
+    _fs: FS = field(default=DEFAULT_FS, repr=False, compare=False)
 
     def files(self) -> list[str]:
         """The listed files, sorted."""
@@ -375,18 +332,18 @@ class OpenedCheckpoint:
                 field=f"files[{relpath!r}]",
                 expected=f"a file listed in {MANIFEST}",
                 found=f"listed: {', '.join(self.files()) or 'none'}",
-                remedy=_earlier_remedy(self.path),
+                remedy=_earlier_remedy(self.path, self._fs),
             )
         size, digest = self._expected[relpath]
         try:
-            data = read_regular(file)
+            data = self._fs.read(file)
         except OSError as e:
             raise ManifestMismatch(
                 f"{relpath} of checkpoint {self.name} cannot be read any more",
                 path=str(file),
                 expected="the file verified when the checkpoint was opened",
                 found=_oserror_text(e),
-                remedy=_earlier_remedy(self.path),
+                remedy=_earlier_remedy(self.path, self._fs),
             ) from e
         found = hashlib.sha256(data).hexdigest()
         if len(data) != size or found != digest:
@@ -397,9 +354,21 @@ class OpenedCheckpoint:
                 expected=f"size {size}, sha256 {digest}",
                 found=f"size {len(data)}, sha256 {found}",
                 remedy="make sure nothing else writes into the checkpoint directory; "
-                + _earlier_remedy(self.path),
+                + _earlier_remedy(self.path, self._fs),
             )
         return data
+
+    def size(self, relpath: str) -> int:
+        """The listed size of a listed file."""
+        return self._expected[relpath][0]
+
+    def read_prefix(self, relpath: str, n: int) -> bytes:
+        """At most the first `n` bytes of a listed file, *not* checked against its sha256
+        (`open` hashed the whole file): for reading a header, such as the step a trainer
+        file declares, without reading gigabytes of weights twice."""
+        if relpath not in self._expected:
+            raise KeyError(relpath)
+        return self._fs.read_prefix(self.path / relpath, n)
 
 
 # -- the store ---------------------------------------------------------------------------
@@ -473,7 +442,7 @@ class CheckpointStore:
             crashpoints.hit(crashpoints.PUBLISH_MANIFEST_WRITTEN)
             # P5: an unpublished leftover of the same step goes aside (LATEST does not
             # name it: checked in P1).
-            if os.path.lexists(final):
+            if fs.kind_of(final) is not None:
                 aside_path = root / (name + _tmp_suffix())
                 fs.rename(final, aside_path)
                 aside = aside_path
@@ -530,7 +499,7 @@ class CheckpointStore:
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         aside = root / f"{ABANDONED_PREFIX}{stamp}"
         n = 1
-        while os.path.lexists(aside):
+        while fs.kind_of(aside) is not None:
             n += 1
             aside = root / f"{ABANDONED_PREFIX}{stamp}-{n}"
         fs.mkdir(aside)
@@ -545,7 +514,7 @@ class CheckpointStore:
 
     def point_latest(self, name: str) -> None:
         """Make LATEST name the existing checkpoint directory `name` (P7-P8 alone)."""
-        if checkpoint_order(name) is None or not (self.root / name).is_dir():
+        if checkpoint_order(name) is None or self._fs.kind_of(self.root / name) != DIR:
             raise ValueError(f"{name!r} is not a checkpoint directory of {self.root}")
         fs = self._fs
         latest_tmp = self.root / (LATEST + _tmp_suffix())
@@ -554,7 +523,7 @@ class CheckpointStore:
             fs.fsync(latest_tmp)
             fs.rename(latest_tmp, self.root / LATEST)
         except BaseException:
-            if os.path.lexists(latest_tmp):
+            if fs.kind_of(latest_tmp) is not None:
                 with contextlib.suppress(OSError):
                     fs.unlink(latest_tmp)
             raise
@@ -565,14 +534,14 @@ class CheckpointStore:
         return their names (sorted) for the caller to report. Call it at start-up, never
         while a publication may be running; `open` never calls it."""
         removed: list[str] = []
-        for entry in self._scan():
-            if _TMP_RE.fullmatch(entry.name) is None:
+        for name, kind in self._scan():
+            if _TMP_RE.fullmatch(name) is None:
                 continue
-            if entry.is_dir(follow_symlinks=False):
-                self._fs.rmtree(Path(entry.path))
+            if kind == DIR:
+                self._fs.rmtree(self.root / name)
             else:
-                self._fs.unlink(Path(entry.path))
-            removed.append(entry.name)
+                self._fs.unlink(self.root / name)
+            removed.append(name)
         return sorted(removed)
 
     # -- reading -------------------------------------------------------------------------
@@ -582,7 +551,7 @@ class CheckpointStore:
         does not hold exactly one valid name and a newline raises CheckpointNotFound."""
         path = self.root / LATEST
         try:
-            raw = read_regular(path)
+            raw = self._fs.read(path)
         except FileNotFoundError:
             return None
         except OSError as e:
@@ -609,11 +578,7 @@ class CheckpointStore:
     def list(self) -> list[str]:
         """Names of the checkpoint directories present (`step_NNNNNN`, not `*.tmp-*`),
         sorted by step. Unverified: `open` one to trust it."""
-        names = [
-            e.name
-            for e in self._scan()
-            if _step_of(e.name) is not None and e.is_dir(follow_symlinks=False)
-        ]
+        names = [name for name, kind in self._scan() if _step_of(name) is not None and kind == DIR]
         return sorted(names, key=lambda n: checkpoint_order(n) or (0, 0))
 
     def open(
@@ -637,7 +602,7 @@ class CheckpointStore:
                     + (f" (checkpoint directories present: {', '.join(names)})" if names else ""),
                     remedy=self._latest_remedy(),
                 )
-            return _open_dir(self.root / name, supported, via_latest=True)
+            return _open_dir(self.root / name, supported, via_latest=True, fs=self._fs)
         if _step_of(name) is None:
             raise CheckpointNotFound(
                 f"{name!r} is not a checkpoint name",
@@ -646,7 +611,7 @@ class CheckpointStore:
                 found=repr(name),
                 remedy=self._latest_remedy(),
             )
-        return _open_dir(self.root / name, supported, via_latest=False)
+        return _open_dir(self.root / name, supported, via_latest=False, fs=self._fs)
 
     def open_path(
         self,
@@ -655,14 +620,13 @@ class CheckpointStore:
         supported: Mapping[str, AbstractSet[int]] = _NO_SCHEMA_CHECK,
     ) -> OpenedCheckpoint:
         """Same as the module function `open_path` (any checkpoint directory, anywhere)."""
-        return open_path(path, supported=supported)
+        return open_path(path, supported=supported, fs=self._fs)
 
     # -- internals -----------------------------------------------------------------------
 
-    def _scan(self) -> list[os.DirEntry[str]]:
+    def _scan(self) -> list[tuple[str, str]]:
         try:
-            with os.scandir(self.root) as it:
-                return list(it)
+            return self._fs.listdir(self.root)
         except FileNotFoundError:
             return []
 
@@ -670,7 +634,7 @@ class CheckpointStore:
         """LATEST's name, or None if it is missing or not a valid name (publish only
         needs to know which directory must not be touched)."""
         try:
-            return _parse_latest(read_regular(self.root / LATEST))
+            return _parse_latest(self._fs.read(self.root / LATEST))
         except OSError:
             return None
 
@@ -680,7 +644,7 @@ class CheckpointStore:
     def _ensure_root(self) -> None:
         missing: list[Path] = []
         p = self.root
-        while not os.path.lexists(p):
+        while self._fs.kind_of(p) is None:
             missing.append(p)
             p = p.parent
         for d in reversed(missing):
@@ -710,7 +674,7 @@ class CheckpointStore:
             except OSError:
                 return False
 
-        if latest_tmp is not None and os.path.lexists(latest_tmp):
+        if latest_tmp is not None and fs.kind_of(latest_tmp) is not None:
             attempt(fs.unlink, latest_tmp)
         if ours:
             # Rename our unpublished directory out of the way before deleting it, so that
@@ -718,9 +682,9 @@ class CheckpointStore:
             doomed = final.with_name(final.name + _tmp_suffix())
             if attempt(fs.rename, final, doomed):
                 attempt(fs.rmtree, doomed)
-        if tmp is not None and os.path.lexists(tmp):
+        if tmp is not None and fs.kind_of(tmp) is not None:
             attempt(fs.rmtree, tmp)
-        if aside is not None and not os.path.lexists(final):
+        if aside is not None and fs.kind_of(final) is None:
             attempt(fs.rename, aside, final)
 
     def _retain(self, keep_last: int | None, latest: str) -> None:
@@ -742,6 +706,7 @@ def open_path(
     path: Path,
     *,
     supported: Mapping[str, AbstractSet[int]] = _NO_SCHEMA_CHECK,
+    fs: FS = DEFAULT_FS,
 ) -> OpenedCheckpoint:
     """Open and verify the checkpoint directory `path` (restore steps 1-3 without LATEST;
     for `rollkeep inspect PATH`). Modifies nothing on disk."""
@@ -755,7 +720,7 @@ def open_path(
             remedy="pass a checkpoint directory such as RUN_DIR/checkpoints/step_000012 "
             "(a copied checkpoint keeps its step_NNNNNN name)",
         )
-    return _open_dir(path, supported, via_latest=False)
+    return _open_dir(path, supported, via_latest=False, fs=fs)
 
 
 # -- publication helpers -----------------------------------------------------------------
@@ -824,12 +789,11 @@ def _oserror_text(e: OSError) -> str:
     return e.strerror or str(e)
 
 
-def _earlier_remedy(ckdir: Path) -> str:
+def _earlier_remedy(ckdir: Path, fs: FS = DEFAULT_FS) -> str:
     """What to do about a bad checkpoint: name the newest earlier one, if any."""
     root, step = ckdir.parent, checkpoint_order(ckdir.name)
     try:
-        with os.scandir(root) as it:
-            names = [e.name for e in it if e.is_dir(follow_symlinks=False)]
+        names = [name for name, kind in fs.listdir(root) if kind == DIR]
     except OSError:
         names = []
     earlier = sorted(
@@ -860,36 +824,35 @@ def _latest_remedy(root: Path, names: list[str]) -> str:
 
 
 def _open_dir(
-    ckdir: Path, supported: Mapping[str, AbstractSet[int]], *, via_latest: bool
+    ckdir: Path, supported: Mapping[str, AbstractSet[int]], *, via_latest: bool, fs: FS = DEFAULT_FS
 ) -> OpenedCheckpoint:
     name = ckdir.name
     step = _step_of(name)
     assert step is not None
-    remedy = _earlier_remedy(ckdir)
+    remedy = _earlier_remedy(ckdir, fs)
     named = f"LATEST names {name}, but" if via_latest else f"checkpoint {name}:"
 
     # Step 1: the directory exists and has a manifest.
-    try:
-        st = os.lstat(ckdir)
-    except OSError as e:
+    kind = fs.kind_of(ckdir)
+    if kind is None:
         raise CheckpointNotFound(
             f"{named} its directory does not exist",
             path=str(ckdir),
             expected="a checkpoint directory",
-            found=_oserror_text(e),
+            found="No such file or directory",
             remedy=remedy,
-        ) from e
-    if not stat.S_ISDIR(st.st_mode):
+        )
+    if kind != DIR:
         raise CheckpointNotFound(
             f"{named} it is not a directory",
             path=str(ckdir),
             expected="a directory (not a symlink)",
-            found=stat.filemode(st.st_mode),
+            found=fs.describe(ckdir),
             remedy=remedy,
         )
     mpath = ckdir / MANIFEST
     try:
-        raw = read_regular(mpath)
+        raw = fs.read(mpath)
     except FileNotFoundError as e:
         raise CheckpointNotFound(
             f"{named} it has no {MANIFEST} (the manifest is written last, so the "
@@ -1023,7 +986,7 @@ def _open_dir(
         "an unlisted file is never trusted; if you added it by hand, move it out of the "
         "checkpoint directory; otherwise " + remedy
     )
-    for rel in _walk(ckdir, subdirs):
+    for rel in _walk(ckdir, subdirs, fs):
         if rel not in expected and rel != MANIFEST:
             raise ManifestMismatch(
                 f"{rel} in checkpoint {name} is not listed in {MANIFEST}",
@@ -1035,7 +998,7 @@ def _open_dir(
             )
     for rel, (size, digest) in sorted(expected.items()):
         try:
-            found_size, found_digest = hash_regular(ckdir / rel)
+            found_size, found_digest = fs.hash(ckdir / rel)
         except OSError as e:
             raise mismatch(
                 rel,
@@ -1079,20 +1042,17 @@ def _open_dir(
                     + remedy,
                 )
 
-    return OpenedCheckpoint(name, ckdir, manifest, MappingProxyType(expected))
+    return OpenedCheckpoint(name, ckdir, manifest, MappingProxyType(expected), fs)
 
 
-def _walk(ckdir: Path, subdirs: set[str]) -> list[str]:
+def _walk(ckdir: Path, subdirs: set[str], fs: FS) -> list[str]:
     """Every entry of a checkpoint directory, as relative paths; a listed subdirectory is
     entered (one level), anything else (including a symlink or a deeper directory) is
     returned as is, to be refused if it is not a listed regular file."""
     out: list[str] = []
-    with os.scandir(ckdir) as it:
-        top = sorted(it, key=lambda e: e.name)
-    for entry in top:
-        if entry.name in subdirs and entry.is_dir(follow_symlinks=False):
-            with os.scandir(entry.path) as it:
-                out.extend(f"{entry.name}/{sub.name}" for sub in sorted(it, key=lambda e: e.name))
+    for name, kind in fs.listdir(ckdir):
+        if name in subdirs and kind == DIR:
+            out.extend(f"{name}/{sub}" for sub, _ in fs.listdir(ckdir / name))
         else:
-            out.append(entry.name)
+            out.append(name)
     return out

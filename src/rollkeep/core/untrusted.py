@@ -35,7 +35,6 @@ __all__ = [
     "open_regular",
     "read_prefix",
     "read_regular",
-    "read_safetensors_header",
     "safetensors_header",
 ]
 
@@ -166,16 +165,6 @@ def safetensors_header(data: bytes | memoryview, size: int | None = None) -> dic
     if not isinstance(header, dict):
         raise ValueError(f"a JSON header of type {type(header).__name__}")
     return header
-
-
-def read_safetensors_header(path: str | Path) -> dict[str, Any]:
-    """The JSON header of the safetensors file at `path`, reading only the header."""
-    size = os.lstat(path).st_size
-    head = read_prefix(path, 8)
-    n = int.from_bytes(head[:8], "little") if len(head) == 8 else 0
-    if 2 <= n <= SAFETENSORS_MAX_HEADER:
-        head = read_prefix(path, 8 + n)
-    return safetensors_header(head, size)
 
 
 def open_append(path: str | Path) -> Any:
