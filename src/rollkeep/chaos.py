@@ -34,7 +34,7 @@ from .core.errors import RollkeepError
 from .core.restore import restore_chain
 from .core.source import PromptSource
 from .core.store import CheckpointStore
-from .lineage import lineage
+from .lineage import exactly_once, lineage
 from .trace import read_trace
 
 PUBLISH_POINTS = (
@@ -228,14 +228,9 @@ def verify(cfg: Config, run_dir: Path, report: ChaosReport) -> None:
     lin = lineage(lines)
     report.restarts = max(0, len(lin.runs) - 1)
     report.steps = len(lin.steps)
-    trained = lin.trained()
-    report.trained = sum(trained.values())
+    report.trained = sum(lin.trained().values())
     report.duplicates = lin.duplicates()
-    if report.duplicates:
-        report.problems.append(f"{len(report.duplicates)} prompt(s) trained twice: {report.duplicates[:5]}")
-    if lin.finished is None:
-        report.problems.append("the last run did not finish")
-    else:
+    if lin.finished is not None:
         report.weights_sha256 = lin.finished["weights_sha256"]
     dataset, _ = build_data(cfg)
     source = PromptSource(dataset, seed=cfg.seed, epochs=cfg.data.epochs)
@@ -244,50 +239,9 @@ def verify(cfg: Config, run_dir: Path, report: ChaosReport) -> None:
     except RollkeepError as e:
         report.problems.append(f"the final checkpoint fails the restore chain: {e}")
         return
-    state = restored.ledger
-    if state.version != report.steps:
-        report.problems.append(f"final checkpoint is at step {state.version}, the lineage has {report.steps} steps")
-    # Trained per the checkpoint must be trained per the trace, key for key.
-    ckpt_trained = Counter()
-    for epoch, bm in state.trained.items():
-        for ordinal in bm:
-            ckpt_trained[(epoch, source.idx((epoch, ordinal)))] += 1
-    if ckpt_trained != trained:
-        report.problems.append("the final checkpoint's TRAINED set differs from the trace's lineage")
-    dropped = {(k[0], source.idx(k)) for k in state.dropped}
-    report.dropped = len(dropped)
-    if lin.finished is not None and set(lin.dropped) != dropped:
-        only_trace, only_ckpt = sorted(set(lin.dropped) - dropped), sorted(dropped - set(lin.dropped))
-        report.problems.append(
-            "the final checkpoint's DROPPED set differs from the trace's: "
-            f"{len(only_trace)} dropped only per the trace (e.g. {only_trace[:3]}), "
-            f"{len(only_ckpt)} only per the checkpoint (e.g. {only_ckpt[:3]})"
-        )
-    # Prompts a run without a ledger loses (recovery.mode=cursor_only) are recorded as
-    # drops with a "lost" reason: they count as lost, not as failures.
-    lost_in_flight = sorted((k[0], source.idx(k)) for k, (reason, _) in state.dropped.items()
-                            if reason.startswith("lost"))
-    if lost_in_flight:
-        report.lost.extend(lost_in_flight)
-        report.problems.append(f"{len(lost_in_flight)} prompt(s) in flight at a checkpoint were lost on "
-                               f"restore: {lost_in_flight[:5]}")
-    cursor_epoch = state.cursor[0]
-    report.completed_epochs = [e for e in range(cursor_epoch)
-                               if not any(r.epoch == e for r in state.groups.values())
-                               and not any(k[0] == e for k in state.spare)]
-    both = []
-    for e in report.completed_epochs:
-        for idx in range(source.n_rows):
-            owners = trained.get((e, idx), 0) + ((e, idx) in dropped)
-            if owners == 0:
-                report.lost.append((e, idx))
-            elif trained.get((e, idx)) and (e, idx) in dropped:
-                both.append((e, idx))
-    if both:
-        report.problems.append(f"{len(both)} prompt(s) both trained and dropped: {both[:5]}")
-    never = [k for k in report.lost if k not in set(lost_in_flight)]
-    if never:
-        report.problems.append(f"{len(never)} prompt(s) of completed epochs neither trained nor dropped: "
-                               f"{never[:5]}")
+    found = exactly_once(lin, restored.ledger, source)
+    report.problems.extend(found.problems)
+    report.dropped, report.lost = found.dropped, found.lost
+    report.completed_epochs = found.completed_epochs
     if report.deterministic and report.weights_sha256 != report.reference_sha256:
         report.problems.append("deterministic run: final weights differ from the uninterrupted run's")

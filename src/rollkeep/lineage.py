@@ -7,8 +7,8 @@ runs in order and forgetting, at each `run_started`, the steps after its
 property of that lineage.
 
 Drops survive the same way, by time rather than by step (a drop in a group stamped for
-step N+1 can already be in checkpoint N): a resumed run forgets the drops traced after its
-checkpoint's cut (`restored.cut_time`), a fresh run forgets them all.
+step N+1 can already be in checkpoint N): a resumed run forgets the drops earlier runs
+traced after its checkpoint's cut (`restored.cut_time`), a fresh run forgets them all.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class Lineage:
     steps: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # step → [epoch, idx]
     runs: list[dict[str, Any]] = field(default_factory=list)  # run_started lines, in order
     finished: dict[str, Any] | None = None  # the last run_finished, if the last run finished
-    dropped: dict[tuple[int, int], float] = field(default_factory=dict)  # [epoch, idx] → trace time
+    dropped: dict[tuple[int, int], tuple[float, str]] = field(default_factory=dict)  # → (t, run_id)
 
     def trained(self) -> Counter:
         """(epoch, idx) → how many surviving steps trained it (1 is the only right answer)."""
@@ -49,12 +49,77 @@ def lineage(lines: Iterable[dict[str, Any]]) -> Lineage:
             if line.get("resumed_from_step") is None:
                 out.dropped.clear()
         elif ev == "restored" and line.get("run_id") == current_run and line.get("cut_time") is not None:
+            # Earlier runs' drops after the cut are undone; this run's own (a restore that
+            # drops, like cursor_only's losses) stand.
             cut = float(line["cut_time"])
-            out.dropped = {p: t for p, t in out.dropped.items() if t <= cut}
+            out.dropped = {p: (t, r) for p, (t, r) in out.dropped.items() if t <= cut or r == current_run}
         elif ev == "dropped" and line.get("run_id") == current_run and "prompt" in line:
-            out.dropped[tuple(line["prompt"])] = float(line["t"])
+            out.dropped[tuple(line["prompt"])] = (float(line["t"]), current_run)
         elif ev == "step_committed" and line.get("run_id") == current_run:
             out.steps[int(line["step"])] = [tuple(p) for p in line["prompts"]]
         elif ev == "run_finished" and line.get("run_id") == current_run:
             out.finished = line
+    return out
+
+
+@dataclass
+class Custody:
+    """What `exactly_once` found: the problems (empty when it holds) and the counts."""
+
+    problems: list[str] = field(default_factory=list)
+    dropped: int = 0
+    lost: list[tuple[int, int]] = field(default_factory=list)  # never trained nor dropped
+    completed_epochs: list[int] = field(default_factory=list)
+
+
+def exactly_once(lin: Lineage, state: Any, source: Any) -> Custody:
+    """Check a finished run's surviving lineage against its final checkpoint (`state`, a
+    restored LedgerState; `source` maps keys to dataset rows): no prompt trained twice, the
+    checkpoint's TRAINED and DROPPED sets are the trace's, and every prompt of every
+    completed epoch was trained or dropped, exactly once. `recovery.mode: cursor_only`
+    records its losses as drops with a "lost" reason: they are reported as lost."""
+    out = Custody()
+    trained = lin.trained()
+    if lin.duplicates():
+        out.problems.append(f"{len(lin.duplicates())} prompt(s) trained twice: {lin.duplicates()[:5]}")
+    if lin.finished is None:
+        out.problems.append("the last run did not finish")
+    if state.version != len(lin.steps):
+        out.problems.append(f"final checkpoint is at step {state.version}, the lineage has {len(lin.steps)} steps")
+    ckpt_trained = Counter((epoch, source.idx((epoch, o))) for epoch, bm in state.trained.items() for o in bm)
+    if ckpt_trained != trained:
+        out.problems.append("the final checkpoint's TRAINED set differs from the trace's lineage")
+    dropped = {(k[0], source.idx(k)) for k in state.dropped}
+    out.dropped = len(dropped)
+    if lin.finished is not None and set(lin.dropped) != dropped:
+        only_trace, only_ckpt = sorted(set(lin.dropped) - dropped), sorted(dropped - set(lin.dropped))
+        out.problems.append(
+            "the final checkpoint's DROPPED set differs from the trace's: "
+            f"{len(only_trace)} dropped only per the trace (e.g. {only_trace[:3]}), "
+            f"{len(only_ckpt)} only per the checkpoint (e.g. {only_ckpt[:3]})"
+        )
+    lost_in_flight = sorted((k[0], source.idx(k)) for k, (reason, _) in state.dropped.items()
+                            if reason.startswith("lost"))
+    if lost_in_flight:
+        out.lost.extend(lost_in_flight)
+        out.problems.append(f"{len(lost_in_flight)} prompt(s) in flight at a checkpoint were lost on "
+                            f"restore: {lost_in_flight[:5]}")
+    cursor_epoch = state.cursor[0]
+    out.completed_epochs = [e for e in range(cursor_epoch)
+                            if not any(r.epoch == e for r in state.groups.values())
+                            and not any(k[0] == e for k in state.spare)]
+    both = []
+    for e in out.completed_epochs:
+        for idx in range(source.n_rows):
+            owners = trained.get((e, idx), 0) + ((e, idx) in dropped)
+            if owners == 0:
+                out.lost.append((e, idx))
+            elif trained.get((e, idx)) and (e, idx) in dropped:
+                both.append((e, idx))
+    if both:
+        out.problems.append(f"{len(both)} prompt(s) both trained and dropped: {both[:5]}")
+    never = [k for k in out.lost if k not in set(lost_in_flight)]
+    if never:
+        out.problems.append(f"{len(never)} prompt(s) of completed epochs neither trained nor dropped: "
+                            f"{never[:5]}")
     return out

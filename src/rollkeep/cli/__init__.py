@@ -49,6 +49,7 @@ COMMANDS: dict[str, str] = {
     "audit": "verify checkpoints: files, schemas, ledger, custody audit, rows (read-only)",
     "trace": "report reused, regenerated and lost work per restart of a run",
     "chaos": "kill/resume torture run with a pass/fail report",
+    "simulate": "deterministic simulation of whole runs with crashes and disk faults",
     "bench": "benchmarks of the custody core",
 }
 

@@ -12,7 +12,7 @@ from ..config import Config, check_allowed_changes
 from ..core.errors import FilesystemError, RollkeepError
 from ..core.store import CheckpointStore
 from .build import build
-from .rundir import RunDir, start_point
+from .rundir import RunDir, published_in_trace, start_point
 from .runner import Runner, RunResult
 from .warmup import run_warmup
 
@@ -40,7 +40,8 @@ def train(
     run_dir = Path(cfg.run_dir)
     try:
         with RunDir(run_dir):  # held from before the warm start until the run has closed
-            start = start_point(CheckpointStore(run_dir / "checkpoints"), run_dir / "trace.jsonl", resume_from)
+            start = start_point(CheckpointStore(run_dir / "checkpoints"), resume_from,
+                                published=lambda: published_in_trace(run_dir / "trace.jsonl"))
             runner = Runner(
                 cfg,
                 source=parts.source,

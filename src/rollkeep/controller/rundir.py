@@ -21,6 +21,7 @@ import fcntl
 import mmap
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 from ..core.errors import CheckpointNotFound, FilesystemError, UserInputError
@@ -52,6 +53,7 @@ class RunDir:
         try:
             path.mkdir(parents=True, exist_ok=True)
             self._fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            _fsync_dir(path.resolve().parent)  # the run directory's name is durable too
         except NotADirectoryError as e:  # a parent is a file
             raise UserInputError(
                 f"run_dir {path} cannot be created: a parent is not a directory",
@@ -86,9 +88,21 @@ class RunDir:
             self._fd = -1
 
 
-def start_point(store: CheckpointStore, trace_path: Path, resume_from: str | None) -> str | None:
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def start_point(
+    store: CheckpointStore, resume_from: str | None, *, published: Callable[[], int | None]
+) -> str | None:
     """The checkpoint a run restores, or None for a fresh run (see the module docstring).
-    Reads only; raises UserInputError (an unknown `resume_from`) or CheckpointNotFound."""
+    `published()` counts the publications the run's trace records (None: there is no
+    trace); it is called only when LATEST is missing. Reads only; raises UserInputError
+    (an unknown `resume_from`) or CheckpointNotFound."""
     names = store.list()
     if resume_from is not None:
         if resume_from not in names:
@@ -103,12 +117,12 @@ def start_point(store: CheckpointStore, trace_path: Path, resume_from: str | Non
     latest = store.latest()  # a malformed LATEST raises CheckpointNotFound
     if latest is not None:
         return latest
-    published = published_in_trace(trace_path)
+    traced = published()
     # A crash between the first publication's rename and its LATEST (store steps P6-P8)
     # leaves a complete step_* directory that was never published: the trace then records
     # no publication, and the run starts fresh (the store sets the leftover aside when it
     # publishes that step again). Anything else without LATEST means something was removed.
-    if names and (published or not trace_path.exists()):
+    if names and (traced is None or traced > 0):
         raise CheckpointNotFound(
             "LATEST is missing while checkpoint directories exist: starting over would "
             "retrain over their work, so the run is refused",
@@ -118,25 +132,25 @@ def start_point(store: CheckpointStore, trace_path: Path, resume_from: str | Non
             remedy=f"resume from one on purpose with `rollkeep train ... --resume-from {names[-1]}` "
             "(the restore chain checks it first), or start over in a new run_dir",
         )
-    if published and not names:
+    if traced and not names:
         raise CheckpointNotFound(
             "the trace records published checkpoints, but none is left: starting over "
             "would retrain over durable work, so the run is refused",
             path=str(store.root),
             expected="the checkpoints the trace records",
-            found=f"{published} checkpoint_published event(s) in {trace_path}; no checkpoint directory",
+            found=f"{traced} checkpoint_published event(s) in the trace; no checkpoint directory",
             remedy="put the checkpoints directory back, or start over in a new run_dir",
         )
     return None
 
 
-def published_in_trace(trace_path: Path) -> int:
-    """How many `checkpoint_published` lines the trace holds (0 without a trace). A byte
-    search, not a parse: only a fresh-looking run directory pays for it."""
+def published_in_trace(trace_path: Path) -> int | None:
+    """How many `checkpoint_published` lines the trace holds (None without a trace). A byte
+    search, not a parse: only a run directory without LATEST pays for it."""
     try:
         fd = os.open(trace_path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        return 0
+        return None
     except OSError as e:
         raise FilesystemError.of(e, "reading the trace", trace_path) from None
     try:

@@ -223,17 +223,19 @@ class Runner:
         self._wake.set()
 
     def _cut(self, cmd: Cut) -> None:
-        """The cut's trainer half, synchronously (custody was captured by the scheduler in
-        the same poll, and no step has trained since); the write goes on in the background."""
+        """The atomic cut, synchronously right after the poll that asked for it (no step
+        trains in between): custody (O(1)) and the trainer's snapshot; the write goes on in
+        the background."""
+        captured = self.sched.capture()
         t0 = time.perf_counter()
         snapshot = self.trainer.snapshot()
         snapshot_seconds = time.perf_counter() - t0
         self.trace.flush()  # every commit this checkpoint covers is in the trace first
         crashpoints.hit("checkpoint.after_cut")
-        self._tg.create_task(self._write(cmd, snapshot, snapshot_seconds))
+        self._tg.create_task(self._write(cmd, captured, snapshot, snapshot_seconds))
 
-    async def _write(self, cmd: Cut, snapshot: Any, snapshot_seconds: float) -> None:
-        c, src = cmd.cut, self.source
+    async def _write(self, cmd: Cut, c: Any, snapshot: Any, snapshot_seconds: float) -> None:
+        src = self.source
         meta = {"dataset": {"n_rows": src.n_rows, "seed": src.seed, "epochs": src.epochs,
                             "fingerprint": src.fingerprint()},
                 "config": self.semantic, "config_fingerprint": fingerprint(self.semantic),

@@ -95,13 +95,14 @@ class Cut:
     hold_seconds: float  # how long the loop was held
 
 
-def cut(ledger: Ledger, rows: RowStore) -> Cut:
-    """The atomic cut. Synchronous; call on the loop thread with no await in between."""
+def cut(ledger: Ledger, rows: RowStore, *, now: float | None = None) -> Cut:
+    """The atomic cut. Synchronous; call on the loop thread with no await in between.
+    `now` is the unix time to record (a simulated clock passes its own)."""
     t0 = time.perf_counter()
     state = ledger.capture()
     pin = rows.pin()
     hold = time.perf_counter() - t0
-    return Cut(ledger=state, rows=pin, time=time.time(), hold_seconds=hold)
+    return Cut(ledger=state, rows=pin, time=time.time() if now is None else now, hold_seconds=hold)
 
 
 def referenced_rows(state: LedgerState) -> list[RowId]:

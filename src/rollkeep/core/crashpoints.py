@@ -69,10 +69,24 @@ def _reload_from_env() -> None:
     _signal = getattr(signal, "SIG" + os.environ.get(SIGNAL_VAR, "KILL").upper())
 
 
+# A function called at every hit instead of the environment's target (`rollkeep simulate`
+# raises its simulated crash from it); None = the environment decides.
+_handler = None
+
+
+def set_handler(handler) -> None:
+    """Route every `hit(name)` to `handler(name)` (None restores the environment's rule)."""
+    global _handler
+    _handler = handler
+
+
 def hit(name: str) -> None:
     """Kill this process with SIGKILL if `name` is the configured crash point and this is
     its n-th hit; otherwise do nothing."""
     global _count
+    if _handler is not None:
+        _handler(name)
+        return
     if _target is None or name != _target[0]:
         return
     _count += 1

@@ -49,8 +49,8 @@ P1. Pick the name N (`step_N`, or the next revision when LATEST names a checkpoi
     MANIFEST.json in memory (sizes, sha256s, its own checksum). Nothing on disk has
     changed yet; a bad argument raises ValueError (TypeError for content that is not
     bytes).
-P2. Create `N.tmp-HEX/` (and its subdirectories). Create `checkpoints/` first if needed
-    and fsync its parent.
+P2. Create `N.tmp-HEX/` (and its subdirectories). Create `checkpoints/` first if needed;
+    fsync its parent (at the first publication of every process, whoever created it).
 P3. Write each file and fsync it.                              [crash point publish.file_written]
     Then fsync each subdirectory, so the files' names are durable.
 P4. Write MANIFEST.json, fsync it, fsync `N.tmp-HEX/`.         [publish.manifest_written]
@@ -384,6 +384,7 @@ class CheckpointStore:
     def __init__(self, root: Path, *, fs: FS | None = None) -> None:
         self.root = Path(root)
         self._fs = fs if fs is not None else FS()
+        self._root_durable = False  # whether this process has fsynced the root's parent
 
     def __repr__(self) -> str:
         return f"CheckpointStore({str(self.root)!r})"
@@ -642,6 +643,10 @@ class CheckpointStore:
         return _latest_remedy(self.root, self.list())
 
     def _ensure_root(self) -> None:
+        """Create `checkpoints/` (and any missing parent) and make its name durable. Its
+        parent is fsynced at the first publication of every process, not only when this one
+        creates it: an earlier process may have created it and died (or failed its fsync)
+        before the name was durable, and a power cut would then take every checkpoint."""
         missing: list[Path] = []
         p = self.root
         while self._fs.kind_of(p) is None:
@@ -650,6 +655,9 @@ class CheckpointStore:
         for d in reversed(missing):
             self._fs.mkdir(d)
             self._fs.fsync(d.parent)
+        if not self._root_durable:
+            self._fs.fsync(self.root.parent)
+            self._root_durable = True
 
     def _undo(
         self,

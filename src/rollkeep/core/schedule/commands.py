@@ -8,8 +8,9 @@ are frozen records; carrying them out never changes custody by itself.
     Dispatch(request)      start one generation attempt          -> on_result(key, outcome)
     Cancel(attempts)       stop these attempts' work (results are ignored anyway)
     Train(step, batch)     run one optimizer step on `batch`      -> on_trained(step)
-    Cut(cut, final)        snapshot the trainer now, then write
-                           this captured custody state            -> on_cut_written(step, name)
+    Cut(step, final)       capture custody now (`Scheduler.capture`, before any other
+                           scheduler call) and snapshot the trainer, then write both
+                           in the background                      -> on_cut_written(step)
     Refit(version)         load the trainer's weights into the
                            engine (and evaluate, if due)          -> on_refit(version)
     Note(event, fields)    record a line in the trace
@@ -24,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..batch import Batch
-from ..checkpoint import Cut as CapturedCut
 from ..generation import Completion, GenRequest
 
 AttemptKey = tuple[str, int, int]  # (group id, generation index, attempt)
@@ -65,12 +65,8 @@ class Train:
 
 @dataclass(frozen=True)
 class Cut:
-    cut: CapturedCut  # custody, captured at this instant (O(1), copy-on-write)
+    step: int
     final: bool  # the last cut of the run (written before Stop)
-
-    @property
-    def step(self) -> int:
-        return self.cut.ledger.version
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ from typing import Any
 from .. import crashpoints
 from ..advantages import ScaleRewards
 from ..batch import Batch, TrainGroup
+from ..checkpoint import Cut as CapturedCut
 from ..checkpoint import cut
 from ..errors import CustodyError
 from ..events import (
@@ -198,6 +199,9 @@ class Scheduler:
         limits = self.sampler.limits
         self._apply(Configured(num_prompts_per_step=limits.num_prompts_per_step, window=limits.window,
                                epochs=epochs))
+        # The state is the restored checkpoint's (or empty); what normalising it changes
+        # (abandoned attempts, cursor_only's losses) counts as a change for the next cut.
+        self._changed_since_cut = False
         fields = None
         if restored is not None:
             restart.normalize(self.ledger, self._apply)
@@ -212,7 +216,6 @@ class Scheduler:
             for gid, rec in self.ledger.groups():
                 if rec.state == GroupState.READY_TO_FINALIZE:
                     finalize(self.ledger, self.rows, gid, self.settings.scale_rewards, self._apply)
-        self._changed_since_cut = False  # the state is the restored checkpoint's (or empty)
         return fields
 
     # ============================================================== poll
@@ -221,6 +224,9 @@ class Scheduler:
         """Everything to do now, in order. Call again after any callback, and at WakeAt."""
         out: list[Command] = []
         self._expire(now, out)
+        # The train side first: what it evicts or drops frees room the rollout side fills
+        # in the same poll (nothing the rollout side does can make a group READY).
+        self._train_side(out)
         wake = None
         # Nothing is generated before the engine holds the trainer's weights (the first Refit).
         if self.stopping is None and self.phase is not Phase.STOPPED and self.engine_version is not None:
@@ -232,7 +238,6 @@ class Scheduler:
                 apply=self._apply,
             )
             wake = self._dispatch(now, out)
-        self._train_side(out)
         if self._deadlines:
             wake = self._deadlines[0][0] if wake is None else min(wake, self._deadlines[0][0])
         if wake is not None and self.phase is not Phase.STOPPED:
@@ -419,12 +424,14 @@ class Scheduler:
             out.append(Cancel(tuple(self._in_flight)))
             self._in_flight.clear()
             self._deadlines.clear()
+        if self._writing:
+            return  # a periodic write is still going: Stop only once nothing is in flight
         wanted = self.stopping is not Reason.SIGNAL or self.settings.checkpoint_on_shutdown
-        if not (wanted and self._may_cut(out)):
-            self._go("stopped")
-        elif not self._writing:  # else: poll again once the periodic write is done
+        if wanted and self._may_cut(out):
             out.append(self._cut(final=True))
             self._go("final_cut")
+        else:
+            self._go("stopped")
 
     def _may_cut(self, out: list[Command]) -> bool:
         """A cut is written when custody changed since the last one (a later cut of the
@@ -445,7 +452,12 @@ class Scheduler:
     def _cut(self, *, final: bool) -> Cut:
         self._writing = True
         self._changed_since_cut = False
-        return Cut(cut(self.ledger, self.rows), final=final)
+        return Cut(self.ledger.version, final=final)
+
+    def capture(self, now: float | None = None) -> CapturedCut:
+        """The atomic cut the last Cut command asked for: call it right after the poll that
+        returned the command, before any other call (the state must be the one decided)."""
+        return cut(self.ledger, self.rows, now=now)
 
     # ============================================================== callbacks
 
