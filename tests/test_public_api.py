@@ -15,7 +15,8 @@ PUBLIC = {
     "SequenceDataset", "Spared", "StepCommitted", "Taken", "UserInputError", "audit",
     "check_limits", "cut", "decode_ledger", "drop_event", "encode_ledger", "group_id",
     "load_dataset", "make_sampler", "restore_chain", "spare_event", "take_event",
-    "write_checkpoint",
+    "write_checkpoint", "Batch", "TrainGroup", "Failure", "Generated", "Reason", "RetryPolicy",
+    "Scheduler", "Settings", "commands", "Completion", "DataError", "GenRequest", "InfraError",
 }
 
 

@@ -1,11 +1,13 @@
 """rollkeep: exactly-once prompt custody and kill-anywhere resume for asynchronous RL.
 
-The public API of the custody core, usable from any async RL loop. Importing it never
+The public API of the custody core and its scheduler, usable from any RL loop
+(`rollkeep.Scheduler` makes every decision; `rollkeep.commands` are what it asks for). Importing it never
 imports torch or the controller (`rollkeep.controller`, `rollkeep.engines`,
 `rollkeep.trainers` are the torch layer).
 """
 
 from .core.audit import AuditReport, audit
+from .core.batch import Batch, TrainGroup
 from .core.checkpoint import Cut, cut, write_checkpoint
 from .core.codec import decode as decode_ledger
 from .core.codec import encode as encode_ledger
@@ -37,12 +39,14 @@ from .core.events import (
     StepCommitted,
     Taken,
 )
+from .core.generation import Completion, DataError, GenRequest, InfraError
 from .core.handout import drop_event, spare_event, take_event
 from .core.keys import Key, group_id
 from .core.ledger import AttemptStatus, GroupState, Ledger, LedgerState, Owner
 from .core.restore import Restored, restore_chain
 from .core.rows import Row, RowId, RowStore
 from .core.samplers import Limits, check_limits, make_sampler
+from .core.schedule import Failure, Generated, Reason, RetryPolicy, Scheduler, Settings, commands
 from .core.source import PromptSource, SequenceDataset, load_dataset
 from .core.store import CheckpointStore
 
@@ -51,13 +55,16 @@ __all__ = [
     "Admitted",
     "AttemptStatus",
     "AuditReport",
+    "Batch",
     "CheckpointError",
     "CheckpointStore",
     "Claimed",
-    "Configured",
+    "Completion",
     "ConfigError",
+    "Configured",
     "CustodyError",
     "Cut",
+    "DataError",
     "DatasetError",
     "Dispatched",
     "Dropped",
@@ -65,9 +72,13 @@ __all__ = [
     "Evicted",
     "ExternalError",
     "Failed",
+    "Failure",
     "Finalizing",
+    "GenRequest",
+    "Generated",
     "GroupState",
     "IllegalTransition",
+    "InfraError",
     "Key",
     "Ledger",
     "LedgerState",
@@ -75,20 +86,26 @@ __all__ = [
     "Owner",
     "PromptSource",
     "Ready",
+    "Reason",
     "Released",
     "Restored",
+    "RetryPolicy",
     "RollkeepError",
     "Row",
     "RowId",
     "RowStore",
+    "Scheduler",
     "Sealed",
     "SequenceDataset",
+    "Settings",
     "Spared",
     "StepCommitted",
     "Taken",
+    "TrainGroup",
     "UserInputError",
     "audit",
     "check_limits",
+    "commands",
     "cut",
     "decode_ledger",
     "drop_event",

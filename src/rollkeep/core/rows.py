@@ -151,25 +151,27 @@ class Row:
     finish_reason: str
 
     def __post_init__(self) -> None:
-        for name, dtype in _ARRAY_DTYPES.items():
-            arr = getattr(self, name)
-            if not isinstance(arr, np.ndarray):
-                raise ValueError(
-                    f"Row.{name} must be a numpy array of {dtype}, got {type(arr).__name__}"
-                )
-            if arr.dtype != dtype:
-                raise ValueError(f"Row.{name} must have dtype {dtype}, got {arr.dtype}")
-            if arr.ndim != 1:
-                raise ValueError(f"Row.{name} must be 1-D, got shape {arr.shape}")
+        # Runs once per generation, so it is written for speed: one pass over the four
+        # arrays, and a message only once something is wrong.
+        arrays = (self.prompt_ids, self.completion_ids, self.logprobs, self.versions)
+        for (name, dtype), arr in zip(_ARRAY_DTYPES.items(), arrays, strict=True):
+            if type(arr) is not np.ndarray or arr.dtype != dtype or arr.ndim != 1:
+                if not isinstance(arr, np.ndarray):
+                    raise ValueError(
+                        f"Row.{name} must be a numpy array of {dtype}, got {type(arr).__name__}"
+                    )
+                if arr.dtype != dtype:
+                    raise ValueError(f"Row.{name} must have dtype {dtype}, got {arr.dtype}")
+                if arr.ndim != 1:
+                    raise ValueError(f"Row.{name} must be 1-D, got shape {arr.shape}")
         n = len(self.completion_ids)
-        for name in ("logprobs", "versions"):
-            if len(getattr(self, name)) != n:
-                raise ValueError(
-                    f"Row.{name} has length {len(getattr(self, name))}, "
-                    f"but completion_ids has length {n}: one value per completion token"
-                )
-        for name in ("prompt_ids", "completion_ids", "versions"):
-            arr = getattr(self, name)
+        if len(self.logprobs) != n or len(self.versions) != n:
+            name = "logprobs" if len(self.logprobs) != n else "versions"
+            raise ValueError(
+                f"Row.{name} has length {len(getattr(self, name))}, "
+                f"but completion_ids has length {n}: one value per completion token"
+            )
+        for name, arr in (("prompt_ids", arrays[0]), ("completion_ids", arrays[1]), ("versions", arrays[3])):
             if arr.size and arr.min() < 0:
                 raise ValueError(f"Row.{name} must be non-negative, found {int(arr.min())}")
         reward = self.reward
@@ -183,8 +185,8 @@ class Row:
                 f"got {self.finish_reason!r}"
             )
         object.__setattr__(self, "reward", float(reward))
-        for name in _ARRAY_DTYPES:
-            object.__setattr__(self, name, _frozen(getattr(self, name)))
+        for name, arr in zip(_ARRAY_DTYPES, arrays, strict=True):
+            object.__setattr__(self, name, _frozen(arr))
 
     @property
     def tokens(self) -> int:

@@ -90,21 +90,22 @@ crashpoints.register("train.after_commit")
 
 @dataclass(frozen=True)
 class Settings:
-    """The run's settings the scheduler decides from (each taken from the config once)."""
+    """The run's settings the scheduler decides from; the defaults are `rollkeep train`'s."""
 
-    seed: int
-    group_size: int
-    total_steps: int
-    checkpoint_every: int
-    checkpoint_on_shutdown: bool
-    deterministic: bool
-    recovery_mode: str  # sibling | prompt_group | cursor_only
-    on_dropped_prompt: str  # replace | shrink
-    on_stale: str  # regenerate | drop
-    spare_prompts: int
-    timeout_s: float
-    retry: RetryPolicy
-    scale_rewards: ScaleRewards = "group_population"
+    group_size: int = 4  # siblings per prompt (rollout.group_size)
+    total_steps: int = 20  # train.total_steps
+    seed: int = 0  # sampling seeds derive from it (seed)
+    checkpoint_every: int = 5  # a cut every this many steps (checkpoint.every_steps)
+    checkpoint_on_shutdown: bool = True  # checkpoint.on_shutdown
+    deterministic: bool = False  # pin generation to versions (DESIGN §7)
+    recovery_mode: str = "sibling"  # sibling | prompt_group | cursor_only
+    on_dropped_prompt: str = "replace"  # replace | shrink
+    on_stale: str = "regenerate"  # regenerate | drop
+    spare_prompts: int = 0  # rollout.spare_prompts
+    timeout_s: float = 600.0  # an attempt's deadline (rollout.timeout_s)
+    retry: RetryPolicy = RetryPolicy(max_infra_attempts=3, max_data_attempts=2, backoff_ms=10.0,
+                                     backoff_max_ms=2000.0)
+    scale_rewards: ScaleRewards = "group_population"  # trainer.scale_rewards
 
 
 class Phase(enum.Enum):
