@@ -18,6 +18,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .core.trace_schema import DROPPED, RESTORED, RUN_FINISHED, RUN_STARTED, STEP_COMMITTED
+
 
 @dataclass
 class Lineage:
@@ -39,7 +41,7 @@ def lineage(lines: Iterable[dict[str, Any]]) -> Lineage:
     current_run = None
     for line in lines:
         ev = line.get("event")
-        if ev == "run_started":
+        if ev == RUN_STARTED:
             current_run = line.get("run_id")
             out.runs.append(line)
             out.finished = None
@@ -48,16 +50,16 @@ def lineage(lines: Iterable[dict[str, Any]]) -> Lineage:
                 del out.steps[step]
             if line.get("resumed_from_step") is None:
                 out.dropped.clear()
-        elif ev == "restored" and line.get("run_id") == current_run and line.get("cut_time") is not None:
+        elif ev == RESTORED and line.get("run_id") == current_run and line.get("cut_time") is not None:
             # Earlier runs' drops after the cut are undone; this run's own (a restore that
             # drops, like cursor_only's losses) stand.
             cut = float(line["cut_time"])
             out.dropped = {p: (t, r) for p, (t, r) in out.dropped.items() if t <= cut or r == current_run}
-        elif ev == "dropped" and line.get("run_id") == current_run and "prompt" in line:
+        elif ev == DROPPED and line.get("run_id") == current_run and "prompt" in line:
             out.dropped[tuple(line["prompt"])] = (float(line["t"]), current_run)
-        elif ev == "step_committed" and line.get("run_id") == current_run:
+        elif ev == STEP_COMMITTED and line.get("run_id") == current_run:
             out.steps[int(line["step"])] = [tuple(p) for p in line["prompts"]]
-        elif ev == "run_finished" and line.get("run_id") == current_run:
+        elif ev == RUN_FINISHED and line.get("run_id") == current_run:
             out.finished = line
     return out
 

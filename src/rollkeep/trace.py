@@ -21,11 +21,10 @@ import msgspec
 
 from .core.errors import FilesystemError
 from .core.events import Event
+from .core.trace_schema import FLUSH_NOW, RunEvent
 from .core.untrusted import loads_json, open_append, read_regular
 
-FLUSH_NOW = frozenset(
-    {"run_started", "restored", "step_committed", "checkpoint_published", "dropped", "run_finished"}
-)
+__all__ = ["FLUSH_NOW", "Trace", "read_trace"]
 
 _json = msgspec.json.Encoder()
 
@@ -48,14 +47,12 @@ class Trace:
         self._prefix = b'{"t":%.6f,"run_id":"' + self.run_id.encode() + b'",'
         self._dirty = False
 
-    def emit(self, event: str, **fields: Any) -> None:
-        """A controller event (run_started, checkpoint_published, ...)."""
-        body = _json.encode({"event": event, **fields})
-        self._write(body, flush=event in FLUSH_NOW)
-
-    def ledger_event(self, ev: Event) -> None:
-        """Ledger sink: every ledger event becomes a line."""
+    def emit(self, ev: RunEvent | Event) -> None:
+        """One event of the schema (`rollkeep.core.trace_schema`) becomes a line. Also the
+        ledger's sink: every ledger event is traced as it is applied."""
         self._write(_json.encode(ev), flush=ev.__struct_config__.tag in FLUSH_NOW)  # type: ignore[attr-defined]
+
+    ledger_event = emit
 
     def _write(self, body: bytes, *, flush: bool) -> None:
         # body is b'{...}': splice the common prefix in front of its fields.

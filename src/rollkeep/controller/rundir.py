@@ -26,8 +26,9 @@ from pathlib import Path
 
 from ..core.errors import CheckpointNotFound, FilesystemError, UserInputError
 from ..core.store import CheckpointStore
+from ..core.trace_schema import CHECKPOINT_PUBLISHED
 
-_PUBLISHED = b'"event":"checkpoint_published"'
+_PUBLISHED = b'"event":"%s"' % CHECKPOINT_PUBLISHED.encode()
 
 
 class RunDir:

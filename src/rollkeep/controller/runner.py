@@ -49,6 +49,7 @@ from ..core.schedule import (
 )
 from ..core.source import PromptSource
 from ..core.store import CheckpointStore
+from ..core.trace_schema import CheckpointPublished, Eval, RunFailed, RunFinished
 from ..engines import DataError, Engine, GenRequest, InfraError
 from ..progress import RunProgress
 from ..tasks import reward_fn
@@ -119,8 +120,8 @@ class Runner:
                 self._tg = tg
                 reason = await self._drive(loop)
             result = RunResult(self.sched.version, self.trainer.weights_sha256(), reason.value)
-            self.trace.emit("run_finished", step=result.step, weights_sha256=result.weights_sha256,
-                            reason=result.reason)
+            self.trace.emit(RunFinished(step=result.step, weights_sha256=result.weights_sha256,
+                                        reason=result.reason))
             return result
         except BaseException as e:
             self._trace_failure(e)
@@ -149,7 +150,7 @@ class Runner:
                 elif isinstance(cmd, Refit):
                     self._tg.create_task(self._refit(cmd.version))
                 elif isinstance(cmd, Note):
-                    self.trace.emit(cmd.event, **cmd.fields)
+                    self.trace.emit(cmd.event)
                 elif isinstance(cmd, WakeAt):
                     wake_at = cmd.time
                 elif isinstance(cmd, Stop):
@@ -217,7 +218,8 @@ class Runner:
             result = await asyncio.to_thread(self.evaluator.evaluate, self.trainer.weights())
             self._last_eval = result
             self._metrics.write(version, {**result, "eval/seconds": time.perf_counter() - t0})
-            self.trace.emit("eval", step=version, **result)
+            self.trace.emit(Eval(step=version, accuracy=result["eval/accuracy"],
+                                 reward_mean=result["eval/reward_mean"]))
             self._progress.note(f"eval at step {version}: " + ", ".join(f"{k} {v:.3f}" for k, v in result.items()))
         self.sched.on_refit(version)
         self._wake.set()
@@ -251,11 +253,9 @@ class Runner:
             published, write_seconds = await asyncio.to_thread(work)
         except OSError as e:  # the store undid what it wrote; the previous checkpoint stands
             raise FilesystemError.of(e, f"publishing the checkpoint of step {cmd.step}") from None
-        self.trace.emit("checkpoint_published", step=cmd.step, name=published.name, bytes=published.bytes,
-                        cut_hold_seconds=c.hold_seconds,  # custody: ledger capture + row pin
-                        trainer_snapshot_seconds=snapshot_seconds,  # weights/optimizer copy
-                        write_seconds=write_seconds,  # encode + fsync + publish, off the loop
-                        cut_time=c.time)
+        self.trace.emit(CheckpointPublished(
+            step=cmd.step, name=published.name, bytes=published.bytes, cut_hold_seconds=c.hold_seconds,
+            trainer_snapshot_seconds=snapshot_seconds, write_seconds=write_seconds, cut_time=c.time))
         self._progress.note(
             f"checkpoint {published.name}: {published.bytes / 1e6:.2f} MB; the cut held the loop "
             f"{c.hold_seconds * 1e6:.0f} us (+{snapshot_seconds * 1e3:.1f} ms trainer copy); "
@@ -273,7 +273,7 @@ class Runner:
         leaves = e.exceptions if isinstance(e, BaseExceptionGroup) else (e,)
         error = "; ".join(f"{type(x).__name__}: {x}" for x in leaves)[:2000]
         with contextlib.suppress(OSError, ValueError):
-            self.trace.emit("run_failed", step=self.sched.version if self.sched else None, error=error)
+            self.trace.emit(RunFailed(step=self.sched.version if self.sched else None, error=error))
 
     async def _close(self) -> None:
         """Release everything the run holds, each even if another fails (LIFO order)."""

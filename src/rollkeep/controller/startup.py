@@ -26,6 +26,7 @@ from ..core.samplers import Limits, make_sampler
 from ..core.schedule import RetryPolicy, Scheduler, Settings
 from ..core.source import PromptSource
 from ..core.store import CheckpointStore, checkpoint_order
+from ..core.trace_schema import Restored, RunStarted
 from ..progress import RunProgress
 from ..trace import Trace
 from ..trainers import Trainer
@@ -86,10 +87,10 @@ def open_run(
     sched = Scheduler(ledger=ledger, rows=rows, source=source, sampler=make_sampler(cfg.sampler.name, limits),
                       settings=settings(cfg))
     sched.subscribe(trace.ledger_event)
-    trace.emit("run_started", resumed_from_step=None if restored is None else ledger.version,
-               checkpoint=None if restored is None else restored.name, pid=os.getpid(),
-               config_fingerprint=fingerprint(semantic), cleaned_tmp=leftovers,
-               **({"abandoned_checkpoints": abandoned} if abandoned else {}))
+    trace.emit(RunStarted(resumed_from_step=None if restored is None else ledger.version,
+                          checkpoint=None if restored is None else restored.name, pid=os.getpid(),
+                          config_fingerprint=fingerprint(semantic), cleaned_tmp=leftovers,
+                          abandoned_checkpoints=abandoned))
     counts = sched.start(restored, epochs=source.epochs)
     progress = RunProgress(cfg.logger.progress, total_steps=cfg.train.total_steps, start_step=ledger.version)
     if leftovers:
@@ -98,9 +99,9 @@ def open_run(
         progress.note(f"resuming from {restored.name}: moved the newer checkpoint(s) "
                       f"{', '.join(abandoned['names'])} aside into {abandoned['into']}/")
     if restored is not None:
-        trace.emit("restored", checkpoint=restored.name, step=ledger.version,
-                   cut_time=restored.manifest.get("cut_time"), **counts,
-                   config_changes=[list(c) for c in restored.config_changes])
+        trace.emit(Restored(checkpoint=restored.name, step=ledger.version,
+                            cut_time=restored.manifest.get("cut_time"), **counts,
+                            config_changes=[list(c) for c in restored.config_changes]))
         lost = counts["groups_lost"]
         progress.note(
             f"restored {restored.name}: reuse {counts['groups_reused']} finished group(s) and "

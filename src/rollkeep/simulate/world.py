@@ -65,8 +65,16 @@ from ..core.schedule import (
 )
 from ..core.source import PromptSource, SequenceDataset
 from ..core.store import CheckpointStore
+from ..core.trace_schema import (
+    CHECKPOINT_PUBLISHED,
+    FLUSH_NOW,
+    CheckpointPublished,
+    Restored,
+    RunEvent,
+    RunFinished,
+    RunStarted,
+)
 from ..lineage import exactly_once, lineage
-from ..trace import FLUSH_NOW
 from ..trainers.toy import ToyTrainer
 from .memfs import MemFS, SimCrash
 
@@ -242,24 +250,23 @@ class World:
         sched.subscribe(self._trace_event)
         sched.subscribe(self._count_event)
         sched.subscribe(lambda ev: crashpoints.hit("ledger." + ev.__struct_config__.tag))
-        self._emit("run_started", resumed_from_step=None if restored is None else ledger.version,
-                   checkpoint=None if restored is None else restored.name)
+        self._emit(RunStarted(resumed_from_step=None if restored is None else ledger.version,
+                              checkpoint=None if restored is None else restored.name))
         counts = sched.start(restored, epochs=self.source.epochs)
         if restored is not None:
-            self._emit("restored", checkpoint=restored.name, step=ledger.version,
-                       cut_time=restored.manifest.get("cut_time"), **counts)
+            self._emit(Restored(checkpoint=restored.name, step=ledger.version,
+                                cut_time=restored.manifest.get("cut_time"), **counts))
         return _Process(self, sched, trainer).drive()
 
     def _published(self) -> int | None:
-        return sum(line["event"] == "checkpoint_published" for line in self.lines) if self.lines else None
+        return sum(line["event"] == CHECKPOINT_PUBLISHED for line in self.lines) if self.lines else None
 
     # ================================================================== trace and crashes
 
-    def _emit(self, event: str, **fields: Any) -> None:
-        self._line({"event": event, **fields})
-
-    def _trace_event(self, ev: Event) -> None:
+    def _emit(self, ev: RunEvent | Event) -> None:
         self._line(msgspec.to_builtins(ev))
+
+    _trace_event = _emit
 
     def _line(self, body: dict[str, Any]) -> None:
         line = {"t": self.now, "run_id": self.run_id, **body}
@@ -324,13 +331,13 @@ class _Process:
                     self.later(_between(script.refit_s, w.plan.seed, "refit", cmd.version),
                                lambda v=cmd.version: self._refit(v))
                 elif isinstance(cmd, Note):
-                    w._emit(cmd.event, **cmd.fields)
+                    w._emit(cmd.event)
                 elif isinstance(cmd, WakeAt):
                     if cmd.time > w.now:
                         heapq.heappush(self.queue, (cmd.time, next(self.seq), lambda: None))
                 elif isinstance(cmd, Stop):
-                    w._emit("run_finished", step=self.sched.version,
-                            weights_sha256=self.trainer.weights_sha256(), reason=cmd.reason.value)
+                    w._emit(RunFinished(step=self.sched.version, weights_sha256=self.trainer.weights_sha256(),
+                                        reason=cmd.reason.value))
                     w._flush()
                     return "finished"
             if not self.queue:
@@ -384,5 +391,5 @@ class _Process:
                             "fingerprint": w.source.fingerprint()}, "config": {}}
         published = write_checkpoint(w.store, captured, trainer_files=snapshot.files(), meta=meta,
                                      keep_last=w.plan.keep_last, trainer_step=snapshot.step)
-        w._emit("checkpoint_published", step=cmd.step, name=published.name, cut_time=captured.time)
+        w._emit(CheckpointPublished(step=cmd.step, name=published.name, cut_time=captured.time))
         self.sched.on_cut_written(cmd.step)

@@ -13,7 +13,7 @@ are frozen records; carrying them out never changes custody by itself.
                            in the background                      -> on_cut_written(step)
     Refit(version)         load the trainer's weights into the
                            engine (and evaluate, if due)          -> on_refit(version)
-    Note(event, fields)    record a line in the trace
+    Note(event)            record this trace event (`rollkeep.core.trace_schema`)
     WakeAt(time)           poll again at `time` even if nothing reports before
     Stop(reason)           the run is over: nothing is in flight, the final cut is written
 """
@@ -21,11 +21,11 @@ are frozen records; carrying them out never changes custody by itself.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from ..batch import Batch
 from ..generation import Completion, GenRequest
+from ..trace_schema import RunEvent
 
 AttemptKey = tuple[str, int, int]  # (group id, generation index, attempt)
 
@@ -76,8 +76,7 @@ class Refit:
 
 @dataclass(frozen=True)
 class Note:
-    event: str
-    fields: dict[str, Any] = field(default_factory=dict)
+    event: RunEvent
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,7 @@ from ..restore import Restored
 from ..rows import Row, RowId, RowStore
 from ..samplers import Sampler
 from ..source import PromptSource
+from ..trace_schema import CheckpointSkipped
 from . import admission, restart
 from .commands import (
     AttemptKey,
@@ -443,9 +444,9 @@ class Scheduler:
         if not self._changed_since_cut:
             return False
         if not self.pinning.work_done(self.ledger):
-            out.append(Note("checkpoint_skipped", {
-                "step": self.ledger.version,
-                "reason": "deterministic: generation pinned to an older version unfinished"}))
+            out.append(Note(CheckpointSkipped(
+                step=self.ledger.version,
+                reason="deterministic: generation pinned to an older version unfinished")))
             self._changed_since_cut = False  # say it once
             return False
         return True

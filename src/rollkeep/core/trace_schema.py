@@ -1,0 +1,103 @@
+"""The trace's schema: every event `trace.jsonl` carries, its name and its fields, defined
+once (DESIGN §8: a public contract).
+
+Each line is `{"t": <unix s>, "run_id": <12 hex>, "event": <name>, <fields>}`. The ledger's
+own events (`rollkeep.core.events`: taken, admitted, dispatched, sealed, ...) are traced as
+they are applied; the events below are the run's. Writers build these records
+(`Trace.emit(RunStarted(...))`), readers compare `line["event"]` with the names here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from .events import ALL_EVENTS, Dropped, StepCommitted, event_name
+
+
+class RunEvent(msgspec.Struct, frozen=True, kw_only=True, tag_field="event"):
+    """Base of the run's trace events (not ledger transitions)."""
+
+
+class RunStarted(RunEvent, tag="run_started"):
+    resumed_from_step: int | None  # the checkpoint's step; None for a fresh run
+    checkpoint: str | None  # the checkpoint's name
+    pid: int = 0
+    config_fingerprint: str = ""  # sha256 of the semantic config
+    cleaned_tmp: list[str] = []  # leftover temp files removed at start-up
+    abandoned_checkpoints: dict[str, Any] | None = None  # --resume-from: {"names", "into"}
+
+
+class Restored(RunEvent, tag="restored"):
+    """What a restart reuses, regenerates and re-admits (`restart.restored_fields`)."""
+
+    checkpoint: str
+    step: int
+    cut_time: float | None
+    groups_reused: int
+    groups_finalize_again: int
+    siblings_reused: int
+    siblings_regenerated: int
+    siblings_pending: int
+    groups_readmitted: int
+    spare_prompts: int
+    groups_lost: int
+    recovery_mode: str
+    config_changes: list[list[Any]] = []
+
+
+class CheckpointPublished(RunEvent, tag="checkpoint_published"):
+    step: int
+    name: str
+    cut_time: float  # unix time of the atomic cut
+    bytes: int = 0
+    cut_hold_seconds: float = 0.0  # custody: ledger capture + row pin
+    trainer_snapshot_seconds: float = 0.0  # the trainer's copy, in the same hold
+    write_seconds: float = 0.0  # encode + fsync + publish, off the loop
+
+
+class CheckpointSkipped(RunEvent, tag="checkpoint_skipped"):
+    step: int
+    reason: str
+
+
+class Eval(RunEvent, tag="eval"):
+    step: int
+    accuracy: float = msgspec.field(default=0.0, name="eval/accuracy")
+    reward_mean: float = msgspec.field(default=0.0, name="eval/reward_mean")
+
+
+class RunFinished(RunEvent, tag="run_finished"):
+    step: int
+    weights_sha256: str
+    reason: str  # finished | data exhausted | signal
+
+
+class RunFailed(RunEvent, tag="run_failed"):
+    step: int | None
+    error: str
+
+
+RUN_EVENTS: tuple[type[RunEvent], ...] = (
+    RunStarted, Restored, CheckpointPublished, CheckpointSkipped, Eval, RunFinished, RunFailed,
+)
+
+
+def name(event_type: type[Any]) -> str:
+    """The `event` value of a trace event type (run or ledger)."""
+    return event_type.__struct_config__.tag  # type: ignore[attr-defined]
+
+
+RUN_STARTED, RESTORED, CHECKPOINT_PUBLISHED, CHECKPOINT_SKIPPED, EVAL, RUN_FINISHED, RUN_FAILED = (
+    name(t) for t in RUN_EVENTS
+)
+STEP_COMMITTED, DROPPED = name(StepCommitted), name(Dropped)
+
+#: Every event name a trace may hold.
+NAMES: frozenset[str] = frozenset(name(t) for t in RUN_EVENTS) | frozenset(map(event_name, ALL_EVENTS))
+
+#: Events a resume, an audit or the lineage depend on: written through at once.
+FLUSH_NOW: frozenset[str] = frozenset(
+    {RUN_STARTED, RESTORED, STEP_COMMITTED, CHECKPOINT_PUBLISHED, DROPPED, RUN_FINISHED}
+)
