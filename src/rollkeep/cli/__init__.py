@@ -49,6 +49,7 @@ COMMANDS: dict[str, str] = {
     "trace": "report reused, regenerated and lost work per restart of a run",
     "chaos": "kill/resume torture run with a pass/fail report",
     "bench": "benchmarks of the custody core",
+    "export": "write the trained built-in model as a Hugging Face model directory",
 }
 
 _EPILOG = """\
@@ -65,6 +66,7 @@ examples:
   rollkeep train config.yaml
   rollkeep inspect runs/a
   rollkeep audit --all runs/a/checkpoints
+  rollkeep export runs/a --out models/a
   rollkeep <command> --help
 """
 
