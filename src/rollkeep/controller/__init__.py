@@ -13,6 +13,7 @@ from ..core.errors import FilesystemError, RollkeepError
 from ..core.store import CheckpointStore
 from ..tasks import use_rewards
 from .build import Parts, build
+from .metrics import for_run
 from .run import Controller, RunResult
 from .rundir import RunDir, start_point
 from .warmup import run_warmup
@@ -41,8 +42,9 @@ def train(
         parts = build(cfg)  # installs the run's reward.fn (rollkeep.tasks.use_rewards)
         for note in parts.notes:  # what the config asks for but will not happen, said once
             print(f"warning: {note}", file=sys.stderr, flush=True)
-        return _run(cfg, parts, allow_config_change=allow_config_change,
-                    allow_dataset_change=allow_dataset_change, resume_from=resume_from, on_step=on_step)
+        with for_run(cfg):  # the metrics log of this run reads its logger settings here
+            return _run(cfg, parts, allow_config_change=allow_config_change,
+                        allow_dataset_change=allow_dataset_change, resume_from=resume_from, on_step=on_step)
     finally:
         use_rewards(None)  # the next run in this process starts from the built-in rewards
 

@@ -17,6 +17,7 @@ from ..core.source import Dataset, PromptSource, SequenceDataset, load_dataset
 from ..engines import Engine, make_engine
 from ..tasks import arith, check_tasks, use_rewards
 from ..trainers import Trainer, make_trainer
+from .metrics import check_logger
 
 
 @dataclass
@@ -55,6 +56,7 @@ def build_data(cfg: Config) -> tuple[Dataset, list[dict] | None]:
 
 
 def build(cfg: Config) -> Parts:
+    check_logger(cfg.logger, cfg.run_dir)  # the tb / wandb extras, before anything runs
     use_rewards(cfg.reward.fn)  # imports the user's reward modules: exit 2 on any problem
     dataset, eval_rows = build_data(cfg)
     check_tasks(str(dataset[i].get("task", "default")) for i in range(len(dataset)))
