@@ -329,7 +329,7 @@ TrainerConfig = Annotated[
 
 
 class RolloutConfig(_Section):
-    """Groups, retries and what happens to a prompt whose budget is spent (DESIGN §6)."""
+    """Groups, retries and what happens to a prompt whose budget is spent (docs/design.md §6)."""
 
     group_size: int = Field(4, ge=1, le=4096)
     """Completions (siblings) generated per prompt; GRPO normalises rewards within a group.
@@ -358,7 +358,7 @@ class RolloutConfig(_Section):
 
 
 class RecoveryConfig(_Section):
-    """What a restart reuses (DESIGN §1 granularity; issue: restart cost made visible)."""
+    """What a restart reuses (docs/design.md §1 granularity; issue: restart cost made visible)."""
 
     mode: Literal["sibling", "prompt_group", "cursor_only"] = "sibling"
     """`sibling`: a restart keeps finished siblings and regenerates only those in flight.
@@ -391,7 +391,7 @@ class CheckpointConfig(_Section):
 
 
 class SamplerConfig(_Section):
-    """Admission gate and step selection policy (DESIGN §2)."""
+    """Admission gate and step selection policy (docs/design.md §2)."""
 
     name: Literal["in_order", "weight_fifo", "windowed"] = "in_order"
     """`in_order`: step k trains groups stamped k; `weight_fifo`: oldest ready groups within
@@ -651,7 +651,7 @@ def _semantic_when(cfg: Config) -> frozenset[str]:
 def semantic(cfg: Config) -> dict[str, Any]:
     """The part of the config that changes what a run trains on, as a nested dict.
 
-    The checkpoint stores it and restore step 8 (DESIGN §5) refuses to resume a run whose
+    The checkpoint stores it and restore step 8 (docs/design.md §5) refuses to resume a run whose
     semantic config differs, unless the user names the keys they mean to change
     (`--allow-config-change KEY`): a silently different dataset, seed, group size, batch,
     sampler, sampling setting or optimizer would make the resumed run a different run.

@@ -15,7 +15,7 @@ Run the benchmark suite and print what it measured, side by side, in one invocat
 
   core        ledger lifecycle rate, cut hold, encoded bytes, decode + audit time and
               memory per in-flight group; checkpoint write and restore time; the
-              control-plane ceiling (next to the targets of DESIGN.md §13)
+              control-plane ceiling (next to the targets of docs/design.md §9)
   preemption  goodput under preemption: the same job (toy engine with uneven latency, and
               the built-in GPT) SIGKILLed K times at the same random instants for each
               recovery.mode (sibling, prompt_group, cursor_only): fraction of generated

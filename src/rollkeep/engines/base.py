@@ -3,7 +3,7 @@
 An engine generates one sibling per `generate` call; backends batch concurrent calls
 themselves. Cancelling the awaiting task aborts the request. Sampling randomness must be
 a pure function of `GenRequest.seed` (and the weights), never of timing or batch
-composition, so a regenerated rollout can reproduce the lost one (DESIGN §2).
+composition, so a regenerated rollout can reproduce the lost one (docs/design.md §2).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class DataError(Exception):
 
 
 def sampling_seed(run_seed: int, group_id: str, generation: int, data_retries: int) -> int:
-    """DESIGN §2: a function of (run seed, group id, generation index, data-retry count).
+    """docs/design.md §2: a function of (run seed, group id, generation index, data-retry count).
 
     An infra retry reuses the seed (it should reproduce the lost rollout); a data retry
     changes it (the same sample would fail the same way)."""
