@@ -182,6 +182,13 @@ def test_export_of_a_corrupt_checkpoint_is_exit_3_and_changes_nothing(run, tmp_p
     assert tree(copy) == before and not (tmp_path / "out").exists()
 
 
+def test_export_of_a_named_checkpoint_and_of_an_unknown_one(run, tmp_path, capsys) -> None:
+    assert main(["export", str(run), "--out", str(tmp_path / "two"), "--checkpoint", "step_000002"]) == 0
+    assert json.loads((tmp_path / "two" / "rollkeep_export.json").read_text())["step"] == 2
+    err = refused(capsys, ["export", str(run), "--out", str(tmp_path / "x"), "--checkpoint", "step_000099"], 2)
+    assert "no such checkpoint" in err and "step_000004" in err and not (tmp_path / "x").exists()
+
+
 def test_export_of_a_run_that_is_not_the_built_in_model_is_exit_2(tmp_path, capsys) -> None:
     cfg = config(tmp_path / "toy", "train.total_steps=2")
     train(cfg)

@@ -106,6 +106,15 @@ def load_builtin(run_dir: str | Path, *, checkpoint: str | None = None) -> Loade
             remedy="run `rollkeep train` until it publishes a checkpoint (every "
             "checkpoint.every_steps steps, and when it stops), then export",
         )
+    if checkpoint is not None and not (store.root / checkpoint).is_dir():
+        names = store.list() if store.root.is_dir() else []
+        raise UserInputError(
+            f"--checkpoint {checkpoint}: {run_dir} has no such checkpoint",
+            path=str(store.root / checkpoint),
+            expected=f"one of {', '.join(names)}" if names else "a published checkpoint",
+            found="no such directory",
+            remedy="name a checkpoint of RUN_DIR/checkpoints, or leave --checkpoint out for LATEST's",
+        )
     restored = restore_chain(store, name=checkpoint, source=None, config=None)
     config = restored.manifest.get("config")
     trainer_cfg = config.get("trainer") if isinstance(config, dict) else None
