@@ -425,7 +425,7 @@ def test_custody_plot_stacks_the_owners(run_dir: Path) -> None:
     # marker is a line
     assert len([c for c in top.collections if isinstance(c, PolyCollection)]) == 6
     assert len([c for c in bottom.collections if isinstance(c, PolyCollection)]) == 2
-    assert [ln.get_label() for ln in top.lines] == ["restart"]
+    assert [ln.get_label() for ln in top.lines] == ["restart (after this step)"]
     assert [t.get_text() for t in top.get_legend().get_texts()][:6] == [
         "claimed", "ready", "finalizing", "generating", "reserved", "spare"]
     assert fig.get_suptitle().endswith("(stacked)")

@@ -832,17 +832,19 @@ def _plot(report: Report) -> list[tuple[str, Any]]:
         (bottom, OWNERS[6:], "done (prompts, cumulative)"),
     ]:
         if rows:
+            # one band per step, centred on it: step k spans [k - 0.5, k + 0.5]
+            edges = [x - 0.5 for x in cx] + [cx[-1] + 0.5]
             ys = [[c.get(o) or 0 for c in rows] for o in owners]
-            axis.stackplot(cx, *ys, labels=owners, colors=[colors[o] for o in owners],
-                           step="post", alpha=0.85, linewidth=0)
-            axis.set_xlim(min(cx), max(cx) if len(cx) > 1 else min(cx) + 1)
+            axis.stackplot(edges, *[y + y[-1:] for y in ys], labels=owners,
+                           colors=[colors[o] for o in owners], step="post", alpha=0.85, linewidth=0)
+            axis.set_xlim(edges[0], edges[-1])
         else:
             axis.text(0.5, 0.5, "no committed steps", ha="center", va="center", transform=axis.transAxes)
         axis.set_ylabel(label)
         axis.grid(True, alpha=0.3)
-        for k, x in enumerate(restart_steps):
-            axis.axvline(x, color="tab:red", linestyle="--", linewidth=1.2,
-                         label="restart" if k == 0 else None)
+        for k, x in enumerate(restart_steps):  # between the restored step and the next
+            axis.axvline(x + 0.5, color="tab:red", linestyle="--", linewidth=1.2,
+                         label="restart (after this step)" if k == 0 else None)
         entries = list(zip(*axis.get_legend_handles_labels(), strict=True))
         if entries:  # the top of the stack first, as it is drawn; the restart marker last
             bands = [e for e in entries if e[1] in owners][::-1]
