@@ -36,6 +36,7 @@ def fake_wandb(monkeypatch) -> list:
     calls: list = []
     module = types.ModuleType("wandb")
     module.init = lambda **kw: FakeRun(calls, **kw)
+    module.teardown = lambda: calls.append(("teardown",))
     monkeypatch.setitem(sys.modules, "wandb", module)
     return calls
 
@@ -54,7 +55,7 @@ def test_metrics_go_to_one_wandb_run_that_a_resumed_run_continues(tmp_path, fake
     logged = [c[1] for c in fake_wandb if c[0] == "log"]
     assert [d["step"] for d in logged] == [1, 2, 3, 4]
     assert all({"reward_mean", "batch_age", "custody/trained"} <= d.keys() for d in logged)
-    assert fake_wandb[-1] == ("finish",)
+    assert fake_wandb[-2:] == [("finish",), ("teardown",)]  # what was logged is written
 
     fake_wandb.clear()
     train(config(tmp_path / "run", "train.total_steps=6", "logger.wandb=true"))

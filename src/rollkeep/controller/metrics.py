@@ -8,7 +8,9 @@
     uploads later). The W&B run id is kept in `RUN_DIR/wandb_run_id`, so a resumed run
     logs into the same W&B run. Every record carries `step` and W&B plots against it
     (`define_metric`), so the steps a resumed run does again after its checkpoint are
-    logged again at their own step, not dropped as out of order.
+    logged again at their own step, not dropped as out of order. Closing the log ends
+    the W&B run and wandb's session in this process (`wandb.teardown`), so what was logged
+    is on disk when the run ends.
 
 Where the settings come from: `MetricsLog(..., logger=cfg.logger, config=cfg.to_dict())`,
 or, when the caller passes only `tensorboard` (the run loop did, before W&B), the run that
@@ -25,6 +27,7 @@ import os
 import re
 import secrets
 import string
+import sys
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -115,7 +118,16 @@ class MetricsLog:
         finally:
             if self._wandb is not None:
                 run, self._wandb = self._wandb, None
-                run.finish()
+                try:
+                    run.finish()
+                finally:
+                    # `finish` can return before wandb's service has written everything
+                    # (offline: the run file under RUN_DIR/wandb); `teardown` waits for it,
+                    # and wandb's atexit hook that would otherwise do it does not run in
+                    # every setup.
+                    teardown = getattr(sys.modules.get("wandb"), "teardown", None)
+                    if teardown is not None:
+                        teardown()
 
 
 # ------------------------------------------------------------------------------ sinks
