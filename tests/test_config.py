@@ -132,9 +132,15 @@ def test_override_switches_the_engine_variant(tmp_path):
     assert cfg.engine.temperature == 0.7 and cfg.engine.max_batch_size == 64
 
     path = write(tmp_path, "engine:\n  name: toy\n  completion_tokens: 4\n")
-    # a key of the old variant is still there, so the switch is refused, by name
+    # the file's toy-only key is dropped, with a warning that names it
+    warnings: list[str] = []
+    cfg = load_config(path, ["engine.name=vllm", "engine.model_path=/m", "trainer.name=hf",
+                             "trainer.model_path=/m"], warn=warnings.append)
+    assert isinstance(cfg.engine, VLLMEngineConfig) and cfg.engine.model_path == "/m"
+    assert len(warnings) == 1 and "`engine.completion_tokens`" in warnings[0]
+    # a key of the old variant given on the command line stays an error, by name
     err = problems("engine.name=vllm", "engine.model_path=/m", "trainer.name=hf",
-                   "trainer.model_path=/m", path=path)
+                   "trainer.model_path=/m", "engine.completion_tokens=4", path=path)
     assert "engine.completion_tokens" in err.field
     assert "is a setting of engine toy; this engine is `vllm`" in str(err)
 
@@ -627,3 +633,65 @@ def test_grpo_option_values_are_checked():
     assert "`trainer.dual_clip`: expected a value > 1.0" in text
     assert "`trainer.scale_rewards`: expected one of group_population, group, batch or none" in text
     assert load_config(None, [*TORCH, "trainer.dual_clip=null"]).trainer.dual_clip is None
+
+
+# ------------------------------------------------------------ switching backends by override
+
+
+def test_switching_the_toy_config_to_torch_by_override_keeps_what_fits(capsys):
+    """Regression: `rollkeep train configs/toy.yaml engine.name=torch trainer.name=torch`
+    gave four "unknown key" errors from the toy sections of the file."""
+    warnings: list[str] = []
+    cfg = load_config(REPO / "configs" / "toy.yaml", ["engine.name=torch", "trainer.name=torch"],
+                      warn=warnings.append)
+    assert cfg.engine == TorchEngineConfig()  # the torch defaults: toy.yaml has no torch key
+    assert isinstance(cfg.trainer, TorchTrainerConfig)
+    assert cfg.train.total_steps == 30 and cfg.rollout.group_size == 4  # the rest of the file
+    (line,) = warnings
+    for key in ("engine.latency_ms", "engine.latency_jitter_ms", "engine.infra_fail_rate",
+                "engine.data_fail_rate"):
+        assert f"`{key}`" in line
+    assert "engine.name=torch" in line and "toy.yaml" in line
+    # the default sink is one `warning:` line on stderr
+    load_config(REPO / "configs" / "toy.yaml", ["engine.name=torch", "trainer.name=torch"])
+    err = capsys.readouterr().err
+    assert err.startswith("warning: ") and err.count("\n") == 1
+
+
+def test_a_switched_section_keeps_the_file_keys_the_new_backend_accepts(tmp_path):
+    path = write(tmp_path, "engine:\n  name: torch\n  temperature: 0.7\n  max_new_tokens: 5\n"
+                           "  max_batch_size: 8\n  update_weights_in_flight: true\n"
+                           "trainer:\n  name: torch\n  lr: 0.01\n  model:\n    n_layer: 3\n"
+                           "  scale_rewards: group\n")
+    warnings: list[str] = []
+    cfg = load_config(path, ["engine.name=hf", "engine.model_path=/m", "trainer.name=hf",
+                             "trainer.model_path=/m"], warn=warnings.append)
+    assert cfg.engine == HFEngineConfig(model_path="/m", temperature=0.7, max_new_tokens=5, max_batch_size=8)
+    assert cfg.trainer == HFTrainerConfig(model_path="/m", lr=0.01, scale_rewards="group")
+    assert len(warnings) == 2
+    assert "drops the file's `engine.update_weights_in_flight` (" in warnings[0]
+    assert "`trainer.model`" in warnings[1] and "kept `trainer.lr`, `trainer.scale_rewards`" in warnings[1]
+
+
+def test_an_override_of_the_same_backend_or_a_bad_name_switches_nothing(tmp_path):
+    path = write(tmp_path, "engine:\n  name: toy\n  latency_ms: 2\n")
+    warnings: list[str] = []
+    assert load_config(path, ["engine.name=toy"], warn=warnings.append).engine.latency_ms == 2
+    err = problems("engine.name=nope", path=path)
+    assert "`engine.name` must be one of" in str(err)
+    assert warnings == []
+
+
+def test_a_multi_problem_config_error_prints_one_problem_per_line(tmp_path, capsys):
+    from rollkeep.cli import main
+
+    code = main(["train", str(REPO / "configs" / "toy.yaml"), "seed=-1", "train.total_steps=0",
+                 "engine.nope=1", f"run_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    lines = err.splitlines()
+    assert lines[0].startswith("error: 3 problems in config file") and lines[0].endswith(":")
+    assert [line[:4] for line in lines[1:4]] == ["  - "] * 3
+    assert lines[4].startswith("Nothing was run.") and len(lines) == 5
+    assert all(len(line) < 400 for line in lines[1:4])
+    assert not (tmp_path / "run").exists()

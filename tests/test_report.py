@@ -339,3 +339,93 @@ def test_end_to_end_killed_and_resumed(tmp_path: Path) -> None:
     assert all(p.stat().st_size > 0 for p in files)
     assert "## Restarts" in render_markdown(rep)
     shutil.rmtree(run_dir / "report")
+
+
+# -- graceful stops, and the plots --------------------------------------------------------------
+
+
+def _stopped_a(*, final_checkpoint: bool) -> list[str]:
+    """A commits steps 1 and 2 and stops on SIGTERM; its final cut (step_000002) holds
+    both steps, or (`final_checkpoint=False`, e.g. checkpoint.on_shutdown: false) only
+    step_000001 is published."""
+    A = "runA"
+    lines = [x for x in _run_a() if json.loads(x)["event"] != "checkpoint_published"]
+    lines.insert(-2, _line(105.2, A, "checkpoint_published", step=1, name="step_000001", bytes=100,
+                           cut_hold_seconds=0.0001, write_seconds=0.1, cut_time=CUT))
+    if final_checkpoint:
+        lines.append(_line(107.7, A, "checkpoint_published", step=2, name="step_000002", bytes=100,
+                           cut_hold_seconds=0.0001, write_seconds=0.1, cut_time=107.6))
+    lines.append(_line(107.8, A, "run_finished", step=2, weights_sha256="ab", reason="signal"))
+    return lines
+
+
+def _resumed_b(step: int, t0: float) -> list[str]:
+    B = "runB"
+    ck = f"step_{step:06d}"
+    return [
+        _line(t0, B, "run_started", resumed_from_step=step, checkpoint=ck, pid=2,
+              config_fingerprint="x", cleaned_tmp=[]),
+        _line(t0 + 0.1, B, "restored", checkpoint=ck, step=step, cut_time=CUT if step == 1 else 107.6,
+              groups_reused=0, groups_finalize_again=0, siblings_reused=0, siblings_regenerated=0,
+              siblings_pending=0, groups_readmitted=0, spare_prompts=0, config_changes=[]),
+        _taken(t0 + 0.2, B, 6, 17), _dispatched(t0 + 0.3, B, "e0.6", [0, 1]),
+        _sealed(t0 + 1.0, B, "e0.6", 0, 5), _sealed(t0 + 1.5, B, "e0.6", 1, 5), *_ready(t0 + 2.0, B, "e0.6"),
+        *_commit(t0 + 3.0, B, step + 1, ["e0.6"], [17]),
+    ]
+
+
+def test_lost_progress_after_a_graceful_stop_that_lost_nothing_is_zero(tmp_path: Path) -> None:
+    """Regression: the idle time between a graceful stop and the resume (an hour here)
+    was counted as lost progress although the final checkpoint held every step."""
+    d = tmp_path / "graceful"
+    d.mkdir()
+    (d / "trace.jsonl").write_text("\n".join(_stopped_a(final_checkpoint=True) + _resumed_b(2, 3700.0)) + "\n")
+    [r] = analyse(d).restarts
+    assert r.previous_status == "finished (signal)"
+    assert (r.lost_progress_seconds, r.lost_progress_until) == (0.0, "nothing lost (graceful stop)")
+    assert "| 0.000 (until nothing lost (graceful stop)) |" in render_markdown(analyse(d))
+
+
+def test_lost_progress_after_a_graceful_stop_without_its_final_checkpoint_skips_the_idle_time(
+    tmp_path: Path,
+) -> None:
+    d = tmp_path / "graceful"
+    d.mkdir()
+    (d / "trace.jsonl").write_text("\n".join(_stopped_a(final_checkpoint=False) + _resumed_b(1, 3700.0)) + "\n")
+    [r] = analyse(d).restarts
+    # step 2 is redone: from the resumed run's start (3700.0) to its commit, not from 107.8
+    assert r.lost_progress_until == "step 2 committed again"
+    assert r.lost_progress_seconds == pytest.approx(3.0)
+
+
+def _figures(report) -> dict:
+    from rollkeep.report import _plot
+
+    return dict(_plot(report))
+
+
+def test_restart_cost_plot_of_a_run_without_restarts_says_so(tmp_path: Path) -> None:
+    d = tmp_path / "once"
+    d.mkdir()
+    (d / "trace.jsonl").write_text("\n".join(_run_a()) + "\n")
+    (d / "metrics.jsonl").write_text(_metrics(103.6, "runA", 1) + "\n" + _metrics(107.6, "runA", 2) + "\n")
+    fig = _figures(analyse(d))["restart_cost.png"]
+    [ax] = fig.axes  # one message, not three empty panels
+    assert not ax.axison
+    assert any("no restarts" in t.get_text() for t in ax.texts)
+    assert "No restarts." in render_markdown(analyse(d))
+
+
+def test_custody_plot_stacks_the_owners(run_dir: Path) -> None:
+    from matplotlib.collections import PolyCollection
+
+    fig = _figures(analyse(run_dir))["custody.png"]
+    top, bottom = fig.axes[:2]
+    # one filled band per owner (stacked areas, not overlapping lines); only the restart
+    # marker is a line
+    assert len([c for c in top.collections if isinstance(c, PolyCollection)]) == 6
+    assert len([c for c in bottom.collections if isinstance(c, PolyCollection)]) == 2
+    assert [ln.get_label() for ln in top.lines] == ["restart (after this step)"]
+    assert [t.get_text() for t in top.get_legend().get_texts()][:6] == [
+        "claimed", "ready", "finalizing", "generating", "reserved", "spare"]
+    assert fig.get_suptitle().endswith("(stacked)")

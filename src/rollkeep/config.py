@@ -24,6 +24,7 @@ from __future__ import annotations
 import difflib
 import json
 import re
+import sys
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -37,6 +38,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PlainValidator,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -64,6 +66,7 @@ __all__ = [
     "CheckpointConfig",
     "SamplerConfig",
     "EvalConfig",
+    "RewardConfig",
     "WarmupConfig",
     "LoggerConfig",
     "load_config",
@@ -326,7 +329,7 @@ TrainerConfig = Annotated[
 
 
 class RolloutConfig(_Section):
-    """Groups, retries and what happens to a prompt whose budget is spent (DESIGN §6)."""
+    """Groups, retries and what happens to a prompt whose budget is spent (docs/design.md §6)."""
 
     group_size: int = Field(4, ge=1, le=4096)
     """Completions (siblings) generated per prompt; GRPO normalises rewards within a group.
@@ -355,7 +358,7 @@ class RolloutConfig(_Section):
 
 
 class RecoveryConfig(_Section):
-    """What a restart reuses (DESIGN §1 granularity; issue: restart cost made visible)."""
+    """What a restart reuses (docs/design.md §1 granularity; issue: restart cost made visible)."""
 
     mode: Literal["sibling", "prompt_group", "cursor_only"] = "sibling"
     """`sibling`: a restart keeps finished siblings and regenerates only those in flight.
@@ -388,7 +391,7 @@ class CheckpointConfig(_Section):
 
 
 class SamplerConfig(_Section):
-    """Admission gate and step selection policy (DESIGN §2)."""
+    """Admission gate and step selection policy (docs/design.md §2)."""
 
     name: Literal["in_order", "weight_fifo", "windowed"] = "in_order"
     """`in_order`: step k trains groups stamped k; `weight_fifo`: oldest ready groups within
@@ -411,12 +414,63 @@ class SamplerConfig(_Section):
 
 
 class EvalConfig(_Section):
-    """Periodic evaluation on the held-out set."""
+    """Periodic evaluation on the held-out set (greedy completions, with the torch and hf
+    trainers)."""
 
     every_steps: int = Field(10, ge=0)
     """Evaluate every this many committed steps; 0 = never."""
     n_rows: int | None = Field(None, ge=1)
     """Eval prompts used per evaluation (rows); null = all of the eval set."""
+    path: str | None = None
+    """A held-out JSONL (or Parquet) dataset to evaluate on, read like `data.path` (`prompt`
+    required, `task` optional, other fields go to the reward function); null = the built-in
+    dataset's held-out rows (`data.generated.eval_rows`), and no evaluation when `data.path`
+    is set."""
+
+
+_REWARD_SPEC = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+_REWARD_EXPECTED = (
+    "a `package.module:function` string (a module path, a colon, a function name, e.g. "
+    "`my_rewards:score`), or a mapping of task names to such strings"
+)
+
+
+def _reward_spec(v: Any) -> str | dict[str, str] | None:
+    """`reward.fn`: checked here in one piece (a union would report one error per member)."""
+    from pydantic_core import PydanticCustomError
+
+    def bad() -> PydanticCustomError:  # the error's line adds what was found
+        return PydanticCustomError("reward_spec", _REWARD_EXPECTED)
+
+    if v is None:
+        return None
+    if isinstance(v, str):
+        if not _REWARD_SPEC.match(v):
+            raise bad()
+        return v
+    if isinstance(v, dict) and v:
+        for task, spec in v.items():
+            if not isinstance(task, str) or not isinstance(spec, str) or not _REWARD_SPEC.match(spec):
+                raise bad()
+        return dict(v)
+    raise bad()
+
+
+RewardSpec = Annotated[str | dict[str, str] | None, PlainValidator(_reward_spec)]
+
+
+class RewardConfig(_Section):
+    """Reward functions from your own code, instead of the built-in ones looked up by each
+    row's `task` (`rollkeep.tasks.REWARDS`)."""
+
+    fn: RewardSpec = None
+    """`"package.module:function"`: rewards every row with that function; or a mapping
+    `{task: "package.module:function"}`: rewards the rows of each listed task with its
+    function (other tasks keep the built-in reward). The function is called as
+    `fn(completion: str, row: dict) -> float` (`row` is the dataset row, every field) and
+    must return a finite number; an exception or a non-number is a data failure of that
+    attempt (within `rollout.max_data_attempts`). The module is imported at start-up, from
+    the current directory or the Python path; null = the built-in rewards."""
 
 
 class WarmupConfig(_Section):
@@ -435,6 +489,14 @@ class LoggerConfig(_Section):
 
     tensorboard: bool = False
     """Also write metrics as TensorBoard event files under run_dir."""
+    wandb: bool = False
+    """Also log metrics to Weights & Biases (needs the `wandb` extra). Set
+    `WANDB_MODE=offline` to log without a network (`wandb sync` uploads later). A resumed
+    run continues the same W&B run: its id is kept in `RUN_DIR/wandb_run_id`."""
+    wandb_project: str = "rollkeep"
+    """W&B project the run is logged to."""
+    wandb_name: str | None = None
+    """W&B run name; null = the last part of run_dir."""
     progress: Literal["auto", "bar", "lines", "none"] = "auto"
     """Live progress: a bar, one line per step, nothing, or `auto` (bar on a terminal,
     lines otherwise)."""
@@ -473,6 +535,8 @@ class Config(_Section):
     """Most prompt groups being generated at once; null = the sampler's buffer capacity."""
     max_buffered_rollouts: int | None = None
     """Most finished groups waiting for the trainer; null = the sampler's buffer capacity."""
+    reward: RewardConfig = RewardConfig()
+    """Reward functions from your own code."""
     eval: EvalConfig = EvalConfig()
     """Evaluation."""
     warmup: WarmupConfig = WarmupConfig()
@@ -532,6 +596,7 @@ _SEMANTIC = (
     "train.num_prompts_per_step",
     "sampler",
     "warmup",
+    "reward.fn",
 )
 _NOT_SEMANTIC = (
     "run_dir",
@@ -586,7 +651,7 @@ def _semantic_when(cfg: Config) -> frozenset[str]:
 def semantic(cfg: Config) -> dict[str, Any]:
     """The part of the config that changes what a run trains on, as a nested dict.
 
-    The checkpoint stores it and restore step 8 (DESIGN §5) refuses to resume a run whose
+    The checkpoint stores it and restore step 8 (docs/design.md §5) refuses to resume a run whose
     semantic config differs, unless the user names the keys they mean to change
     (`--allow-config-change KEY`): a silently different dataset, seed, group size, batch,
     sampler, sampling setting or optimizer would make the resumed run a different run.
@@ -618,6 +683,7 @@ def semantic(cfg: Config) -> dict[str, Any]:
 #: before the key existed: a checkpoint written without the key resumes under that value
 #: (and any other value is a change to name with --allow-config-change).
 ADDED_KEYS: dict[str, Any] = {
+    "reward.fn": None,
     "trainer.scale_rewards": "group_population",
     "trainer.loss_type": "dapo",
     "trainer.dual_clip": None,
@@ -863,11 +929,24 @@ def _parse_yaml(text: str) -> Any:
         raise yaml.YAMLError("nested too deeply to be a config") from None
 
 
-def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
+def load_config(
+    path: str | Path | None,
+    overrides: Sequence[str] = (),
+    *,
+    warn: Callable[[str], None] | None = None,
+) -> Config:
     """Read the YAML file at `path` (None = defaults only), apply dotted overrides
     (`train.total_steps=50`, `engine.name=torch`, `data.path=null`; each value is read as
-    YAML), and validate. Every problem is raised together as one `ConfigError`."""
+    YAML), and validate. Every problem is raised together as one `ConfigError`.
+
+    An override that changes the `name` of the file's `engine` or `trainer` section
+    switches backend: the section starts from the new backend's defaults and keeps the
+    file's keys the new backend has; `warn` (default: a `warning:` line on stderr) is told
+    which file keys were dropped. Keys given as overrides are never dropped: one the new
+    backend does not have is an error, like any unknown key."""
     raw = _read_file(path) if path is not None else {}
+    for line in _switch_backends(raw, overrides, path):
+        (warn or _warn_stderr)(line)
     problems: list[_Problem] = []
     for text in overrides:
         problem = _apply_override(raw, text)
@@ -888,6 +967,48 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
         raise _config_error(problems, path=path, overrides=overrides)
     assert cfg is not None
     return cfg
+
+
+def _warn_stderr(line: str) -> None:
+    print(f"warning: {line}", file=sys.stderr)
+
+
+def _switch_backends(raw: dict[str, Any], overrides: Sequence[str], path: str | Path | None) -> list[str]:
+    """Where an override gives a union section (`engine`, `trainer`) another backend `name`
+    than the file's, rebuild that section of `raw` from the file's keys the new backend
+    accepts (its other keys take the new backend's defaults). Returns one line per section
+    that lost keys. Malformed overrides are left for `_apply_override` to report."""
+    notes = []
+    for section, field in Config.model_fields.items():
+        variants = _variants(field.annotation)
+        old = raw.get(section)
+        if not variants or not isinstance(old, dict):
+            continue
+        new_name = None
+        for text in overrides:
+            key, sep, value = text.partition("=")
+            if sep and key.strip() == f"{section}.name":
+                try:
+                    new_name = _parse_yaml(value)
+                except yaml.YAMLError:
+                    new_name = None
+        old_name = old.get("name", "toy")
+        if not isinstance(new_name, str) or new_name not in variants or new_name == old_name:
+            continue
+        accepted = variants[new_name].model_fields
+        kept = {k: v for k, v in old.items() if k in accepted and k != "name"}
+        dropped = [str(k) for k in old if k not in accepted and k != "name"]
+        raw[section] = {"name": new_name, **kept}
+        if dropped:
+            where = f"config file {path}" if path is not None else "the config"
+            notes.append(
+                f"`{section}.name={new_name}` replaces `{section}.name: {old_name}` of {where}: "
+                f"{section} starts from the {new_name} defaults and drops the file's "
+                + ", ".join(f"`{section}.{k}`" for k in dropped)
+                + f" (not settings of {section} {new_name})"
+                + (f"; kept {', '.join(f'`{section}.{k}`' for k in kept)}" if kept else "")
+            )
+    return notes
 
 
 def _read_file(path: str | Path) -> dict[str, Any]:

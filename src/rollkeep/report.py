@@ -24,10 +24,14 @@ Definitions (also in `DEFINITIONS`, written into the report):
   `dispatched` before the cut (clamped at 0), summed. For a sealed sibling of an
   all-or-nothing group this includes the time the row waited for its siblings. Each
   dispatch is counted once, at the first restart that throws it away.
-- **lost progress** = from the previous run's last trace line (its kill or stop) until the
-  resumed run committed again the last step the previous run had committed. If the
-  previous run committed nothing after the restored checkpoint's step, until the resumed
-  run's first commit instead. Null while that commit has not happened (yet).
+- **lost progress** = from the previous run's kill (its last trace line) until the resumed
+  run committed again the last step the previous run had committed; if the previous run
+  committed nothing after the restored checkpoint's step, until the resumed run's first
+  commit instead. After a graceful stop (SIGINT/SIGTERM, the end of the steps or of the
+  data: a `run_finished` line) the time the run directory sat idle is not lost: the clock
+  starts when the resumed run starts, and it is 0 when the stop's final checkpoint holds
+  every step the stopped run committed (nothing to redo). Null while that commit has not
+  happened (yet).
 - **group completion time** = a group's last surviving `ready` before the commit that
   trained it minus its first surviving `taken` (a group taken by an earlier run counts
   from there, across the downtime).
@@ -86,10 +90,12 @@ DEFINITIONS: dict[str, str] = {
     "'restart'.",
     "tokens reused": "tokens of the sealed rows the restored checkpoint holds that the resumed "
     "run keeps.",
-    "lost progress": "from the previous run's last trace line (its kill or stop) until the "
-    "resumed run committed again the last step the previous run had committed; if the previous "
-    "run committed nothing after the checkpoint's step, until the resumed run's first commit. "
-    "Empty while that commit has not happened.",
+    "lost progress": "from the previous run's kill (its last trace line) until the resumed run "
+    "committed again the last step the previous run had committed; if the previous run committed "
+    "nothing after the checkpoint's step, until the resumed run's first commit. After a graceful "
+    "stop the idle time does not count: the clock starts when the resumed run starts, and it is 0 "
+    "when the stop's final checkpoint holds every step it committed. Empty while that commit has "
+    "not happened.",
     "group completion time": "a group's last surviving 'ready' before the commit that trained "
     "it minus its first surviving 'taken' (across runs and downtime).",
     "batch age": "token-weighted number of weight versions between generating a token and "
@@ -454,17 +460,25 @@ def _restart(
         r.thrown_away_generation_seconds = seconds
 
     # Lost progress: from the kill until the resumed run is back where the killed run was.
+    # A graceful stop is a pause, not a loss: its idle time does not count, and a final
+    # checkpoint that holds every committed step leaves nothing to redo.
     prev_steps = prev_info.steps_committed
     commits = [(int(x["step"]), float(x["t"])) for _, x in run.lines if x["event"] == "step_committed"]
-    if prev_steps and max(prev_steps) > (resumed or 0):
+    behind = bool(prev_steps) and max(prev_steps) > (resumed or 0)
+    if prev_info.finished and resumed is not None and not behind:
+        r.lost_progress_until = "nothing lost (graceful stop)"
+        r.lost_progress_seconds = 0.0
+        return r, kept
+    if behind:
         target = max(prev_steps)
         r.lost_progress_until = f"step {target} committed again"
         again = next((t for s, t in commits if s == target), None)
     else:
         r.lost_progress_until = "first commit"
         again = commits[0][1] if commits else None
-    if again is not None and r.kill_t is not None:
-        r.lost_progress_seconds = max(0.0, again - float(r.kill_t))
+    since = started.get("t") if prev_info.finished else r.kill_t
+    if again is not None and since is not None:
+        r.lost_progress_seconds = max(0.0, again - float(since))
     return r, kept
 
 
@@ -803,30 +817,56 @@ def _plot(report: Report) -> list[tuple[str, Any]]:
     legend(fig, ax)
     figs.append(("batch_age.png", fig))
 
-    # custody.png: in-flight owners on top, cumulative owners below.
+    # custody.png: who holds the prompts after each step, stacked (the height of a band is
+    # its owner's count, the top edge their total): in-flight owners on top, where the
+    # counts are small, and the cumulative owners below.
     fig = Figure(figsize=(10, 7), layout="constrained")
-    top, bottom = fig.subplots(2, 1, sharex=True)
-    fig.suptitle("Custody: groups held by each owner after each step")
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=(1, 1))
+    fig.suptitle("Custody: prompts held by each owner after each step (stacked)")
     rows = [c for c in report.custody if c["surviving"]]
     cx = [c["step"] for c in rows]
+    colors = dict(zip(OWNERS, ("tab:olive", "tab:gray", "tab:blue", "tab:purple", "tab:orange",
+                               "tab:red", "tab:green", "black"), strict=True))
     for axis, owners, label in [
-        (top, OWNERS[:6], "groups in flight"),
-        (bottom, OWNERS[6:], "groups (cumulative)"),
+        (top, OWNERS[:6], "in flight (prompts)"),
+        (bottom, OWNERS[6:], "done (prompts, cumulative)"),
     ]:
-        for o in owners:
-            axis.plot(cx, [c.get(o) or 0 for c in rows], marker=".", label=o)
+        if rows:
+            # one band per step, centred on it: step k spans [k - 0.5, k + 0.5]
+            edges = [x - 0.5 for x in cx] + [cx[-1] + 0.5]
+            ys = [[c.get(o) or 0 for c in rows] for o in owners]
+            axis.stackplot(edges, *[y + y[-1:] for y in ys], labels=owners,
+                           colors=[colors[o] for o in owners], step="post", alpha=0.85, linewidth=0)
+            axis.set_xlim(edges[0], edges[-1])
+        else:
+            axis.text(0.5, 0.5, "no committed steps", ha="center", va="center", transform=axis.transAxes)
         axis.set_ylabel(label)
         axis.grid(True, alpha=0.3)
-        for k, x in enumerate(restart_steps):
-            axis.axvline(x, color="tab:red", linestyle="--", linewidth=1.2,
-                         label="restart" if k == 0 else None)
-        axis.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
+        for k, x in enumerate(restart_steps):  # between the restored step and the next
+            axis.axvline(x + 0.5, color="tab:red", linestyle="--", linewidth=1.2,
+                         label="restart (after this step)" if k == 0 else None)
+        entries = list(zip(*axis.get_legend_handles_labels(), strict=True))
+        if entries:  # the top of the stack first, as it is drawn; the restart marker last
+            bands = [e for e in entries if e[1] in owners][::-1]
+            entries = bands + [e for e in entries if e[1] not in owners]
+            axis.legend(*zip(*entries, strict=True), loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))
         axis.yaxis.set_major_locator(MaxNLocator(integer=True))
     bottom.set_xlabel("step")
     figs.append(("custody.png", fig))
 
-    # restart_cost.png: one panel per measure, one bar per restart.
+    # restart_cost.png: one panel per measure, one bar per restart (or one line saying
+    # there were none: three empty panels say nothing).
+    if not report.restarts:
+        fig = Figure(figsize=(12, 5), layout="constrained")
+        ax = fig.add_subplot()
+        ax.set_axis_off()
+        fig.suptitle("Cost of each restart")
+        ax.text(0.5, 0.5, "no restarts: this run was never interrupted and resumed,\n"
+                "so no generation was thrown away and no progress was lost",
+                ha="center", va="center", fontsize=14, transform=ax.transAxes)
+        figs.append(("restart_cost.png", fig))
+        return figs
     fig = Figure(figsize=(12, 5), layout="constrained")
     panels = fig.subplots(1, 3)
     fig.suptitle("Cost of each restart")
@@ -841,9 +881,6 @@ def _plot(report: Report) -> list[tuple[str, Any]]:
         axis.set_xlabel("restart (resumed from step)")
         axis.set_ylabel(unit)
         axis.grid(True, axis="y", alpha=0.3)
-        if not report.restarts:
-            axis.text(0.5, 0.5, "no restarts", ha="center", va="center", transform=axis.transAxes)
-            continue
         heights = [v or 0 for v in values]
         axis.set_ylim(0, max(heights) * 1.15 or 1.0)
         bars = axis.bar(range(len(labels)), heights, color=color)

@@ -1,1 +1,1 @@
-"""`rollkeep bench`: benchmarks measured against DESIGN.md §13, never asserted in tests."""
+"""`rollkeep bench`: benchmarks measured against docs/design.md §9, never asserted in tests."""

@@ -1,4 +1,4 @@
-"""Ledger benchmarks (DESIGN §13). Part of `rollkeep bench`; alone:
+"""Ledger benchmarks (docs/design.md §9). Part of `rollkeep bench`; alone:
 `python -m rollkeep.bench.ledger [--quick] [--json PATH]`.
 
 Measures, on one core:
@@ -38,7 +38,7 @@ G = 16
 def lifecycle(n_groups: int, per_step: int = 64, *, per_sibling_dispatch: bool = True) -> float:
     """Groups/s for the full lifecycle, applied in steps of `per_step` groups, counting
     the construction of every event. `per_sibling_dispatch` = one Dispatched event per
-    sibling (16 per group, the strict reading of DESIGN §13); otherwise one per group,
+    sibling (16 per group, the strict reading of docs/design.md §9); otherwise one per group,
     as the controller does."""
     led = Ledger(n_rows=n_groups, seed=0, epochs=1)
     gens = tuple(range(G))

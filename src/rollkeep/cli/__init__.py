@@ -1,4 +1,4 @@
-"""The `rollkeep` command line (DESIGN §11).
+"""The `rollkeep` command line.
 
 Each subcommand is a small module in this package exposing `add_parser(subparsers)` and
 `run(args) -> int`. Only the module of the subcommand being run is imported, so
@@ -6,7 +6,8 @@ Each subcommand is a small module in this package exposing `add_parser(subparser
 answers "not available yet" instead of breaking the others.
 
 Errors: a `RollkeepError` escaping a subcommand is printed as one paragraph on stderr,
-`error: <what, file, field, expected, found, what to do>`, with no traceback, and its class
+`error: <what, file, field, expected, found, what to do>` (one line, or one line per
+problem when it lists several), with no traceback, and its class
 picks the exit code (`EXIT_CODES`, listed in `rollkeep --help`).
 """
 
@@ -16,7 +17,6 @@ import argparse
 import importlib
 import io
 import os
-import re
 import sys
 from collections.abc import Sequence
 from types import ModuleType
@@ -51,6 +51,7 @@ COMMANDS: dict[str, str] = {
     "chaos": "kill/resume torture run with a pass/fail report",
     "simulate": "deterministic simulation of whole runs with crashes and disk faults",
     "bench": "benchmarks of the custody core",
+    "export": "write the trained built-in model as a Hugging Face model directory",
 }
 
 _EPILOG = """\
@@ -67,6 +68,7 @@ examples:
   rollkeep train config.yaml
   rollkeep inspect runs/a
   rollkeep audit --all runs/a/checkpoints
+  rollkeep export runs/a --out models/a
   rollkeep <command> --help
 """
 
@@ -80,8 +82,22 @@ def exit_code(err: RollkeepError) -> int:
 
 
 def error_paragraph(err: RollkeepError) -> str:
-    """`str(err)` on one line: what, file, field, expected, found, what to do."""
-    return re.sub(r"\s*\n\s*", " ", str(err)).strip()
+    """`str(err)` as one paragraph: what, file, field, expected, found, what to do. An
+    error that lists several problems (`  - ...` lines, e.g. a config with many mistakes)
+    keeps one line per problem; everything else is joined into one line."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    listed = [line for line in lines if line.startswith("- ")]
+    if len(listed) < 2:
+        return " ".join(lines)
+    out: list[str] = []
+    for line in lines:
+        if line.startswith("- "):
+            out.append("  " + line)
+        elif out and not out[-1].startswith("  - "):
+            out[-1] += " " + line
+        else:
+            out.append(line)
+    return "\n".join(out)
 
 
 def print_error(err: RollkeepError) -> None:

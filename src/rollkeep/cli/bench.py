@@ -15,7 +15,7 @@ Run the benchmark suite and print what it measured, side by side, in one invocat
 
   core        ledger lifecycle rate, cut hold, encoded bytes, decode + audit time and
               memory per in-flight group; checkpoint write and restore time; the
-              control-plane ceiling (next to the targets of DESIGN.md §13)
+              control-plane ceiling (next to the targets of docs/design.md §9)
   preemption  goodput under preemption: the same job (toy engine with uneven latency, and
               the built-in GPT) SIGKILLed K times at the same random instants for each
               recovery.mode (sibling, prompt_group, cursor_only): fraction of generated
@@ -31,7 +31,7 @@ Medians over --repeats; ratios against sibling (preemption), lookahead 0 (speedu
 in_order (waste).
 
 examples:
-  rollkeep bench --quick                                  # everything small, ~2 minutes
+  rollkeep bench --quick                                  # everything small, about a minute
   rollkeep bench --suite core --json core.json            # the custody core, a few minutes
   rollkeep bench --suite preemption --kills 4 --repeats 3 --json p.json  # ~7 minutes
   rollkeep bench --suite speedup                          # ~3 minutes

@@ -1,4 +1,4 @@
-"""`rollkeep chaos [CONFIG] [key=value ...] --kills N [--seed S]`."""
+"""`rollkeep chaos [CONFIG] [key=value ...] [--kills N] [--seed S]` (5 kills by default)."""
 
 from __future__ import annotations
 

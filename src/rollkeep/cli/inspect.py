@@ -1,6 +1,6 @@
 """`rollkeep inspect PATH`: what a checkpoint holds and what a restore from it would do.
 
-It runs restore steps 1-6 of DESIGN §5, the same code `rollkeep train` runs when it
+It runs restore steps 1-6 of docs/design.md §5, the same code `rollkeep train` runs when it
 resumes (`rollkeep.core.restore`), and modifies nothing on disk. Steps 7 (dataset) and 8
 (config) need the run's dataset and config, which inspect does not load; the output says
 so. PATH is resolved by `resolve()`, shared with `rollkeep audit`.
@@ -30,7 +30,7 @@ from rollkeep.core.ledger import GroupState, LedgerState
 from rollkeep.core.restore import Restored, restore_chain
 from rollkeep.core.store import LATEST, MANIFEST, RESERVED_KEYS, CheckpointStore
 
-CHECKPOINTS = "checkpoints"  # RUN_DIR/checkpoints (DESIGN §4)
+CHECKPOINTS = "checkpoints"  # RUN_DIR/checkpoints (docs/design.md §4)
 _CHECKPOINT_NAME = re.compile(r"step_\d{6,}")
 
 #: Restore steps this command runs, and the two it cannot.
@@ -169,7 +169,7 @@ def store_listing(store: CheckpointStore) -> dict[str, Any]:
 
 
 def custody(state: LedgerState) -> dict[str, Any]:
-    """Who owns what: the numbers of the owner table (DESIGN §1)."""
+    """Who owns what: the numbers of the owner table (docs/design.md §1)."""
     by_state = Counter(GroupState(r.state) for r in state.groups.values())
     dropped_by_reason = Counter(reason for reason, _ in state.dropped.values())
     cursor = tuple(state.cursor)

@@ -15,6 +15,10 @@ examples:
   rollkeep train                                   # the built-in job
   rollkeep train configs/toy.yaml                  # toy engine + toy trainer, seconds
   rollkeep train configs/toy.yaml train.total_steps=50 sampler.name=windowed
+  rollkeep train configs/toy.yaml engine.name=torch trainer.name=torch   # switch backend:
+                                                   # the file's toy-only keys are dropped, with a warning
+  rollkeep train configs/toy.yaml 'reward.fn=my_rewards:score'   # your reward function
+  rollkeep train configs/hf.yaml                   # the hf backend on models/arith (rollkeep export)
   rollkeep train configs/toy.yaml --allow-config-change train.num_prompts_per_step \\
       train.num_prompts_per_step=16
   rollkeep train configs/toy.yaml --resume-from step_000010   # newer ones move aside

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,9 @@ from typing import Any
 from ..config import Config, check_allowed_changes
 from ..core.errors import FilesystemError, RollkeepError
 from ..core.store import CheckpointStore
-from .build import build
+from ..tasks import use_rewards
+from .build import Parts, build
+from .metrics import for_run
 from .rundir import RunDir, published_in_trace, start_point
 from .runner import Runner, RunResult
 from .warmup import run_warmup
@@ -36,7 +39,19 @@ def train(
     `FilesystemError` (the CLI's exit 5); anything else is a bug and propagates unchanged.
     """
     check_allowed_changes(allow_config_change)
-    parts = build(cfg)
+    try:
+        parts = build(cfg)  # installs the run's reward.fn (rollkeep.tasks.use_rewards)
+        for note in parts.notes:  # what the config asks for but will not happen, said once
+            print(f"warning: {note}", file=sys.stderr, flush=True)
+        with for_run(cfg):  # the metrics log of this run reads its logger settings here
+            return _run(cfg, parts, allow_config_change=allow_config_change,
+                        allow_dataset_change=allow_dataset_change, resume_from=resume_from, on_step=on_step)
+    finally:
+        use_rewards(None)  # the next run in this process starts from the built-in rewards
+
+
+def _run(cfg: Config, parts: Parts, *, allow_config_change: tuple[str, ...], allow_dataset_change: bool,
+         resume_from: str | None, on_step: Callable[[int, dict[str, Any]], None] | None) -> RunResult:
     run_dir = Path(cfg.run_dir)
     try:
         with RunDir(run_dir):  # held from before the warm start until the run has closed

@@ -1,20 +1,23 @@
 """Build a run's components from its config (the recipe's ingredients, torchtune-style):
-the dataset and prompt source, the engine, the trainer, the evaluator. Each gets only its
-own config section, plus what it must share with the others (the tokenizer, the model's
-initial weights, the sampling temperature, the maximum completion length)."""
+the reward functions (`reward.fn`), the dataset and prompt source, the held-out set, the
+engine, the trainer, the evaluator. Each gets only its own config section, plus what it
+must share with the others (the tokenizer, the model's initial weights, the sampling
+temperature, the maximum completion length). What the config asks for but cannot happen
+(evaluation without held-out data) is said in `Parts.notes`, printed at start-up."""
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import Config
 from ..core.errors import ConfigError
 from ..core.source import Dataset, PromptSource, SequenceDataset, load_dataset
 from ..engines import Engine, make_engine
-from ..tasks import arith, check_tasks
+from ..tasks import arith, check_tasks, use_rewards
 from ..trainers import Trainer, make_trainer
+from .metrics import check_logger
 
 
 @dataclass
@@ -26,34 +29,72 @@ class Parts:
     trainer: Trainer
     tokenizer: Any = None
     evaluator: Any = None
+    notes: list[str] = field(default_factory=list)  # said at start-up (`warning: ...`)
 
 
 def build_data(cfg: Config) -> tuple[Dataset, list[dict] | None]:
-    """The training dataset and, for the built-in task, a held-out eval set."""
+    """The training dataset and the held-out eval set: `eval.path` when set, else the
+    built-in task's held-out rows (None with `data.path`: a dataset has no held-out part)."""
     if cfg.data.path is not None:
-        return load_dataset(cfg.data.path), None
-    gen = cfg.data.generated
-    if gen.task not in (arith.TASK, arith.TASK_PARTIAL):
-        raise ConfigError(
-            f"unknown built-in dataset task {gen.task!r}",
-            field="data.generated.task",
-            expected=f"{arith.TASK} (exact match) or {arith.TASK_PARTIAL} (partial credit)",
-            found=repr(gen.task),
-            remedy="set data.generated.task=arith or point data.path at a JSONL file",
-        )
-    rows = arith.make_rows(gen.n_rows + gen.eval_rows, digits=gen.digits, seed=cfg.seed, task=gen.task)
-    return SequenceDataset(rows[: gen.n_rows]), rows[gen.n_rows :]
+        dataset, eval_rows = load_dataset(cfg.data.path), None
+    else:
+        gen = cfg.data.generated
+        if gen.task not in (arith.TASK, arith.TASK_PARTIAL):
+            raise ConfigError(
+                f"unknown built-in dataset task {gen.task!r}",
+                field="data.generated.task",
+                expected=f"{arith.TASK} (exact match) or {arith.TASK_PARTIAL} (partial credit)",
+                found=repr(gen.task),
+                remedy="set data.generated.task=arith or point data.path at a JSONL file",
+            )
+        rows = arith.make_rows(gen.n_rows + gen.eval_rows, digits=gen.digits, seed=cfg.seed, task=gen.task)
+        dataset, eval_rows = SequenceDataset(rows[: gen.n_rows]), rows[gen.n_rows :]
+    if cfg.eval.path is not None:
+        held_out = load_dataset(cfg.eval.path)  # refuses a missing file, a FIFO, a bad row
+        eval_rows = [dict(held_out[i]) for i in range(len(held_out))]
+    return dataset, eval_rows
 
 
 def build(cfg: Config) -> Parts:
+    check_logger(cfg.logger, cfg.run_dir)  # the tb / wandb extras, before anything runs
+    use_rewards(cfg.reward.fn)  # imports the user's reward modules: exit 2 on any problem
     dataset, eval_rows = build_data(cfg)
     check_tasks(str(dataset[i].get("task", "default")) for i in range(len(dataset)))
+    if eval_rows:
+        check_tasks(str(r.get("task", "default")) for r in eval_rows)
     source = PromptSource(dataset, seed=cfg.seed, epochs=cfg.data.epochs)
     if cfg.trainer.name == "torch":
-        return _build_torch(cfg, dataset, source, eval_rows)
-    if cfg.trainer.name == "hf":
-        return _build_hf(cfg, dataset, source, eval_rows)
-    return Parts(dataset, source, eval_rows, make_engine(cfg.engine), make_trainer(cfg.trainer))
+        parts = _build_torch(cfg, dataset, source, eval_rows)
+    elif cfg.trainer.name == "hf":
+        parts = _build_hf(cfg, dataset, source, eval_rows)
+    else:
+        parts = Parts(dataset, source, eval_rows, make_engine(cfg.engine), make_trainer(cfg.trainer))
+    parts.notes.extend(eval_notes(cfg, eval_rows, evaluates=parts.evaluator is not None))
+    return parts
+
+
+def eval_notes(cfg: Config, eval_rows: list[dict] | None, *, evaluates: bool) -> list[str]:
+    """Why evaluation the config asks for will not run (empty when it runs or is off)."""
+    every = cfg.eval.every_steps
+    if evaluates or (every == 0 and cfg.eval.path is None):
+        return []
+    if cfg.trainer.name == "toy":
+        if cfg.eval.path is None:
+            return []  # the toy trainer has no model: eval.every_steps means nothing there
+        return ["eval.path is set but the toy trainer has no model to evaluate; no evaluation "
+                "runs (use trainer.name torch or hf)"]
+    if every == 0:
+        return ["eval.path is set but eval.every_steps is 0: no evaluation runs (set "
+                "eval.every_steps, e.g. eval.every_steps=25)"]
+    if cfg.data.path is not None and cfg.eval.path is None:
+        why = ("data.path is set and eval.path is not: your dataset has no held-out part; "
+               "give eval.path (a held-out JSONL file) to evaluate on it")
+    elif cfg.eval.path is None:
+        why = "data.generated.eval_rows is 0; raise it to hold problems out"
+    else:
+        why = "eval.path holds no rows"
+    return [f"eval.every_steps is {every} but there is no held-out data, so no evaluation "
+            f"runs: {why} (or set eval.every_steps=0 to silence this)"]
 
 
 def _build_torch(cfg: Config, dataset: Dataset, source: PromptSource, eval_rows) -> Parts:
@@ -116,4 +157,15 @@ def _build_hf(cfg: Config, dataset: Dataset, source: PromptSource, eval_rows) ->
         engine = make_engine(cfg.engine, dtype=torch.float64)
     else:
         engine = make_engine(cfg.engine)
-    return Parts(dataset, source, eval_rows, engine, trainer, getattr(trainer, "tokenizer", None))
+    evaluator = None
+    if eval_rows and cfg.eval.every_steps:
+        from ..models.hf import greedy_texts
+        from .evaluate import Evaluator
+
+        rows = eval_rows[: cfg.eval.n_rows] if cfg.eval.n_rows else eval_rows
+        chat = cfg.engine.name == "hf" and cfg.engine.chat_template
+        evaluator = Evaluator(rows, model=trainer.model, tokenizer=trainer.tokenizer.tok,
+                              max_new_tokens=cfg.engine.max_new_tokens,
+                              greedy=lambda m, t, p, max_new_tokens: greedy_texts(
+                                  m, t, p, max_new_tokens=max_new_tokens, chat_template=chat))
+    return Parts(dataset, source, eval_rows, engine, trainer, getattr(trainer, "tokenizer", None), evaluator)

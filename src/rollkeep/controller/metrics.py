@@ -1,46 +1,107 @@
 """Per-step metrics: `RUN_DIR/metrics.jsonl` always (one JSON object per line, with `t`,
-`run_id` and `step`), and TensorBoard event files in `RUN_DIR/tensorboard` with
-`logger.tensorboard: true` (needs the `tb` extra: tensorboardX)."""
+`run_id` and `step`), and, on request, the same numbers in
+
+  - TensorBoard event files in `RUN_DIR/tensorboard` (`logger.tensorboard: true`, the `tb`
+    extra: tensorboardX);
+  - a Weights & Biases run (`logger.wandb: true`, the `wandb` extra), files under
+    `RUN_DIR/wandb`. Offline with `WANDB_MODE=offline` (`wandb sync RUN_DIR/wandb/offline-run-*`
+    uploads later). The W&B run id is kept in `RUN_DIR/wandb_run_id`, so a resumed run
+    logs into the same W&B run. Every record carries `step` and W&B plots against it
+    (`define_metric`), so the steps a resumed run does again after its checkpoint are
+    logged again at their own step, not dropped as out of order. Closing the log ends
+    the W&B run and wandb's session in this process (`wandb.teardown`), so what was logged
+    is on disk when the run ends.
+
+Where the settings come from: `MetricsLog(..., logger=cfg.logger, config=cfg.to_dict())`,
+or, when the caller passes only `tensorboard` (the run loop did, before W&B), the run that
+`rollkeep.controller.train` declares for its duration with `for_run(cfg)`.
+`check_logger(cfg.logger)` refuses a missing extra at start-up, before anything runs.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
+import os
+import re
+import secrets
+import string
+import sys
 import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..core.errors import ConfigError
+from ..core.errors import ConfigError, ExternalError, UserInputError
+from ..core.untrusted import read_prefix
+
+WANDB_ID_FILE = "wandb_run_id"
+_WANDB_ID = re.compile(r"^[a-z0-9]{8,64}$")
+
+# (logger settings, the resolved config as data) of the run in progress; see `for_run`.
+_RUN: contextvars.ContextVar[tuple[Any, dict[str, Any]] | None] = contextvars.ContextVar(
+    "rollkeep_metrics_run", default=None
+)
+
+
+@contextlib.contextmanager
+def for_run(cfg: Any) -> Iterator[None]:
+    """Declare `cfg`'s logger settings for the `MetricsLog` a run opens inside this block
+    (also inside `asyncio.run` and worker threads, which copy the context)."""
+    token = _RUN.set((cfg.logger, cfg.to_dict()))
+    try:
+        yield
+    finally:
+        _RUN.reset(token)
+
+
+def check_logger(logger: Any, run_dir: str | Path) -> None:
+    """Start-up check, before anything runs: the extras the logger settings need are
+    installed, and a kept W&B run id is readable (exit 2 if not)."""
+    if logger.tensorboard:
+        _import_tensorboard()
+    if logger.wandb:
+        _import_wandb()
+        _kept_wandb_id(Path(run_dir))
 
 
 class MetricsLog:
-    def __init__(self, run_dir: Path, run_id: str, *, tensorboard: bool) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        run_id: str,
+        *,
+        tensorboard: bool,
+        logger: Any = None,
+        config: Mapping[str, Any] | None = None,
+    ) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.run_id = run_id
         self._tb = None
+        self._wandb = None
         self._checked = False  # whether the file's last line was checked for a tear
-        if tensorboard:
-            try:
-                from tensorboardX import SummaryWriter
-            except ImportError:
-                raise ConfigError(
-                    "logger.tensorboard is true but tensorboardX is not installed",
-                    field="logger.tensorboard",
-                    remedy="pip install 'rollkeep[tb]', or set logger.tensorboard=false",
-                ) from None
-            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+        if logger is None and (declared := _RUN.get()) is not None:
+            logger, config = declared
+        if tensorboard or (logger is not None and logger.tensorboard):
+            self._tb = _import_tensorboard()(str(Path(run_dir) / "tensorboard"))
+        if logger is not None and logger.wandb:
+            self._wandb = _open_wandb(Path(run_dir), logger, dict(config or {}))
 
     def write(self, step: int, record: dict[str, Any]) -> None:
         with open(self.path, "a") as f:
             if self._torn():
                 f.write("\n")  # a killed writer tore its last line: end it there
             f.write(json.dumps({"t": time.time(), "run_id": self.run_id, "step": step, **record}) + "\n")
+        numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._tb is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(key, value, step)
+            for key, value in numbers.items():
+                self._tb.add_scalar(key, value, step)
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log({"step": step, **numbers})
 
     def _torn(self) -> bool:
         if self._checked:
@@ -53,8 +114,107 @@ class MetricsLog:
             return f.read(1) != b"\n"
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
+        try:
+            if self._tb is not None:
+                self._tb.close()
+        finally:
+            if self._wandb is not None:
+                run, self._wandb = self._wandb, None
+                try:
+                    run.finish()
+                finally:
+                    # `finish` can return before wandb's service has written everything
+                    # (offline: the run file under RUN_DIR/wandb); `teardown` waits for it,
+                    # and wandb's atexit hook that would otherwise do it does not run in
+                    # every setup.
+                    teardown = getattr(sys.modules.get("wandb"), "teardown", None)
+                    if teardown is not None:
+                        teardown()
+
+
+# ------------------------------------------------------------------------------ sinks
+
+
+def _import_tensorboard() -> Any:
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        raise ConfigError(
+            "logger.tensorboard is true but tensorboardX is not installed",
+            field="logger.tensorboard",
+            remedy="pip install 'rollkeep[tb]', or set logger.tensorboard=false",
+        ) from None
+    return SummaryWriter
+
+
+def _import_wandb() -> Any:
+    try:
+        import wandb
+    except ImportError as e:
+        raise ConfigError(
+            "logger.wandb is true but wandb is not installed",
+            field="logger.wandb",
+            expected="the wandb package importable",
+            found=f"ImportError: {e}",
+            remedy="pip install 'rollkeep[wandb]', or set logger.wandb=false",
+        ) from None
+    return wandb
+
+
+def _open_wandb(run_dir: Path, logger: Any, config: dict[str, Any]) -> Any:
+    """Start (or, with `RUN_DIR/wandb_run_id`, continue) the run's W&B run."""
+    wandb = _import_wandb()
+    run_id = _kept_wandb_id(run_dir)
+    if run_id is None:
+        run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+        id_path = run_dir / WANDB_ID_FILE
+        tmp = id_path.with_name(f".{WANDB_ID_FILE}.tmp")
+        tmp.write_text(run_id + "\n")
+        os.replace(tmp, id_path)  # the id is there before anything is logged under it
+    (run_dir / "wandb").mkdir(exist_ok=True)
+    try:
+        run = wandb.init(
+            project=logger.wandb_project,
+            name=logger.wandb_name or Path(run_dir).resolve().name,
+            id=run_id,
+            resume="allow",
+            dir=str(run_dir),
+            config=config,
+        )
+        run.define_metric("step")
+        run.define_metric("*", step_metric="step")
+    except Exception as e:  # wandb's own errors: no network, no login, a bad project
+        raise ExternalError(
+            "Weights & Biases could not start the run's W&B run",
+            field="logger.wandb",
+            found=f"{type(e).__name__}: {e}",
+            remedy="log in (`wandb login`), or log offline with WANDB_MODE=offline, or set "
+            "logger.wandb=false; the run resumes from its checkpoint",
+        ) from None
+    return run
+
+
+def _kept_wandb_id(run_dir: Path) -> str | None:
+    """The W&B run id an earlier run of this run_dir kept, or None."""
+    id_path = run_dir / WANDB_ID_FILE
+    if not (id_path.exists() or id_path.is_symlink()):
+        return None
+    try:
+        run_id = read_prefix(id_path, 100).decode("ascii", "replace").strip()
+    except OSError as e:
+        raise UserInputError(
+            f"{id_path} cannot be read", path=str(id_path),
+            expected="a regular file holding the run's W&B run id", found=e.strerror or str(e),
+            remedy=f"remove {id_path} to log into a new W&B run",
+        ) from None
+    if not _WANDB_ID.match(run_id):
+        raise UserInputError(
+            f"{id_path} does not hold a W&B run id", path=str(id_path),
+            expected="8 to 64 lowercase letters and digits, written by an earlier run",
+            found=repr(run_id[:80]),
+            remedy=f"remove {id_path} to log into a new W&B run",
+        )
+    return run_id
 
 
 def step_record(batch: Any, metrics: dict[str, float], *, train_seconds: float, step_seconds: float,

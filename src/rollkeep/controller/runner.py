@@ -14,7 +14,7 @@ group record. Top to bottom:
 
 Every scheduler call runs on the loop thread, synchronously, with no await inside it;
 engine and trainer work happens in tasks and threads between them, so a cut always sees
-every owner in one consistent state (DESIGN §3).
+every owner in one consistent state (docs/design.md §3).
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ class Runner:
                 try:
                     reward = float(reward_fn(req.prompt.task)(completion.text, req.prompt.row))
                     outcome = Generated(completion, reward)
-                except Exception as e:  # a reward function's error is a data failure (DESIGN §6)
+                except Exception as e:  # a reward function's error is a data failure (docs/design.md §6)
                     outcome = Failure(DATA, f"reward function: {type(e).__name__}: {e}")
             except DataError as e:
                 outcome = Failure(DATA, str(e))

@@ -1,4 +1,4 @@
-"""The atomic cut and what a checkpoint holds (DESIGN §3, §4).
+"""The atomic cut and what a checkpoint holds (docs/design.md §3, §4).
 
 `cut()` runs synchronously on the loop thread between two transitions: it captures the
 ledger (O(1), copy-on-write) and pins the row store (O(1)), and measures how long it held

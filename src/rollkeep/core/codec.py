@@ -3,7 +3,7 @@
 The encoding is canonical (groups sorted by key, maps sorted), so two equal ledgers
 encode to equal bytes; tests compare states that way.
 
-Decoding is restore step 4 (DESIGN §5): it rejects unknown fields, wrong types,
+Decoding is restore step 4 (docs/design.md §5): it rejects unknown fields, wrong types,
 per-sibling arrays of different lengths, duplicate keys and impossible state
 combinations, each as a `LedgerDecodeError` naming the field. A schema version this
 code does not know is a `SchemaUnsupported`. Older versions are read through the explicit

@@ -1,4 +1,4 @@
-"""Config fingerprints and dotted-path diffs (restore step 8, DESIGN §5).
+"""Config fingerprints and dotted-path diffs (restore step 8, docs/design.md §5).
 
 A run's semantic config is the part that changes what it trains on (dataset, seed, group
 size, prompts per step, sampler, ...). The checkpoint stores it; a resume compares it with

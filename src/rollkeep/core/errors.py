@@ -98,7 +98,7 @@ class AuditFailure(CustodyError):
 class CheckpointError(RollkeepError):
     """A checkpoint cannot be trusted or does not belong to this run.
 
-    Subclasses follow the restore chain of DESIGN.md §5, one per step.
+    Subclasses follow the restore chain of docs/design.md §5, one per step.
     """
 
     step = 0

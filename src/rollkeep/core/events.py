@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
-# Attempt failure kinds (DESIGN §6): each has its own per-sibling budget.
+# Attempt failure kinds (docs/design.md §6): each has its own per-sibling budget.
 INFRA = "infra"
 DATA = "data"
 FAILURE_KINDS = (INFRA, DATA)
@@ -20,7 +20,7 @@ FAILURE_KINDS = (INFRA, DATA)
 FROM_SOURCE = "source"
 FROM_SPARE = "spare"
 
-# Recovery granularity, persisted per group (DESIGN §1).
+# Recovery granularity, persisted per group (docs/design.md §1).
 SIBLING = "sibling"
 PROMPT_GROUP = "prompt_group"
 GRANULARITIES = (SIBLING, PROMPT_GROUP)

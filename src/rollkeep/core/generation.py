@@ -26,7 +26,7 @@ class DataError(Exception):
 
 
 def sampling_seed(run_seed: int, group_id: str, generation: int, data_retries: int) -> int:
-    """DESIGN §2: a function of (run seed, group id, generation index, data-retry count).
+    """docs/design.md §2: a function of (run seed, group id, generation index, data-retry count).
 
     An infra retry reuses the seed (it should reproduce the lost rollout); a data retry
     changes it (the same sample would fail the same way)."""

@@ -1,5 +1,5 @@
 """Handing prompts out: the events that move keys out of SOURCE and SPARE, and the drop
-that refills or shrinks a step (DESIGN §6). Each function builds an event from the ledger
+that refills or shrinks a step (docs/design.md §6). Each function builds an event from the ledger
 and the source (reading the dataset row first: I/O before a transition, never inside);
 the caller applies it.
 
@@ -85,7 +85,7 @@ def drop_event(
 
 
 def check_step_size(ledger: Ledger, limits: Limits, step: int) -> None:
-    """Stop the run if drops shrank `step` below `min_step_batch_fraction` (DESIGN §6)."""
+    """Stop the run if drops shrank `step` below `min_step_batch_fraction` (docs/design.md §6)."""
     remaining = limits.num_prompts_per_step - ledger.shortfall(step)
     if remaining < limits.min_step_groups:
         raise ExternalError(

@@ -1,6 +1,6 @@
 """The ledger: the one object that owns every prompt of every epoch.
 
-Custody invariants (checked by `rollkeep.core.audit.audit`; DESIGN.md §1):
+Custody invariants (checked by `rollkeep.core.audit.audit`; docs/design.md §1):
 
   I1. For every epoch, every ordinal below the source cursor has exactly one owner among
       SPARE, LEDGER, REPLAY, TRAINED and DROPPED.
@@ -81,7 +81,7 @@ from .keys import Key, group_id
 
 
 class GroupState(enum.IntEnum):
-    """Lifecycle of a group record. DESIGN §1's phase and stage, folded into one field.
+    """Lifecycle of a group record. docs/design.md §1's phase and stage, folded into one field.
 
     phase RESERVED  = RESERVED;  phase ADMITTED = every other state.
     stage GENERATING = RESERVED or GENERATING; the other names are the stage itself.
@@ -588,7 +588,7 @@ class Ledger:
         return StepCommitted(step=step, weight_version=step, group_ids=tuple(gids), prompts=prompts)
 
     def normalize_for_restart(self) -> list[Event]:
-        """The events that turn a restored ledger into one ready to run (DESIGN §5):
+        """The events that turn a restored ledger into one ready to run (docs/design.md §5):
 
         - a claimed step or a running finalization is released (they had no effect
           outside the ledger);

@@ -1,4 +1,4 @@
-"""The restore chain (DESIGN §5): eight checks, each a hard error naming the file, the
+"""The restore chain (docs/design.md §5): eight checks, each a hard error naming the file, the
 field and the remedy. Nothing here writes to disk; `rollkeep inspect` runs the same chain.
 
     1  LATEST names a directory with a MANIFEST.json          CheckpointNotFound

@@ -3,13 +3,13 @@
 A row is everything one finished generation produced: prompt and completion token ids,
 behaviour log-probabilities, the weight version of every token, the reward and the finish
 reason. A sealed attempt's row is named by the attempt itself, `RowId(group_id, generation,
-attempt)`, so the ledger needs no separate reference (DESIGN.md §1).
+attempt)`, so the ledger needs no separate reference (docs/design.md §1).
 
 Rows are immutable: their arrays are read-only, and `RowStore.put` refuses a different row
-under an id it already holds. That is what lets the checkpoint cut (DESIGN.md §3) hold
+under an id it already holds. That is what lets the checkpoint cut (docs/design.md §3) hold
 references instead of copies.
 
-Threading (DESIGN.md §2, §3)
+Threading (docs/design.md §2, §3)
 ----------------------------
 `put`, `delete`, `pin`, `ids`, `len` and `in` run on the controller's loop thread. A
 checkpoint writer on a background thread holds a `RowPin` taken during the cut and calls
@@ -28,7 +28,7 @@ writer thread when it finishes.
 
 Codec
 -----
-`encode_rows` / `decode_rows` write `rows.safetensors` (DESIGN.md §4): flat token arrays
+`encode_rows` / `decode_rows` write `rows.safetensors` (docs/design.md §4): flat token arrays
 indexed by offset arrays, per-row scalar arrays, and the group ids as JSON metadata. No
 pickle. Decoding trusts nothing and names the file and field of every problem.
 """

@@ -5,7 +5,8 @@ A sampler is a policy with no state of its own: everything it decides from — t
 steps stamped on records, shortfalls, start versions, the trainer's version — lives in the
 ledger and is checkpointed with it. That is why every sampler resumes losslessly: the
 groups generated ahead are REPLAY-owned records in the checkpoint, and the step they were
-stamped for is still the step that trains them (the bug of `reference/001_*` cannot occur).
+stamped for is still the step that trains them (loops that keep this state outside their
+checkpoint lose or re-stamp the groups generated ahead when they resume).
 
     in_order     admission stamps `target_step`; step k trains exactly the groups stamped k;
                  the gate lets admission run at most `window` (= max_lookahead_versions)

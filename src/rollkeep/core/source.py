@@ -2,7 +2,7 @@
 
 A prompt's identity is its key `(epoch, ordinal)`; the row it names is
 `idx = permutation(seed, epoch, n_rows)[ordinal]`. The source keeps no cursor of its own
-(the ledger owns it, DESIGN.md §1), so its whole state is `(seed, epoch, ordinal)` and any
+(the ledger owns it, docs/design.md §1), so its whole state is `(seed, epoch, ordinal)` and any
 cursor resumes exactly the sequence an uninterrupted run would have visited.
 
 Three values here are part of the checkpoint format and must never change: the

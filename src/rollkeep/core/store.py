@@ -1,6 +1,6 @@
 """The checkpoint store: publish a checkpoint atomically, open one read-only and verified.
 
-Layout (DESIGN.md §4)::
+Layout (docs/design.md §4)::
 
     RUN_DIR/checkpoints/                  the store's `root`
         LATEST                            "step_000012\\n": the newest published checkpoint
@@ -142,7 +142,7 @@ verified checkpoint is indistinguishable from that edit, and restores a consiste
 checkpoint; anything else is refused (LATEST must be exactly `step_NNNNNN` and a newline).
 
 
-Opening a checkpoint (restore steps 1-3 of DESIGN.md §5)
+Opening a checkpoint (restore steps 1-3 of docs/design.md §5)
 ========================================================
 
 `open` and `open_path` modify nothing on disk, ever: they never clean up, repair or

@@ -1,5 +1,5 @@
 """The trace's schema: every event `trace.jsonl` carries, its name and its fields, defined
-once (DESIGN §8: a public contract).
+once (docs/design.md §8: a public contract).
 
 Each line is `{"t": <unix s>, "run_id": <12 hex>, "event": <name>, <fields>}`. The ledger's
 own events (`rollkeep.core.events`: taken, admitted, dispatched, sealed, ...) are traced as

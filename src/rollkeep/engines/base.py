@@ -3,7 +3,7 @@
 An engine generates one sibling per `generate` call; backends batch concurrent calls
 themselves. Cancelling the awaiting task aborts the request. Sampling randomness must be
 a pure function of `GenRequest.seed` (and the weights), never of timing or batch
-composition, so a regenerated rollout can reproduce the lost one (DESIGN §2).
+composition, so a regenerated rollout can reproduce the lost one (docs/design.md §2).
 """
 
 from __future__ import annotations

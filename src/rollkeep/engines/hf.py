@@ -5,7 +5,7 @@ length (so there is no padding and no attention mask), runs a prefill and then o
 per step through the model's key/value cache, and samples every token with
 `rollkeep.models.sampling.sample` from the request's seed and the token's position in its
 completion: a completion is a function of (weights, prompt, seed), never of timing or of
-its batch mates (DESIGN §2).
+its batch mates (docs/design.md §2).
 
 Conventions shared with the built-in engine:
   - cancelling the awaiting task aborts the request: the worker drops it from the queue,

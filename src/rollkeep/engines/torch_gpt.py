@@ -15,7 +15,7 @@ that the worker completes with `loop.call_soon_threadsafe`.
                     as pending and applied by the worker between decode steps
                     (`update_weights_in_flight`) or at the end of the running batch.
 
-Reproducibility (DESIGN §2): a sampled token is a function of the weights, the prompt, the
+Reproducibility (docs/design.md §2): a sampled token is a function of the weights, the prompt, the
 request's seed and the token's position (models.sampling), so the same request gives the
 same tokens, log-probabilities and versions whatever else shares its batch. That needs the
 model's logits for one row to be bitwise independent of the other rows, which the matmul

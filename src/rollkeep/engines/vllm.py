@@ -285,7 +285,7 @@ def shutdown_engine(engine: Any) -> None:
 @dataclass(frozen=True)
 class Prefix:
     """Tokens already generated for a request, to be continued rather than regenerated
-    (a partial generation restored from the journal, DESIGN §9)."""
+    (a partial generation whose tokens the caller kept, e.g. across a restart)."""
 
     token_ids: Sequence[int]
     logprobs: Sequence[float]  # behaviour log-probs recorded when they were sampled

@@ -1,6 +1,6 @@
 """Sampling for the built-in engine, and greedy decoding for evaluation.
 
-Reproducibility (DESIGN §2, §7): a sampled token is a pure function of its logits row,
+Reproducibility (docs/design.md §2, §7): a sampled token is a pure function of its logits row,
 the request's seed and the token's position in the completion. Nothing here reads a
 global RNG, and each row is computed only from its own logits row, so the result does not
 depend on what else was in the batch. Two values are part of that contract and must never

@@ -1,4 +1,4 @@
-"""`rollkeep simulate`: deterministic simulation of whole runs (DESIGN §15).
+"""`rollkeep simulate`: deterministic simulation of whole runs (docs/design.md §10).
 
     memfs       an in-memory disk that fails, tears and forgets what was never fsynced
     world       one simulated run: the real scheduler, ledger, store and restore chain on a

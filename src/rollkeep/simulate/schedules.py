@@ -8,7 +8,7 @@ first schedules walk through every point in turn), each a kill or a power cut. A
 run: exactly-once from the trace and the final checkpoint, the restore chain and audit on
 it, and in deterministic mode the same trainer digest as the same plan run without crashes
 or faults. A violation is shrunk to the fewest crashes and faults that still show it
-(FoundationDB's and SQLite's way of testing themselves; DESIGN §15).
+(FoundationDB's and SQLite's way of testing themselves; docs/design.md §10).
 """
 
 from __future__ import annotations

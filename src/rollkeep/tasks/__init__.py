@@ -1,4 +1,14 @@
-"""Tasks: datasets and the reward functions looked up by each row's `task` field."""
+"""Tasks: datasets and the reward functions looked up by each row's `task` field.
+
+    reward_fn(task)       the reward function of a task: the run's `reward.fn` if it
+                          covers the task, else the built-in one (`REWARDS`)
+    use_rewards(spec)     install a run's `reward.fn` (called when a run is built; it
+                          replaces whatever an earlier run in this process installed)
+    check_tasks(tasks)    start-up check: every task has a reward function
+
+Every reward function is called as `fn(completion: str, row: dict) -> float` (see
+`rollkeep.tasks.custom` for what a user's function must do).
+"""
 
 from __future__ import annotations
 
@@ -23,17 +33,41 @@ REWARDS: dict[str, RewardFn] = {
     "default": _exact,
 }
 
+# The run's `reward.fn`, resolved: task -> function, and `None` -> the function of every
+# task (`reward.fn` given as one string). Empty: the built-in rewards only.
+_CONFIGURED: dict[str | None, RewardFn] = {}
+
+
+def use_rewards(spec: str | Mapping[str, str] | None) -> None:
+    """Resolve a run's `reward.fn` (importing its modules; a UserInputError, exit 2, names
+    what is wrong) and install it for `reward_fn`. All of it resolves before anything is
+    installed; None installs nothing and removes an earlier run's functions."""
+    from .custom import resolve
+
+    if spec is None:
+        table: dict[str | None, RewardFn] = {}
+    elif isinstance(spec, str):
+        table = {None: resolve(spec)}
+    else:
+        table = {task: resolve(s, field=f"reward.fn.{task}") for task, s in spec.items()}
+    _CONFIGURED.clear()
+    _CONFIGURED.update(table)
+
 
 def reward_fn(task: str) -> RewardFn:
+    configured = _CONFIGURED.get(task) or _CONFIGURED.get(None)
+    if configured is not None:
+        return configured
     try:
         return REWARDS[task]
     except KeyError:
         raise UserInputError(
             f"no reward function for task {task!r}",
             field="task",
-            expected="one of " + ", ".join(sorted(REWARDS)),
+            expected="one of " + ", ".join(sorted(set(REWARDS) | {t for t in _CONFIGURED if t})),
             found=repr(task),
-            remedy="fix the rows' `task` field, or register a reward function in rollkeep.tasks.REWARDS",
+            remedy="fix the rows' `task` field, or give the task a reward function with "
+            f"`reward.fn: {{{task}: \"package.module:function\"}}`",
         ) from None
 
 

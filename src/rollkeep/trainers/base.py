@@ -25,7 +25,7 @@ class TrainerSnapshot(Protocol):
 
         Each file declares `step` (`rollkeep_step`: a top-level key of a JSON file, a
         safetensors `__metadata__` entry), so the restore chain can refuse a file copied
-        in from another checkpoint (DESIGN §5, step 5)."""
+        in from another checkpoint (docs/design.md §5, step 5)."""
         ...
 
 

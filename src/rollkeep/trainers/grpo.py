@@ -89,7 +89,7 @@ Metrics returned by `sft_step` (the supervised warm start)
     grad_norm  global gradient norm before clipping
     lr         the learning rate used
 
-Checkpoint files (`snapshot().files()`, loaded by `load`; DESIGN.md §4: no pickle)
+Checkpoint files (`snapshot().files()`, loaded by `load`; docs/design.md §4: no pickle)
 -----------------------------------------------------------------------------------
     model.safetensors      the model's state dict, each storage once: a tied tensor (GPT's
                            `head.weight` is `wte.weight`) is saved under its first name in

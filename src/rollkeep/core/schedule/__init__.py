@@ -1,5 +1,5 @@
-"""The scheduler: a pure, synchronous object that makes every decision of a run (DESIGN
-§2), and the commands it talks in. `rollkeep.Scheduler` is the public entry point."""
+"""The scheduler: a pure, synchronous object that makes every decision of a run
+(docs/design.md §2), and the commands it talks in. `rollkeep.Scheduler` is the public entry point."""
 
 from .commands import (
     AttemptKey,

@@ -1,6 +1,6 @@
 """The admission gate: which prompts leave SOURCE and SPARE, and for which step.
 
-In the rollout pump's order (DESIGN §2): the spare pool is topped up, restored RESERVED
+In the rollout pump's order (docs/design.md §2): the spare pool is topped up, restored RESERVED
 groups are admitted again first, then new prompts are taken (spare pool, then source) for
 as long as the sampler's gate is open and the run still wants them."""
 

@@ -103,7 +103,7 @@ class Generated:
 
 @dataclass(frozen=True)
 class Failure:
-    """A failed attempt: `kind` is infra or data (DESIGN §6)."""
+    """A failed attempt: `kind` is infra or data (docs/design.md §6)."""
 
     kind: str
     error: str

@@ -1,4 +1,4 @@
-"""Finalize: a group whose siblings are all sealed gets its advantages (DESIGN §1).
+"""Finalize: a group whose siblings are all sealed gets its advantages (docs/design.md §1).
 
 Rewards → group-relative advantages (`trainer.scale_rewards`, formulas in
 `rollkeep.core.advantages`). Pure computation, so it runs inside one synchronous section:

@@ -1,4 +1,4 @@
-"""Deterministic version pinning (DESIGN §7).
+"""Deterministic version pinning (docs/design.md §7).
 
 With `deterministic: true` (the in_order sampler), the groups of step k generate under
 exactly weight version max(0, k - 1 - window): a function of the config alone, whatever

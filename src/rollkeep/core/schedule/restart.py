@@ -1,4 +1,4 @@
-"""Restart normalisation (DESIGN §5) and the `cursor_only` emulation.
+"""Restart normalisation (docs/design.md §5) and the `cursor_only` emulation.
 
 A restored ledger is made ready to run: claims and running finalizations are released,
 attempts in flight at the cut are abandoned (reason `restart`) and get fresh attempts,
@@ -30,7 +30,7 @@ def lost_in_flight(ledger: Ledger) -> list[str]:
 
 
 def restored_fields(plan: RestorePlan, *, lost: int, mode: str) -> dict[str, Any]:
-    """The counts of the `restored` trace event (DESIGN §8)."""
+    """The counts of the `restored` trace event (docs/design.md §8)."""
     if mode == "cursor_only":  # nothing of the lost groups is reused or regenerated
         plan = dataclasses.replace(plan, groups_finalize_again=0, siblings_reused=0, siblings_discarded=0,
                                    siblings_regenerated=0, siblings_pending=0, groups_readmitted=0)

@@ -1,4 +1,4 @@
-"""Failure budgets and backoff (DESIGN §6): after a failed attempt, retry the sibling
+"""Failure budgets and backoff (docs/design.md §6): after a failed attempt, retry the sibling
 later or, once its budget for that kind of failure is spent, drop the group."""
 
 from __future__ import annotations

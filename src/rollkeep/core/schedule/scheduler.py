@@ -12,7 +12,7 @@ waits. A runner drives it (h11's pattern):
             carry it out; report back with on_result / on_trained / on_cut_written / on_refit
         (on SIGINT/SIGTERM: on_signal())
 
-Two sides, as DESIGN §2 draws them:
+Two sides, as docs/design.md §2 draws them:
 
 - the **rollout side** (the rollout pump) tops up the spare pool, admits and takes prompts
   through the sampler's gate (`admission`), dispatches every RESERVED sibling whose
@@ -98,7 +98,7 @@ class Settings:
     seed: int = 0  # sampling seeds derive from it (seed)
     checkpoint_every: int = 5  # a cut every this many steps (checkpoint.every_steps)
     checkpoint_on_shutdown: bool = True  # checkpoint.on_shutdown
-    deterministic: bool = False  # pin generation to versions (DESIGN §7)
+    deterministic: bool = False  # pin generation to versions (docs/design.md §7)
     recovery_mode: str = "sibling"  # sibling | prompt_group | cursor_only
     on_dropped_prompt: str = "replace"  # replace | shrink
     on_stale: str = "regenerate"  # regenerate | drop
@@ -196,7 +196,7 @@ class Scheduler:
     # ============================================================== start
 
     def start(self, restored: Restored | None, *, epochs: int | None) -> dict[str, Any] | None:
-        """Record the run's limits; after a restore, normalise the ledger (DESIGN §5) and
+        """Record the run's limits; after a restore, normalise the ledger (docs/design.md §5) and
         return the counts of the `restored` trace event."""
         limits = self.sampler.limits
         self._apply(Configured(num_prompts_per_step=limits.num_prompts_per_step, window=limits.window,
@@ -342,7 +342,7 @@ class Scheduler:
             self._queued.append(Cancel(stale))
 
     def _drop(self, gid: str, reason: str, *, on_dropped_prompt: str | None = None) -> None:
-        """Drop a group and refill or shrink its step, in one transition (DESIGN §6)."""
+        """Drop a group and refill or shrink its step, in one transition (docs/design.md §6)."""
         ev = drop_event(self.ledger, self.source, gid, reason,
                         on_dropped_prompt=on_dropped_prompt or self.settings.on_dropped_prompt,
                         group_size=self.settings.group_size, granularity=self._granularity)
@@ -486,7 +486,7 @@ class Scheduler:
             self._go("written")
 
     def on_signal(self, reason: Reason = Reason.SIGNAL) -> None:
-        """Stop gracefully: finish the step being trained, then stop (DESIGN §6)."""
+        """Stop gracefully: finish the step being trained, then stop (docs/design.md §6)."""
         if self.stopping is None:
             self.stopping = reason
 

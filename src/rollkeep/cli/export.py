@@ -1,0 +1,56 @@
+"""`rollkeep export RUN_DIR --out DIR`: the trained built-in GPT as a Hugging Face model."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = """\
+Write the model of RUN_DIR's latest checkpoint (or --checkpoint NAME) as a Hugging Face
+model directory: GPT-2 architecture (config.json, model.safetensors), the character
+tokenizer (tokenizer.json, tokenizer_config.json), generation_config.json, and
+rollkeep_export.json (which run, checkpoint and step it came from). It loads offline with
+transformers.AutoModelForCausalLM.from_pretrained(DIR) and AutoTokenizer.from_pretrained(DIR),
+and continues training with engine.name=hf / trainer.name=hf (configs/hf.yaml).
+
+The checkpoint goes through the restore chain first (read-only: nothing in RUN_DIR
+changes), and the written model is loaded back and compared with the checkpoint's before it
+is moved into DIR (log-probs within 1e-4). Only runs of the built-in model
+(trainer.name: torch) export. DIR must be new or empty; --force writes into a non-empty
+DIR, replacing the files of the same names and keeping every other file.
+
+examples:
+  rollkeep export runs/arith --out models/arith
+  rollkeep export runs/arith --out models/arith-100 --checkpoint step_000100
+  rollkeep train configs/hf.yaml                 # RL continues from models/arith
+
+exit codes: 2 bad RUN_DIR or DIR (or not the built-in model), 3 no checkpoint or one that
+fails a check, 5 DIR cannot be written.
+"""
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "export",
+        help="write the trained built-in model as a Hugging Face model directory",
+        description=HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of a torch run")
+    p.add_argument("--out", required=True, metavar="DIR", help="the directory to write (new or empty)")
+    p.add_argument("--checkpoint", metavar="NAME", help="export this checkpoint (e.g. step_000100) instead of LATEST")
+    p.add_argument("--force", action="store_true",
+                   help="write into a non-empty DIR: replace the exported files, keep the others")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..export import export
+
+    r = export(args.run_dir, args.out, force=args.force, checkpoint=args.checkpoint)
+    print(f"exported {r.checkpoint} (step {r.step}) of {args.run_dir} to {r.out}: {', '.join(r.files)}")
+    print(f"checked: transformers reloads it offline; log-probs within {r.max_logprob_diff:.1e} of rollkeep's")
+    if r.replaced:
+        print(f"replaced in {r.out}: {', '.join(r.replaced)}")
+    if r.kept:
+        print(f"kept in {r.out} (not part of the export): {', '.join(r.kept)}")
+    return 0

@@ -1,0 +1,241 @@
+"""`rollkeep export RUN_DIR --out DIR`: the built-in GPT as a Hugging Face directory that
+transformers loads offline and that computes what rollkeep's model computes; RL continues
+from it with configs/hf.yaml; and every hostile input is refused with its exit code, one
+paragraph, no traceback, and nothing modified."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+from run_harness import ROOT, config, trace_lines  # noqa: E402
+
+from rollkeep.cli import main  # noqa: E402
+from rollkeep.config import load_config  # noqa: E402
+from rollkeep.controller import train  # noqa: E402
+from rollkeep.export import load_builtin  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+TINY = [
+    "engine.name=torch", "trainer.name=torch", "engine.max_new_tokens=4",
+    "trainer.model.n_layer=2", "trainer.model.n_head=2", "trainer.model.n_embd=32",
+    "trainer.model.block_size=16", "trainer.micro_batch_size=16",
+    "rollout.group_size=4", "train.num_prompts_per_step=4", "train.total_steps=4",
+    "checkpoint.every_steps=2", "warmup.sft_steps=60", "warmup.sft_batch_size=16",
+    "data.generated.n_rows=64", "data.generated.eval_rows=200", "data.epochs=null",
+    "eval.every_steps=0",
+]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    """A finished short run of the built-in model (torch backend)."""
+    cfg = config(tmp_path_factory.mktemp("export") / "run", *TINY)
+    train(cfg)
+    return Path(cfg.run_dir)
+
+
+def tree(root: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        h.update(f"{p.relative_to(root)}|{p.lstat().st_mode}".encode())
+        if p.is_file() and not p.is_symlink():
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def refused(capsys, args: list[str], code: int) -> str:
+    capsys.readouterr()
+    got = main(args)
+    err = capsys.readouterr().err
+    assert got == code, err
+    assert err.startswith("error: ") and "Traceback" not in err and err.count("\n") == 1, err
+    return err
+
+
+def hf_greedy(model, tok, prompts: list[str], max_new_tokens: int) -> list[str]:
+    """What a user writes: generate(do_sample=False), prompts of one length per batch."""
+    by_len: dict[int, list[int]] = {}
+    ids = [tok(p)["input_ids"] for p in prompts]
+    for i, x in enumerate(ids):
+        by_len.setdefault(len(x), []).append(i)
+    out = [""] * len(prompts)
+    for members in by_len.values():
+        x = torch.tensor([ids[i] for i in members])
+        with torch.inference_mode():
+            y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                               max_new_tokens=max_new_tokens)
+        for i, row in zip(members, y[:, x.size(1):].tolist(), strict=True):
+            out[i] = tok.decode(row[: row.index(tok.eos_token_id)] if tok.eos_token_id in row else row,
+                                skip_special_tokens=True)
+    return out
+
+
+def test_exported_model_loads_offline_and_matches_rollkeep(run, tmp_path, capsys, monkeypatch) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rollkeep.controller.build import build_data
+    from rollkeep.models.sampling import greedy
+
+    before = tree(run)
+    out = tmp_path / "models" / "arith"  # its parent does not exist yet
+    assert main(["export", str(run), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "exported step_000004 (step 4)" in printed and "log-probs within" in printed
+    assert tree(run) == before, "export changed the run directory"
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+            "generation_config.json", "rollkeep_export.json"} <= {p.name for p in out.iterdir()}
+    assert not [p for p in out.parent.iterdir() if ".tmp-" in p.name]
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tok = AutoTokenizer.from_pretrained(out)
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(hf).__name__ == "GPT2LMHeadModel" and hf.config.activation_function == "gelu"
+    loaded = load_builtin(run)
+    ours = loaded.model
+    cfg = load_config(None, [*TINY, f"run_dir={run}"])
+    _, eval_rows = build_data(cfg)
+    prompts = [r["prompt"] for r in eval_rows]
+    assert len(prompts) == 200
+    for p in prompts[:20] + ["Hi there?", "a~b", "é+1="]:  # ids: BOS, one per char, '?' for unknown
+        assert tok(p)["input_ids"] == loaded.tokenizer.encode(p)
+
+    mine = greedy(ours, loaded.tokenizer, prompts, max_new_tokens=4)
+    theirs = hf_greedy(hf, tok, prompts, max_new_tokens=4)
+    same = sum(a == b for a, b in zip(mine, theirs, strict=True)) / len(prompts)
+    assert same >= 0.99, (same, [(p, a, b) for p, a, b in zip(prompts, mine, theirs, strict=True) if a != b])
+    assert len(set(mine)) > 1, "a model that says one thing to everything proves little"
+
+    # log-probs of every token of prompt + rollkeep's completion, over the full vocabulary
+    worst = 0.0
+    for p, text in zip(prompts, mine, strict=True):
+        ids = loaded.tokenizer.encode(p) + loaded.tokenizer.encode(text, bos=False)
+        x = torch.tensor([ids])
+        with torch.inference_mode():
+            a = torch.log_softmax(ours(x).double(), -1)
+            b = torch.log_softmax(hf(input_ids=x).logits.double(), -1)
+        worst = max(worst, float((a - b).abs().max()))
+    assert worst <= 1e-4, worst
+    meta = json.loads((out / "rollkeep_export.json").read_text())
+    assert meta["checkpoint"] == "step_000004" and meta["weights_sha256"] == loaded.weights_sha256
+
+
+def test_hf_yaml_continues_rl_from_an_exported_directory(run, tmp_path) -> None:
+    models = tmp_path / "models" / "arith"
+    assert main(["export", str(run), "--out", str(models)]) == 0
+    cfg = load_config(ROOT / "configs" / "hf.yaml", [
+        f"engine.model_path={models}", f"trainer.model_path={models}", f"run_dir={tmp_path / 'hf'}",
+        "train.total_steps=2", "train.num_prompts_per_step=2", "rollout.group_size=2",
+        "eval.every_steps=2", "eval.n_rows=8", "data.generated.n_rows=32", "logger.progress=none",
+    ])
+    shipped = load_config(ROOT / "configs" / "hf.yaml")
+    assert (shipped.engine.name, shipped.trainer.name, shipped.run_dir) == ("hf", "hf", "runs/hf")
+    assert shipped.engine.model_path == shipped.trainer.model_path == "models/arith"
+    train(cfg)
+    lines = trace_lines(cfg)
+    assert [e["step"] for e in lines if e["event"] == "step_committed"] == [1, 2]
+    assert [e["step"] for e in lines if e["event"] == "eval"] == [0, 2]  # the hf trainer evaluates
+
+
+# -- hostile inputs -------------------------------------------------------------------------
+
+
+def test_export_of_a_missing_run_dir_is_exit_2(tmp_path, capsys) -> None:
+    err = refused(capsys, ["export", str(tmp_path / "nope"), "--out", str(tmp_path / "out")], 2)
+    assert "does not exist" in err and not (tmp_path / "out").exists()
+
+
+def test_export_of_a_run_without_checkpoint_is_exit_3(tmp_path, capsys) -> None:
+    (tmp_path / "run").mkdir()
+    err = refused(capsys, ["export", str(tmp_path / "run"), "--out", str(tmp_path / "out")], 3)
+    assert "no checkpoint" in err and not (tmp_path / "out").exists()
+    (tmp_path / "run" / "checkpoints").mkdir()
+    err = refused(capsys, ["export", str(tmp_path / "run"), "--out", str(tmp_path / "out")], 3)
+    assert "LATEST" in err and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("damage", ["model-bytes", "manifest"])
+def test_export_of_a_corrupt_checkpoint_is_exit_3_and_changes_nothing(run, tmp_path, capsys, damage) -> None:
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    ck = copy / "checkpoints" / (copy / "checkpoints" / "LATEST").read_text().strip()
+    if damage == "model-bytes":
+        f = ck / "trainer" / "model.safetensors"
+        data = bytearray(f.read_bytes())
+        data[-5] ^= 0xFF
+        f.write_bytes(bytes(data))
+    else:
+        (ck / "MANIFEST.json").write_text("{")
+    before = tree(copy)
+    err = refused(capsys, ["export", str(copy), "--out", str(tmp_path / "out")], 3)
+    assert str(ck) in err
+    assert tree(copy) == before and not (tmp_path / "out").exists()
+
+
+def test_export_of_a_named_checkpoint_and_of_an_unknown_one(run, tmp_path, capsys) -> None:
+    assert main(["export", str(run), "--out", str(tmp_path / "two"), "--checkpoint", "step_000002"]) == 0
+    assert json.loads((tmp_path / "two" / "rollkeep_export.json").read_text())["step"] == 2
+    err = refused(capsys, ["export", str(run), "--out", str(tmp_path / "x"), "--checkpoint", "step_000099"], 2)
+    assert "no such checkpoint" in err and "step_000004" in err and not (tmp_path / "x").exists()
+
+
+def test_export_of_a_run_that_is_not_the_built_in_model_is_exit_2(tmp_path, capsys) -> None:
+    cfg = config(tmp_path / "toy", "train.total_steps=2")
+    train(cfg)
+    err = refused(capsys, ["export", cfg.run_dir, "--out", str(tmp_path / "out")], 2)
+    assert "only the built-in GPT exports" in err and "'toy'" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_into_a_non_empty_dir_needs_force_and_never_deletes(run, tmp_path, capsys) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (out / "config.json").write_text("{}")
+    err = refused(capsys, ["export", str(run), "--out", str(out)], 2)
+    assert "is not empty" in err and "--force" in err
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "notes.txt"]
+    assert (out / "config.json").read_text() == "{}"
+
+    assert main(["export", str(run), "--out", str(out), "--force"]) == 0
+    printed = capsys.readouterr().out
+    assert "replaced in" in printed and "config.json" in printed and "kept in" in printed
+    assert (out / "notes.txt").read_text() == "mine"
+    assert json.loads((out / "config.json").read_text())["model_type"] == "gpt2"
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+def test_export_to_a_file_is_exit_2(run, tmp_path, capsys) -> None:
+    (tmp_path / "out").write_text("x")
+    for extra in ([], ["--force"]):
+        err = refused(capsys, ["export", str(run), "--out", str(tmp_path / "out"), *extra], 2)
+        assert "is not a directory" in err
+    assert (tmp_path / "out").read_text() == "x"
+
+
+def test_export_to_an_unwritable_place_is_exit_5(run, tmp_path, capsys) -> None:
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if os.geteuid() != 0:
+        ro.chmod(0o555)
+    elif subprocess.run(["mount", "-t", "tmpfs", "-o", "ro", "tmpfs", str(ro)], capture_output=True).returncode:
+        pytest.skip("needs a read-only directory: tmpfs mounts are refused here")
+    try:
+        err = refused(capsys, ["export", str(run), "--out", str(ro / "models" / "arith")], 5)
+        assert str(ro) in err
+        assert list(ro.iterdir()) == []
+    finally:
+        if os.geteuid() == 0:
+            subprocess.run(["umount", str(ro)], check=True)
+        else:
+            ro.chmod(0o755)
