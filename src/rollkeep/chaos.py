@@ -30,23 +30,21 @@ from pathlib import Path
 from typing import Any
 
 from .config import Config, load_config
+from .core import crashpoints
 from .core.errors import RollkeepError
+from .core.events import ALL_EVENTS, Abandoned, Configured, Evicted, Released, Spared, event_name
 from .core.restore import restore_chain
 from .core.source import PromptSource
 from .core.store import CheckpointStore
 from .lineage import exactly_once, lineage
 from .trace import read_trace
 
-PUBLISH_POINTS = (
-    "publish.file_written",
-    "publish.manifest_written",
-    "publish.dir_renamed",
-    "publish.latest_written",
-    "publish.latest_replaced",
-    "checkpoint.after_cut",
-)
-LEDGER_POINTS = ("taken", "admitted", "dispatched", "sealed", "failed", "finalizing", "ready",
-                 "claimed", "step_committed", "dropped")
+# Where a crash-point kill lands: mid-publication (the retention step needs old checkpoints
+# to delete, so it is left out) or right after the cut, and the ledger's transitions.
+PUBLISH_POINTS = (*(p for p in crashpoints.PUBLISH_POINTS if p != crashpoints.PUBLISH_RETENTION),
+                  "checkpoint.after_cut")
+LEDGER_POINTS = tuple(event_name(e) for e in ALL_EVENTS if e not in (Configured, Released, Evicted, Abandoned,
+                                                                      Spared))
 
 
 @dataclass

@@ -46,6 +46,7 @@ from pydantic import (
 )
 
 from rollkeep.core.errors import ConfigError
+from rollkeep.core.samplers import SAMPLERS
 
 __all__ = [
     "Config",
@@ -393,7 +394,7 @@ class CheckpointConfig(_Section):
 class SamplerConfig(_Section):
     """Admission gate and step selection policy (docs/design.md §2)."""
 
-    name: Literal["in_order", "weight_fifo", "windowed"] = "in_order"
+    name: Literal[SAMPLERS] = "in_order"  # type: ignore[valid-type]
     """`in_order`: step k trains groups stamped k; `weight_fifo`: oldest ready groups within
     the staleness bound; `windowed`: ungated, groups falling out of the window are evicted."""
     max_lookahead_versions: int = Field(1, ge=0)

@@ -49,6 +49,7 @@ from typing import Any
 
 from .core.errors import UserInputError
 from .core.keys import group_id
+from .core.ledger import COUNT_KEYS
 from .core.untrusted import loads_json, read_regular
 from .lineage import lineage
 from .trace import read_trace
@@ -69,7 +70,7 @@ TRACE = "trace.jsonl"
 METRICS = "metrics.jsonl"
 REPORT_DIR = "report"
 PLOTS = ("reward.png", "batch_age.png", "custody.png", "restart_cost.png")
-OWNERS = ("spare", "reserved", "generating", "finalizing", "ready", "claimed", "trained", "dropped")
+OWNERS = COUNT_KEYS  # the custody counts of every metrics line, in this order
 RESTORED_COUNTS = (
     "groups_reused", "groups_finalize_again", "siblings_reused", "siblings_regenerated",
     "siblings_pending", "groups_readmitted", "spare_prompts", "groups_lost",

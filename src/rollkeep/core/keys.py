@@ -16,6 +16,17 @@ class Key(NamedTuple):
     ordinal: int
 
 
+def next_key(key: tuple[int, int], n_rows: int) -> Key:
+    """The key after `key` in visit order: the next ordinal, or the next epoch's first."""
+    epoch, ordinal = key
+    return Key(epoch, ordinal + 1) if ordinal + 1 < n_rows else Key(epoch + 1, 0)
+
+
+def exhausted(cursor: tuple[int, int], epochs: int | None) -> bool:
+    """Whether no key is left at or after `cursor` (never, for an unbounded source)."""
+    return epochs is not None and cursor[0] >= epochs
+
+
 def group_id(key: tuple[int, int]) -> str:
     """`e{epoch}.{ordinal}`: the same in every run, so traces join on it."""
     return f"e{key[0]}.{key[1]}"

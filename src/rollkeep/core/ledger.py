@@ -77,7 +77,7 @@ from .events import (
     StepCommitted,
     Taken,
 )
-from .keys import Key, group_id
+from .keys import Key, exhausted, group_id, next_key
 
 
 class GroupState(enum.IntEnum):
@@ -167,6 +167,10 @@ _MAX_COUNTER = 255  # failure counters are stored as bytes
 MAX_ADVANTAGE = 1e30
 #: Longest drop reason (I6); the controller writes a few hundred characters at most.
 MAX_REASON = 1000
+
+
+#: The keys of `Ledger.counts()` (metrics `custody/<key>`, the report's custody plot).
+COUNT_KEYS = ("spare", "reserved", "generating", "finalizing", "ready", "claimed", "trained", "dropped")
 
 
 class GroupRecord(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):
@@ -375,9 +379,6 @@ class Ledger:
         """Call `sink(event)` after every applied event (the trace, the journal)."""
         self._sinks.append(sink)
 
-    def unsubscribe(self, sink) -> None:
-        self._sinks.remove(sink)
-
     # ------------------------------------------------------------------ capture
 
     def capture(self) -> LedgerState:
@@ -462,7 +463,7 @@ class Ledger:
     @property
     def exhausted(self) -> bool:
         """True when the source has no key left (the spare pool may still hold some)."""
-        return self.epochs is not None and self._cursor.epoch >= self.epochs
+        return exhausted(self._cursor, self.epochs)
 
     def group(self, gid: str) -> GroupRecord:
         """The record of a group in LEDGER or REPLAY (read-only). KeyError if none."""
@@ -566,7 +567,8 @@ class Ledger:
         return dict(self._dropped)
 
     def counts(self) -> dict[str, int]:
-        """How many keys (or groups) each owner holds, for progress bars and metrics."""
+        """How many keys (or groups) each owner holds, for progress bars and metrics; the
+        keys are `COUNT_KEYS`, in that order."""
         by_state = [0] * len(GroupState)
         for rec in self._groups.values():
             by_state[rec.state] += 1
@@ -778,11 +780,7 @@ class Ledger:
         return gid
 
     def _advance_cursor(self) -> None:
-        e, o = self._cursor
-        o += 1
-        if o == self.n_rows:
-            e, o = e + 1, 0
-        self._cursor = Key(e, o)
+        self._cursor = next_key(self._cursor, self.n_rows)
 
     # ------------------------------------------------------------------ handlers
     # Each handler: validate everything, then mutate. Return freed rows, or None for a no-op.

@@ -26,7 +26,7 @@ import numpy as np
 import xxhash
 
 from rollkeep.core.errors import CustodyError, DatasetError, UserInputError
-from rollkeep.core.keys import Key, group_id
+from rollkeep.core.keys import Key, exhausted, group_id, next_key
 from rollkeep.core.untrusted import loads_json, read_regular
 
 DEFAULT_TASK = "default"
@@ -447,31 +447,13 @@ class PromptSource:
             self._perms.move_to_end(epoch)
         return int(perm[ordinal])
 
-    def first_key(self) -> Key | None:
-        return None if self._epochs == 0 else Key(0, 0)
-
-    def next_key(self, key: tuple[int, int]) -> Key | None:
-        """The key after `key` in visit order, or None after the last key of the last epoch."""
-        epoch, ordinal = self._check_key(key)
-        if ordinal + 1 < self._n_rows:
-            return Key(epoch, ordinal + 1)
-        if self._epochs is not None and epoch + 1 >= self._epochs:
-            return None
-        return Key(epoch + 1, 0)
-
-    def is_exhausted(self, cursor: tuple[int, int]) -> bool:
-        """True when no key remains at or after `cursor` (only for a bounded source)."""
-        cursor = self._check_cursor(cursor)
-        return self._epochs is not None and cursor.epoch >= self._epochs
-
     def keys_from(self, cursor: tuple[int, int]) -> Iterator[Key]:
-        """Every key at or after `cursor`, in visit order (endless if epochs is None)."""
-        key: Key | None = self._check_cursor(cursor)
-        if self.is_exhausted(key):
-            return
-        while key is not None:
+        """Every key at or after `cursor`, in visit order (endless if epochs is None): the
+        sequence the ledger's cursor walks (`keys.next_key`), for tools and tests."""
+        key = self._check_cursor(cursor)
+        while not exhausted(key, self._epochs):
             yield key
-            key = self.next_key(key)
+            key = next_key(key, self._n_rows)
 
     # rows
 

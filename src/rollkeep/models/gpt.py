@@ -116,5 +116,3 @@ class GPT(nn.Module):
             x = block(x, cache, i)
         return self.head(self.ln_f(x))
 
-    def n_params(self) -> int:
-        return sum(p.numel() for p in self.parameters()) - self.wpe.weight.numel()
