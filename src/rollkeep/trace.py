@@ -11,7 +11,6 @@ The trace is data: tests and `rollkeep trace` read it, nothing parses log text.
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from pathlib import Path
@@ -22,7 +21,7 @@ import msgspec
 from .core.errors import FilesystemError
 from .core.events import Event
 from .core.trace_schema import FLUSH_NOW, RunEvent
-from .core.untrusted import loads_json, open_append, read_regular
+from .core.untrusted import end_torn_line, loads_json, open_append, read_regular
 
 __all__ = ["FLUSH_NOW", "Trace", "read_trace"]
 
@@ -40,8 +39,7 @@ class Trace:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file: IO[bytes] = open_append(self.path)  # closed by close()
-            if _torn(self._file):
-                self._file.write(b"\n")  # a killed writer tore its last line: end it there
+            end_torn_line(self._file)
         except OSError as e:
             raise FilesystemError.of(e, "opening the trace", self.path) from None
         self._prefix = b'{"t":%.6f,"run_id":"' + self.run_id.encode() + b'",'
@@ -77,12 +75,6 @@ class Trace:
             self.flush()
         finally:
             self._file.close()
-
-
-def _torn(f: IO[bytes]) -> bool:
-    """Whether the file open for appending ends in the middle of a line."""
-    size = os.fstat(f.fileno()).st_size
-    return size > 0 and os.pread(f.fileno(), 1, size - 1) != b"\n"
 
 
 def read_trace(path: Path) -> tuple[list[dict[str, Any]], int]:

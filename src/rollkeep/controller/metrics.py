@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from ..core.errors import ConfigError, ExternalError, UserInputError
-from ..core.untrusted import read_prefix
+from ..core.untrusted import end_torn_line, open_append, read_prefix
 
 WANDB_ID_FILE = "wandb_run_id"
 _WANDB_ID = re.compile(r"^[a-z0-9]{8,64}$")
@@ -82,7 +82,8 @@ class MetricsLog:
         self.run_id = run_id
         self._tb = None
         self._wandb = None
-        self._checked = False  # whether the file's last line was checked for a tear
+        self._file = open_append(self.path)  # a FIFO or a symlink is refused, never waited on
+        end_torn_line(self._file)
         if logger is None and (declared := _RUN.get()) is not None:
             logger, config = declared
         if tensorboard or (logger is not None and logger.tensorboard):
@@ -91,10 +92,9 @@ class MetricsLog:
             self._wandb = _open_wandb(Path(run_dir), logger, dict(config or {}))
 
     def write(self, step: int, record: dict[str, Any]) -> None:
-        with open(self.path, "a") as f:
-            if self._torn():
-                f.write("\n")  # a killed writer tore its last line: end it there
-            f.write(json.dumps({"t": time.time(), "run_id": self.run_id, "step": step, **record}) + "\n")
+        line = json.dumps({"t": time.time(), "run_id": self.run_id, "step": step, **record}) + "\n"
+        self._file.write(line.encode())
+        self._file.flush()
         numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._tb is not None:
             for key, value in numbers.items():
@@ -103,18 +103,9 @@ class MetricsLog:
         if self._wandb is not None:
             self._wandb.log({"step": step, **numbers})
 
-    def _torn(self) -> bool:
-        if self._checked:
-            return False
-        self._checked = True
-        if not self.path.exists() or self.path.stat().st_size == 0:
-            return False
-        with open(self.path, "rb") as f:
-            f.seek(-1, 2)
-            return f.read(1) != b"\n"
-
     def close(self) -> None:
         try:
+            self._file.close()
             if self._tb is not None:
                 self._tb.close()
         finally:

@@ -31,6 +31,7 @@ _CHUNK = 1 << 20
 __all__ = [
     "hash_regular",
     "loads_json",
+    "end_torn_line",
     "open_append",
     "open_regular",
     "read_prefix",
@@ -165,6 +166,14 @@ def safetensors_header(data: bytes | memoryview, size: int | None = None) -> dic
     if not isinstance(header, dict):
         raise ValueError(f"a JSON header of type {type(header).__name__}")
     return header
+
+
+def end_torn_line(f: Any) -> None:
+    """If the file (open for appending, from `open_append`) ends in the middle of a line --
+    a writer killed mid-write -- end that line, so the next one starts on its own."""
+    size = os.fstat(f.fileno()).st_size
+    if size > 0 and os.pread(f.fileno(), 1, size - 1) != b"\n":
+        f.write(b"\n")
 
 
 def open_append(path: str | Path) -> Any:
