@@ -1,9 +1,9 @@
 """`rollkeep bench` preemption and speedup sections: the measures of a killed-and-resumed
 job are consistent with each other, with an uninterrupted run and with the final checkpoint.
 
-The kill delays below are the benchmark's own schedule (how long a segment runs before its
-SIGKILL), not test synchronisation: the assertions hold wherever the kills land, except
-`kills_landed`, which the toy latency makes certain (a segment runs for about a second).
+The kills below are named crash points (a kill at the 5th commit, then at the 30th seal of
+the resumed run), so where they land does not depend on timing: the benchmark's own timed
+kills are the same code path with a delay instead of a point.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ TINY = [
     "engine.data_fail_rate=0",
     "data.generated.n_rows=120",
 ]
-DELAYS = [0.35, 0.3]
+KILLS = ["ledger.step_committed:5", "ledger.sealed:30"]  # both reached in every run of TINY
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_uninterrupted_run_trains_every_generated_token(reference):
 @pytest.mark.slow
 def test_sibling_mode_trains_the_same_tokens_as_the_uninterrupted_run(tmp_path, reference):
     r = run_preempted(
-        TOY, [*TINY, "recovery.mode=sibling"], kill_delays=DELAYS, workdir=tmp_path, timeout=120
+        TOY, [*TINY, "recovery.mode=sibling"], kill_delays=KILLS, workdir=tmp_path, timeout=120
     )
     assert r["kills_landed"] == 2 and r["restarts"] == 2
     assert r["steps"] == 20
@@ -84,12 +84,11 @@ def test_sibling_mode_trains_the_same_tokens_as_the_uninterrupted_run(tmp_path, 
 @pytest.mark.slow
 def test_cursor_only_counts_the_prompts_the_final_checkpoint_records_as_lost(tmp_path):
     r = run_preempted(
-        TOY, [*TINY, "recovery.mode=cursor_only"], kill_delays=DELAYS, workdir=tmp_path, timeout=120
+        TOY, [*TINY, "recovery.mode=cursor_only"], kill_delays=KILLS, workdir=tmp_path, timeout=120
     )
     assert r["kills_landed"] == 2 and r["restarts"] == 2
     assert r["steps"] == 20
     assert r["prompts_duplicated"] == 0
-    assert r["prompts_lost"] >= 0
     assert r["prompts_lost"] == _lost_in_final_checkpoint(tmp_path)
     assert 0 < r["tokens_trained"] <= r["tokens_generated"]
     assert 0 < r["goodput"] <= 1

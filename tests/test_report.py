@@ -327,10 +327,11 @@ def test_end_to_end_killed_and_resumed(tmp_path: Path) -> None:
     assert len(rep.runs) == 2 and rep.runs[1].finished
     [r] = rep.restarts
     assert r.step is not None and r.cut_time is not None
-    for value in (r.tokens_thrown_away, r.tokens_reused, r.thrown_away_generation_seconds,
-                  r.lost_progress_seconds, r.groups_reused, r.siblings_reused,
-                  r.siblings_regenerated, r.groups_readmitted):
-        assert value is not None and value >= 0
+    # Killed at the 5th commit with the next steps in flight: work in flight was thrown
+    # away and regenerated, and finished groups were reused (the exact numbers depend on
+    # timing; the hand-built trace above pins each definition).
+    assert r.groups_reused + r.siblings_reused > 0 and r.siblings_regenerated > 0
+    assert r.tokens_thrown_away > 0 and r.lost_progress_seconds > 0
     assert r.lost_progress_until == "step 5 committed again"
     assert [s.step for s in rep.steps] == list(range(1, cfg.train.total_steps + 1))
     assert all(s.batch_age is not None and s.completion_n == s.groups for s in rep.steps)

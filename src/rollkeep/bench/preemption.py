@@ -126,13 +126,15 @@ def run_preempted(
     config: str | None,
     overrides: list[str],
     *,
-    kill_delays: list[float],
+    kill_delays: list[float | str],
     workdir: Path,
     timeout: float = 600.0,
 ) -> dict[str, Any]:
-    """Run the job, SIGKILL segment i `kill_delays[i]` s after its `run_started`, resume
-    until it finishes; return the measures listed in the module docstring. A segment that
-    finishes before its kill ends the schedule. `timeout` bounds each segment."""
+    """Run the job, SIGKILL segment i `kill_delays[i]` s after its `run_started` (or, for a
+    string, at that named crash point: `ROLLKEEP_CRASH_AT`, an instant that does not depend
+    on timing), resume until it finishes; return the measures listed in the module
+    docstring. A segment that finishes before its kill ends the schedule. `timeout` bounds
+    each segment."""
     workdir = Path(workdir)
     shutil.rmtree(workdir, ignore_errors=True)
     run_dir, logs = workdir / "run", workdir / "logs"
@@ -155,14 +157,15 @@ def run_preempted(
 
 
 def _segment(
-    cmd: list[str], trace: Path, stderr: Path, *, kill_after: float | None, timeout: float
+    cmd: list[str], trace: Path, stderr: Path, *, kill_after: float | str | None, timeout: float
 ) -> bool:
     """One run of the job. True if the SIGKILL landed; False if it finished (exit 0)."""
     mark = _trace_mark(trace)
+    crash_at = kill_after if isinstance(kill_after, str) else None
     with open(stderr, "wb") as err:
-        proc = subprocess.Popen(cmd, env=_env(None), stdout=subprocess.DEVNULL, stderr=err)
+        proc = subprocess.Popen(cmd, env=_env(crash_at), stdout=subprocess.DEVNULL, stderr=err)
         try:
-            if kill_after is not None:
+            if isinstance(kill_after, float | int):
                 if not _wait_started(proc, trace, mark, timeout) and proc.poll() is None:
                     raise _failed("did not trace run_started", stderr, timeout)
                 try:
