@@ -114,6 +114,10 @@ _ARRAY_DTYPES: dict[str, np.dtype] = {
 
 def _frozen(arr: np.ndarray) -> np.ndarray:
     """`arr` if nothing can write to its memory, else a read-only copy."""
+    if arr.flags.writeable:  # the common case (an engine's fresh array): copy at once
+        out = arr.copy()
+        out.flags.writeable = False
+        return out
     base: Any = arr
     while True:
         if isinstance(base, np.ndarray):

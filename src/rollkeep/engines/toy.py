@@ -58,16 +58,20 @@ class ToyEngine:
         return self._version
 
     async def generate(self, req: GenRequest) -> Completion:
-        delay = self.latency_ms + self.latency_jitter_ms * _unit(req.seed, "latency", req.attempt)
+        # (Each draw is made only when its rate can matter: the control-plane benchmark runs
+        # this engine at zero latency and without failures.)
+        delay = self.latency_ms
+        if self.latency_jitter_ms:
+            delay += self.latency_jitter_ms * _unit(req.seed, "latency", req.attempt)
         if delay > 0:
             await asyncio.sleep(delay / 1000.0)
         # Infra failures and hangs are keyed by the sibling's infra-retry count, not the
         # attempt number (restarts add attempts), so the same ones happen in every lineage.
-        if _unit(req.seed, "hang", req.infra_retries) < self.hang_rate:
+        if self.hang_rate and _unit(req.seed, "hang", req.infra_retries) < self.hang_rate:
             await asyncio.Event().wait()  # never returns; the caller's deadline cancels it
-        if _unit(req.seed, "infra", req.infra_retries) < self.infra_fail_rate:
+        if self.infra_fail_rate and _unit(req.seed, "infra", req.infra_retries) < self.infra_fail_rate:
             raise InfraError(f"toy engine: injected infra failure ({req.group_id}/{req.generation})")
-        if _unit(req.seed, "data") < self.data_fail_rate:
+        if self.data_fail_rate and _unit(req.seed, "data") < self.data_fail_rate:
             raise DataError(f"toy engine: injected data failure ({req.group_id}/{req.generation})")
         n, ids, logprobs = _sample(req.seed, self.completion_tokens)
         prompt_ids = np.frombuffer(req.prompt.prompt.encode(), dtype=np.uint8).astype(np.int32)
