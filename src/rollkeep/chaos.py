@@ -36,6 +36,7 @@ from .core.events import ALL_EVENTS, Abandoned, Configured, Evicted, Released, S
 from .core.restore import restore_chain
 from .core.source import PromptSource
 from .core.store import CheckpointStore
+from .core.trace_schema import RUN_FINISHED, RUN_STARTED
 from .lineage import exactly_once, lineage
 from .trace import read_trace
 
@@ -159,8 +160,8 @@ def run_chaos(
                             found=(ref.stderr or ref.stdout)[-2000:],
                             remedy="run `rollkeep train` with this config and fix the error first")
     ref_lines, _ = read_trace(ref_dir / "trace.jsonl")
-    started = next(x["t"] for x in ref_lines if x["event"] == "run_started")
-    finished = next(x for x in ref_lines if x["event"] == "run_finished")
+    started = next(x["t"] for x in ref_lines if x["event"] == RUN_STARTED)
+    finished = next(x for x in ref_lines if x["event"] == RUN_FINISHED)
     duration = max(0.05, finished["t"] - started)
     report.reference_sha256 = finished["weights_sha256"]
     counts = Counter(x["event"] for x in ref_lines)
@@ -200,7 +201,7 @@ def run_chaos(
                                 found=err.decode(errors="replace")[-2000:],
                                 remedy="this is a bug unless the config is wrong")
         lines, _ = read_trace(trace) if trace.exists() else ([], 0)
-        runs = [x for x in lines if x["event"] == "run_started"]
+        runs = [x for x in lines if x["event"] == RUN_STARTED]
         report.kills.append(Kill("timer" if crash_at is None else "crash point", detail, killed,
                                  runs[-1].get("resumed_from_step") if runs else None))
         log(f"chaos: kill {i + 1}/{kills}: {report.kills[-1].kind} {detail}: "

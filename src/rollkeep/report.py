@@ -50,6 +50,22 @@ from typing import Any
 from .core.errors import UserInputError
 from .core.keys import group_id
 from .core.ledger import COUNT_KEYS
+from .core.schedule.commands import Reason
+from .core.trace_schema import (
+    ABANDONED,
+    CHECKPOINT_PUBLISHED,
+    DISPATCHED,
+    DROPPED,
+    EVAL,
+    EVICTED,
+    FAILED,
+    RESTORED,
+    RUN_FINISHED,
+    RUN_STARTED,
+    SEALED,
+    STEP_COMMITTED,
+    TAKEN,
+)
 from .core.untrusted import loads_json, read_regular
 from .lineage import lineage
 from .trace import read_trace
@@ -323,7 +339,7 @@ def analyse(run_dir: Path) -> Report:
     ]
     evals: dict[int, dict[str, Any]] = {}
     for _, x in surviving:
-        if x["event"] == "eval":
+        if x["event"] == EVAL:
             evals[int(x["step"])] = {
                 "step": int(x["step"]),
                 "accuracy": x.get("eval/accuracy"),
@@ -343,8 +359,8 @@ def analyse(run_dir: Path) -> Report:
 
 
 def _run_info(run: _Run, *, last: bool) -> RunInfo:
-    started = run.first("run_started") or {}
-    finished = next((x for _, x in reversed(run.lines) if x["event"] == "run_finished"), None)
+    started = run.first(RUN_STARTED) or {}
+    finished = next((x for _, x in reversed(run.lines) if x["event"] == RUN_FINISHED), None)
     if finished is not None:
         status = f"finished ({finished.get('reason')})"
     else:
@@ -358,7 +374,7 @@ def _run_info(run: _Run, *, last: bool) -> RunInfo:
         reason=None if finished is None else finished.get("reason"),
         status=status,
         last_t=run.lines[-1][1].get("t") if run.lines else None,
-        steps_committed=[int(x["step"]) for _, x in run.lines if x["event"] == "step_committed"],
+        steps_committed=[int(x["step"]) for _, x in run.lines if x["event"] == STEP_COMMITTED],
     )
 
 
@@ -372,15 +388,15 @@ def _restart(
     """Measure restart `n` (run n resumes after run n-1) against the surviving history of
     the runs before it; return it with that history cut back to what the restart keeps."""
     run, prev = runs[n], runs[n - 1]
-    started = run.first("run_started") or {}
-    restored = run.first("restored")
+    started = run.first(RUN_STARTED) or {}
+    restored = run.first(RESTORED)
     checkpoint = started.get("checkpoint")
     resumed = started.get("resumed_from_step")
     cut_time = None
     if restored is not None:
         cut_time = restored.get("cut_time")
     if cut_time is None and checkpoint is not None:  # died before `restored`: ask the writer
-        published = [x for x in lines if x["event"] == "checkpoint_published" and x.get("name") == checkpoint]
+        published = [x for x in lines if x["event"] == CHECKPOINT_PUBLISHED and x.get("name") == checkpoint]
         cut_time = published[-1].get("cut_time") if published else None
     prev_info = _run_info(prev, last=False)
     r = Restart(
@@ -399,7 +415,7 @@ def _restart(
     abandoned = [
         (x["group_id"], int(g))
         for _, x in run.lines
-        if x["event"] == "abandoned" and x.get("reason") == "restart"
+        if x["event"] == ABANDONED and x.get("reason") == Reason.RESTART
         for g in x.get("generations", ())
     ]
     r.attempts_abandoned = len(abandoned)
@@ -407,7 +423,7 @@ def _restart(
         r.recovery_mode = restored.get("recovery_mode")
     # Groups the restart itself dropped (before `restored`): their sealed rows go too.
     restart_phase = [x for _, x in run.lines[: _index(run, restored) + 1]] if restored else []
-    dropped = {x["group_id"] for x in restart_phase if x["event"] == "dropped"}
+    dropped = {x["group_id"] for x in restart_phase if x["event"] == DROPPED}
 
     # What the restart keeps of the history before it.
     if resumed is None:
@@ -417,7 +433,7 @@ def _restart(
     else:  # cut time unknown: keep up to the first commit after the restored step
         end = next(
             (k for k, (_, x) in enumerate(surviving)
-             if x["event"] == "step_committed" and int(x["step"]) > resumed),
+             if x["event"] == STEP_COMMITTED and int(x["step"]) > resumed),
             len(surviving),
         )
         kept = surviving[:end]
@@ -426,7 +442,7 @@ def _restart(
         kept_ids = {i for i, _ in kept}
         lost_seals = [
             (i, x) for i, x in surviving
-            if i not in kept_ids and x["event"] == "sealed" and ("seal", i) not in counted
+            if i not in kept_ids and x["event"] == SEALED and ("seal", i) not in counted
         ]
         counted.update(("seal", i) for i, _ in lost_seals)
         r.seals_after_cut = len(lost_seals)
@@ -464,7 +480,7 @@ def _restart(
     # A graceful stop is a pause, not a loss: its idle time does not count, and a final
     # checkpoint that holds every committed step leaves nothing to redo.
     prev_steps = prev_info.steps_committed
-    commits = [(int(x["step"]), float(x["t"])) for _, x in run.lines if x["event"] == "step_committed"]
+    commits = [(int(x["step"]), float(x["t"])) for _, x in run.lines if x["event"] == STEP_COMMITTED]
     behind = bool(prev_steps) and max(prev_steps) > (resumed or 0)
     if prev_info.finished and resumed is not None and not behind:
         r.lost_progress_until = "nothing lost (graceful stop)"
@@ -494,31 +510,31 @@ def _live_attempts(kept: list[tuple[int, dict[str, Any]]]) -> dict[tuple[str, in
     all_or_nothing: set[str] = set()
     for i, x in kept:
         ev = x["event"]
-        if ev == "taken":
+        if ev == TAKEN:
             gid = group_id((x["epoch"], x["ordinal"]))
             if x.get("granularity") == "prompt_group":
                 all_or_nothing.add(gid)
-        elif ev == "dispatched":
+        elif ev == DISPATCHED:
             sibs = live.setdefault(x["group_id"], {})
             for g in x.get("generations", ()):
                 sibs[int(g)] = {"dispatch": (i, float(x["t"]))}
-        elif ev == "sealed":
+        elif ev == SEALED:
             att = live.setdefault(x["group_id"], {}).setdefault(int(x["generation"]), {})
             att["seal"] = (i, int(x.get("tokens", 0)))
-        elif ev == "failed":
+        elif ev == FAILED:
             if x["group_id"] in all_or_nothing:
                 live.pop(x["group_id"], None)
             else:
                 live.get(x["group_id"], {}).pop(int(x["generation"]), None)
-        elif ev == "abandoned":
+        elif ev == ABANDONED:
             for g in x.get("generations", ()):
                 live.get(x["group_id"], {}).pop(int(g), None)
-        elif ev in ("evicted", "dropped"):
+        elif ev in (EVICTED, DROPPED):
             live.pop(x["group_id"], None)
-            rep = x.get("replacement") if ev == "dropped" else None
+            rep = x.get("replacement") if ev == DROPPED else None
             if rep and rep.get("granularity") == "prompt_group":
                 all_or_nothing.add(group_id((rep["epoch"], rep["ordinal"])))
-        elif ev == "step_committed":
+        elif ev == STEP_COMMITTED:
             for gid in x.get("group_ids", ()):
                 live.pop(gid, None)
     return {(gid, g): att for gid, sibs in live.items() for g, att in sibs.items()}
@@ -535,14 +551,14 @@ def _steps(lin, surviving, lines, metrics) -> list[StepInfo]:
     commits: dict[int, tuple[dict[str, Any], list[float]]] = {}
     for _, x in surviving:
         ev = x["event"]
-        if ev == "taken":
+        if ev == TAKEN:
             first_taken.setdefault(group_id((x["epoch"], x["ordinal"])), float(x["t"]))
-        elif ev == "dropped" and x.get("replacement"):
+        elif ev == DROPPED and x.get("replacement"):
             rep = x["replacement"]
             first_taken.setdefault(group_id((rep["epoch"], rep["ordinal"])), float(x["t"]))
         elif ev == "ready":
             last_ready[x["group_id"]] = float(x["t"])
-        elif ev == "step_committed":
+        elif ev == STEP_COMMITTED:
             times = [
                 last_ready[g] - first_taken[g]
                 for g in x.get("group_ids", ())
@@ -554,7 +570,7 @@ def _steps(lin, surviving, lines, metrics) -> list[StepInfo]:
     for step in sorted(lin.steps):
         commit, times = commits.get(step, (None, []))
         if commit is None:  # not in the surviving history (its cut time was unknown)
-            commit = next(x for x in reversed(lines) if x["event"] == "step_committed" and int(x["step"]) == step)
+            commit = next(x for x in reversed(lines) if x["event"] == STEP_COMMITTED and int(x["step"]) == step)
         m = by_run_step.get((commit.get("run_id"), step), {})
         out.append(
             StepInfo(

@@ -22,6 +22,15 @@ from ..core.ledger import Ledger
 from ..core.restore import restore_chain
 from ..core.rows import Row, RowId, RowStore
 from ..core.store import CheckpointStore
+from ..core.trace_schema import (
+    ADMITTED,
+    CHECKPOINT_PUBLISHED,
+    DISPATCHED,
+    RUN_FINISHED,
+    RUN_STARTED,
+    SEALED,
+    TAKEN,
+)
 from ..trace import read_trace
 from .ledger import G, inflight_ledger
 
@@ -97,10 +106,10 @@ def ceiling(steps: int = 40, prompts_per_step: int = 64, group_size: int = G, *,
         finally:
             Trace.emit = Trace.ledger_event = real  # type: ignore[method-assign]
         lines, _ = read_trace(Path(tmp) / "run" / "trace.jsonl")
-    t0 = next(x["t"] for x in lines if x["event"] == "run_started")
-    t1 = next(x["t"] for x in lines if x["event"] == "run_finished")
-    holds = [x["cut_hold_seconds"] for x in lines if x["event"] == "checkpoint_published"]
-    events = sum(1 for x in lines if x["event"] in ("sealed", "dispatched", "taken", "admitted"))
+    t0 = next(x["t"] for x in lines if x["event"] == RUN_STARTED)
+    t1 = next(x["t"] for x in lines if x["event"] == RUN_FINISHED)
+    holds = [x["cut_hold_seconds"] for x in lines if x["event"] == CHECKPOINT_PUBLISHED]
+    events = sum(1 for x in lines if x["event"] in (SEALED, DISPATCHED, TAKEN, ADMITTED))
     siblings = steps * prompts_per_step * group_size
     return {
         "steps": steps,

@@ -45,6 +45,7 @@ from typing import Any
 
 from ..chaos import _env, _trace_mark, _train_cmd, _wait_started
 from ..core.errors import RollkeepError
+from ..core.trace_schema import DROPPED, SEALED, STEP_COMMITTED
 from ..lineage import lineage
 from ..trace import read_trace
 
@@ -202,13 +203,13 @@ def measure(run_dir: Path) -> dict[str, Any]:
     lin = lineage(lines)
     if lin.finished is None:
         raise RollkeepError("benchmark: the last run of the job did not finish", path=str(run_dir))
-    generated = sum(x["tokens"] for x in lines if x["event"] == "sealed")
+    generated = sum(x["tokens"] for x in lines if x["event"] == SEALED)
     # The surviving commit of a surviving step is its last commit in the trace: a later
     # run that forgot it would have committed it again.
     survivors = {
         int(x["step"]): x["run_id"]
         for x in lines
-        if x["event"] == "step_committed" and int(x["step"]) in lin.steps
+        if x["event"] == STEP_COMMITTED and int(x["step"]) in lin.steps
     }
     wanted = {(run_id, step) for step, run_id in survivors.items()}
     trained, seen = 0, set()
@@ -228,7 +229,7 @@ def measure(run_dir: Path) -> dict[str, Any]:
     lost = {
         tuple(x["prompt"])
         for x in lines
-        if x["event"] == "dropped" and str(x.get("reason", "")).startswith("lost")
+        if x["event"] == DROPPED and str(x.get("reason", "")).startswith("lost")
     }
     run_s = 0.0
     for run in lin.runs:

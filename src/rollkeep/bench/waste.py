@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.samplers import SAMPLERS
+from ..core.trace_schema import STEP_COMMITTED
 from ..trace import read_trace
 from .preemption import run_preempted
 
@@ -74,7 +75,7 @@ def completions(run_dir: Path, group_size: int) -> dict[str, int]:
     trace."""
     lines, _ = read_trace(Path(run_dir) / "trace.jsonl")
     events = Counter(x["event"] for x in lines)
-    groups = sum(len(x["prompts"]) for x in lines if x["event"] == "step_committed")
+    groups = sum(len(x["prompts"]) for x in lines if x["event"] == STEP_COMMITTED)
     return {
         "generated": events["sealed"],
         "trained": groups * group_size,

@@ -13,7 +13,19 @@ from typing import Any
 
 import msgspec
 
-from .events import ALL_EVENTS, Dropped, StepCommitted, event_name
+from .events import (
+    ALL_EVENTS,
+    Abandoned,
+    Admitted,
+    Dispatched,
+    Dropped,
+    Evicted,
+    Failed,
+    Sealed,
+    StepCommitted,
+    Taken,
+    event_name,
+)
 
 
 class RunEvent(msgspec.Struct, frozen=True, kw_only=True, tag_field="event"):
@@ -92,7 +104,9 @@ def name(event_type: type[Any]) -> str:
 RUN_STARTED, RESTORED, CHECKPOINT_PUBLISHED, CHECKPOINT_SKIPPED, EVAL, RUN_FINISHED, RUN_FAILED = (
     name(t) for t in RUN_EVENTS
 )
-STEP_COMMITTED, DROPPED = name(StepCommitted), name(Dropped)
+STEP_COMMITTED, DROPPED, SEALED, DISPATCHED, TAKEN, ADMITTED, FAILED, EVICTED, ABANDONED = (
+    name(t) for t in (StepCommitted, Dropped, Sealed, Dispatched, Taken, Admitted, Failed, Evicted, Abandoned)
+)
 
 #: Every event name a trace may hold.
 NAMES: frozenset[str] = frozenset(name(t) for t in RUN_EVENTS) | frozenset(map(event_name, ALL_EVENTS))
