@@ -31,7 +31,8 @@ from .audit import audit
 from .errors import AuditFailure
 from .ledger import AttemptStatus, Ledger, LedgerState
 from .rows import RowId, RowPin, RowStore, encode_rows
-from .store import CheckpointStore, OpenedCheckpoint, Published
+from .manifest import OpenedCheckpoint
+from .store import CheckpointStore, Published
 from .untrusted import SAFETENSORS_MAX_HEADER, loads_json, safetensors_header
 
 LEDGER_FILE = "ledger.msgpack"

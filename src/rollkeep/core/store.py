@@ -142,53 +142,48 @@ verified checkpoint is indistinguishable from that edit, and restores a consiste
 checkpoint; anything else is refused (LATEST must be exactly `step_NNNNNN` and a newline).
 
 
-Opening a checkpoint (restore steps 1-3 of docs/design.md §5)
-========================================================
+Opening a checkpoint (restore steps 1-3) is `rollkeep.core.manifest`'s: what it checks,
+and why the manifest checks itself, is written down there.
 
-`open` and `open_path` modify nothing on disk, ever: they never clean up, repair or
-rename. Each refusal is an exception naming the file, the field, what was expected, what
-was found, and what to do:
-
-1. `CheckpointNotFound`: LATEST exists, holds a valid name, and names a directory that
-   exists and has a MANIFEST.json.
-2. `ManifestMismatch`: MANIFEST.json is a JSON object in canonical form with a correct
-   checksum and the reserved keys with the right types; its name and step match the
-   directory; every listed path is relative, normalised and at most one directory deep;
-   every listed file is a regular file with the listed size and sha256; nothing else is in
-   the directory (no unlisted file or directory is trusted).
-3. `SchemaUnsupported`: `manifest_schema` is 1, and each entry of an optional `schemas`
-   object (e.g. {"ledger": 1, "rows": 1}) is in the `supported` versions the caller
-   passes. `manifest_schema` is read right after the manifest's checksum, before its other
-   fields, because it decides how they are read; so a newer manifest is reported as
-   "written by a newer rollkeep", and a corrupted one as a mismatch.
-
-Time of check and time of use: `open` hashes every listed file (streaming, so memory
-stays small even for model weights) but keeps no bytes; `OpenedCheckpoint.read` reads the
-whole file again and checks its size and sha256 against the manifest before returning the
-bytes. So the bytes a caller gets are exactly the bytes the manifest lists, even if the file
-changed after `open`; the price is hashing the files that are read twice.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
-import math
 import re
 import secrets
 import time
 from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 from rollkeep.core import crashpoints
-from rollkeep.core.errors import CheckpointNotFound, ManifestMismatch, SchemaUnsupported
-from rollkeep.core.fs import DEFAULT_FS, DIR, FS
-from rollkeep.core.untrusted import loads_json
+from rollkeep.core.errors import CheckpointNotFound
+from rollkeep.core.fs import DIR, FS
+from rollkeep.core.manifest import (
+    _NO_SCHEMA_CHECK,
+    LATEST,
+    MANIFEST,
+    MANIFEST_SCHEMA,
+    RESERVED_KEYS,
+    OpenedCheckpoint,
+    _canonical_compact,
+    _decode_json,
+    _encode_manifest,
+    _is_int,
+    _latest_remedy,
+    _open_dir,
+    _oserror_text,
+    _parse_latest,
+    _relpath_problem,
+    _step_of,
+    checkpoint_name,
+    checkpoint_order,
+    open_path,
+)
 
 __all__ = [
     "FS",
@@ -203,94 +198,12 @@ __all__ = [
     "open_path",
 ]
 
-MANIFEST = "MANIFEST.json"
-LATEST = "LATEST"
-MANIFEST_SCHEMA = 1
-
-# Keys of MANIFEST.json that belong to the store; `meta` may not set them.
-RESERVED_KEYS = frozenset(
-    {"manifest_schema", "name", "step", "created", "files", "manifest_sha256"}
-)
-
-_NAME_RE = re.compile(r"step_(\d{6,})(?:\.([1-9]\d*))?")
 _TMP_RE = re.compile(r"(?:step_\d{6,}(?:\.[1-9]\d*)?|LATEST)\.tmp-[0-9a-f]+")
 ABANDONED_PREFIX = "abandoned-"
-_COMPONENT_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
-_SHA256_RE = re.compile(r"[0-9a-f]{64}")
-_NO_SCHEMA_CHECK: Mapping[str, AbstractSet[int]] = MappingProxyType({})
-
-
-def checkpoint_name(step: int, revision: int = 0) -> str:
-    """`step_{step:06d}`, or `step_{step:06d}.{revision}` for a later cut of the same step
-    (see "Republishing a step")."""
-    for what, v in (("step", step), ("revision", revision)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise ValueError(f"checkpoint {what} must be an int >= 0, got {v!r}")
-    return f"step_{step:06d}" + (f".{revision}" if revision else "")
-
-
-def checkpoint_order(name: str) -> tuple[int, int] | None:
-    """(step, revision) of a canonical checkpoint name, or None if it is not one."""
-    m = _NAME_RE.fullmatch(name)
-    if m is None:
-        return None
-    key = (int(m.group(1)), int(m.group(2) or 0))
-    return key if checkpoint_name(*key) == name else None
-
-
-def _step_of(name: str) -> int | None:
-    """The step a canonical checkpoint name stands for, or None if it is not one."""
-    key = checkpoint_order(name)
-    return None if key is None else key[0]
 
 
 def _tmp_suffix() -> str:
     return ".tmp-" + secrets.token_hex(8)
-
-
-def _relpath_problem(rel: object) -> str | None:
-    """Why `rel` is not an acceptable file path inside a checkpoint, or None if it is."""
-    if not isinstance(rel, str):
-        return f"a path must be a string, not {type(rel).__name__}"
-    parts = rel.split("/")
-    if len(parts) > 2:
-        return "at most one level of subdirectory is allowed"
-    for part in parts:
-        if not _COMPONENT_RE.fullmatch(part):
-            return (
-                "each path component must be non-empty, start with a letter, digit or '_', "
-                "and use only letters, digits, '.', '_', '-' (relative, normalised, no '..')"
-            )
-    if rel == MANIFEST:
-        return f"{MANIFEST} is written by the store itself"
-    return None
-
-
-# -- the manifest's own encoding ---------------------------------------------------------
-
-
-def _canonical_compact(obj: Mapping[str, Any]) -> bytes:
-    return json.dumps(
-        obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
-    ).encode("ascii")
-
-
-def _encode_manifest(fields: Mapping[str, Any]) -> bytes:
-    """MANIFEST.json bytes for `fields`: canonical indented JSON with `manifest_sha256`
-    set to the sha256 of the canonical compact JSON of the other keys."""
-    body = {k: v for k, v in fields.items() if k != "manifest_sha256"}
-    full = dict(body, manifest_sha256=hashlib.sha256(_canonical_compact(body)).hexdigest())
-    text = json.dumps(full, sort_keys=True, indent=2, ensure_ascii=True, allow_nan=False)
-    return (text + "\n").encode("ascii")
-
-
-def _decode_json(raw: bytes) -> Any:
-    """Strict JSON (no duplicate keys, no NaN, bounded nesting). Raises ValueError."""
-    return loads_json(raw)
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 # -- results -----------------------------------------------------------------------------
@@ -305,70 +218,6 @@ class Published:
     path: Path
     bytes: int
     write_seconds: float
-
-
-@dataclass(frozen=True)
-class OpenedCheckpoint:
-    """A checkpoint that passed restore steps 1-3. `manifest` is the parsed MANIFEST.json."""
-
-    name: str
-    path: Path
-    manifest: dict[str, Any]
-    _expected: Mapping[str, tuple[int, str]] = field(repr=False, compare=False)
-    _fs: FS = field(default=DEFAULT_FS, repr=False, compare=False)
-
-    def files(self) -> list[str]:
-        """The listed files, sorted."""
-        return sorted(self._expected)
-
-    def read(self, relpath: str) -> bytes:
-        """The bytes of a listed file, checked again against its size and sha256 (so they
-        are exactly the bytes the manifest lists, whatever happened since `open`)."""
-        file = self.path / relpath
-        if relpath not in self._expected:
-            raise ManifestMismatch(
-                f"checkpoint {self.name} has no file {relpath!r}",
-                path=str(file),
-                field=f"files[{relpath!r}]",
-                expected=f"a file listed in {MANIFEST}",
-                found=f"listed: {', '.join(self.files()) or 'none'}",
-                remedy=_earlier_remedy(self.path, self._fs),
-            )
-        size, digest = self._expected[relpath]
-        try:
-            data = self._fs.read(file)
-        except OSError as e:
-            raise ManifestMismatch(
-                f"{relpath} of checkpoint {self.name} cannot be read any more",
-                path=str(file),
-                expected="the file verified when the checkpoint was opened",
-                found=_oserror_text(e),
-                remedy=_earlier_remedy(self.path, self._fs),
-            ) from e
-        found = hashlib.sha256(data).hexdigest()
-        if len(data) != size or found != digest:
-            raise ManifestMismatch(
-                f"{relpath} of checkpoint {self.name} changed after it was opened",
-                path=str(file),
-                field=f"files[{relpath!r}]",
-                expected=f"size {size}, sha256 {digest}",
-                found=f"size {len(data)}, sha256 {found}",
-                remedy="make sure nothing else writes into the checkpoint directory; "
-                + _earlier_remedy(self.path, self._fs),
-            )
-        return data
-
-    def size(self, relpath: str) -> int:
-        """The listed size of a listed file."""
-        return self._expected[relpath][0]
-
-    def read_prefix(self, relpath: str, n: int) -> bytes:
-        """At most the first `n` bytes of a listed file, *not* checked against its sha256
-        (`open` hashed the whole file): for reading a header, such as the step a trainer
-        file declares, without reading gigabytes of weights twice."""
-        if relpath not in self._expected:
-            raise KeyError(relpath)
-        return self._fs.read_prefix(self.path / relpath, n)
 
 
 # -- the store ---------------------------------------------------------------------------
@@ -710,27 +559,6 @@ class CheckpointStore:
             self._fs.rmtree(doomed)
 
 
-def open_path(
-    path: Path,
-    *,
-    supported: Mapping[str, AbstractSet[int]] = _NO_SCHEMA_CHECK,
-    fs: FS = DEFAULT_FS,
-) -> OpenedCheckpoint:
-    """Open and verify the checkpoint directory `path` (restore steps 1-3 without LATEST;
-    for `rollkeep inspect PATH`). Modifies nothing on disk."""
-    path = Path(path)
-    if _step_of(path.name) is None:
-        raise CheckpointNotFound(
-            f"{path} is not a checkpoint directory",
-            path=str(path),
-            expected="a directory named step_NNNNNN holding a MANIFEST.json",
-            found=f"a path named {path.name!r}",
-            remedy="pass a checkpoint directory such as RUN_DIR/checkpoints/step_000012 "
-            "(a copied checkpoint keeps its step_NNNNNN name)",
-        )
-    return _open_dir(path, supported, via_latest=False, fs=fs)
-
-
 # -- publication helpers -----------------------------------------------------------------
 
 
@@ -780,287 +608,3 @@ def _manifest_fields(
     return fields
 
 
-def _parse_latest(raw: bytes) -> str | None:
-    if not raw.endswith(b"\n"):
-        return None
-    try:
-        name = raw[:-1].decode("ascii")
-    except UnicodeDecodeError:
-        return None
-    return name if _step_of(name) is not None else None
-
-
-# -- verification (restore steps 1-3) ----------------------------------------------------
-
-
-def _oserror_text(e: OSError) -> str:
-    return e.strerror or str(e)
-
-
-def _earlier_remedy(ckdir: Path, fs: FS = DEFAULT_FS) -> str:
-    """What to do about a bad checkpoint: name the newest earlier one, if any."""
-    root, step = ckdir.parent, checkpoint_order(ckdir.name)
-    try:
-        names = [name for name, kind in fs.listdir(root) if kind == DIR]
-    except OSError:
-        names = []
-    earlier = sorted(
-        (s, n) for n in names if (s := checkpoint_order(n)) is not None and (step is None or s < step)
-    )
-    if earlier:
-        prev = earlier[-1][1]
-        return (
-            f"restore from an earlier checkpoint: check it with "
-            f"`rollkeep inspect {root / prev}`, then set LATEST to it "
-            f"(write '{prev}' and a newline into {root / LATEST})"
-        )
-    return (
-        f"no earlier checkpoint exists in {root}; start a fresh run in a new RUN_DIR "
-        f"and keep this one for inspection"
-    )
-
-
-def _latest_remedy(root: Path, names: list[str]) -> str:
-    if names:
-        return (
-            f"checkpoint directories present: {', '.join(names)}; check one with "
-            f"`rollkeep inspect {root / names[-1]}`, then set LATEST to it (write "
-            f"'{names[-1]}' and a newline into {root / LATEST}); or start a fresh run in "
-            f"a new RUN_DIR"
-        )
-    return f"there is nothing to restore in {root}; start a fresh run"
-
-
-def _open_dir(
-    ckdir: Path, supported: Mapping[str, AbstractSet[int]], *, via_latest: bool, fs: FS = DEFAULT_FS
-) -> OpenedCheckpoint:
-    name = ckdir.name
-    step = _step_of(name)
-    assert step is not None
-    remedy = _earlier_remedy(ckdir, fs)
-    named = f"LATEST names {name}, but" if via_latest else f"checkpoint {name}:"
-
-    # Step 1: the directory exists and has a manifest.
-    kind = fs.kind_of(ckdir)
-    if kind is None:
-        raise CheckpointNotFound(
-            f"{named} its directory does not exist",
-            path=str(ckdir),
-            expected="a checkpoint directory",
-            found="No such file or directory",
-            remedy=remedy,
-        )
-    if kind != DIR:
-        raise CheckpointNotFound(
-            f"{named} it is not a directory",
-            path=str(ckdir),
-            expected="a directory (not a symlink)",
-            found=fs.describe(ckdir),
-            remedy=remedy,
-        )
-    mpath = ckdir / MANIFEST
-    try:
-        raw = fs.read(mpath)
-    except FileNotFoundError as e:
-        raise CheckpointNotFound(
-            f"{named} it has no {MANIFEST} (the manifest is written last, so the "
-            f"checkpoint is incomplete or damaged)",
-            path=str(mpath),
-            expected=f"{MANIFEST} in the checkpoint directory",
-            found="no such file",
-            remedy=remedy,
-        ) from e
-    except OSError as e:
-        raise ManifestMismatch(
-            f"{MANIFEST} of {name} cannot be read",
-            path=str(mpath),
-            expected="a readable regular file",
-            found=_oserror_text(e),
-            remedy=remedy,
-        ) from e
-
-    # Step 2 (first half): the manifest itself.
-    def bad(what: str, field: str | None, expected: str, found: str) -> ManifestMismatch:
-        return ManifestMismatch(
-            f"{MANIFEST} of {name}: {what}",
-            path=str(mpath),
-            field=field,
-            expected=expected,
-            found=found,
-            remedy=remedy,
-        )
-
-    try:
-        manifest = _decode_json(raw)
-    except ValueError as e:  # includes UnicodeDecodeError and JSONDecodeError
-        raise bad("it does not parse as JSON", None, "a UTF-8 JSON object", str(e)) from e
-    if not isinstance(manifest, dict):
-        raise bad("it is not a JSON object", None, "a JSON object", type(manifest).__name__)
-    if "manifest_sha256" in manifest:
-        claimed = manifest["manifest_sha256"]
-        body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
-        actual = hashlib.sha256(_canonical_compact(body)).hexdigest()
-        if claimed != actual:
-            raise bad(
-                "its checksum does not match its content (corrupted or edited)",
-                "manifest_sha256",
-                f"sha256 of the other keys' canonical JSON, {actual}",
-                repr(claimed),
-            )
-        if _encode_manifest(manifest) != raw:
-            raise bad(
-                "it is not byte-for-byte in the form rollkeep writes (corrupted or edited)",
-                None,
-                "canonical JSON: sorted keys, 2-space indent, ASCII, one final newline",
-                f"{len(raw)} bytes that differ from it",
-            )
-
-    # Step 3 (first half): manifest_schema decides how the rest is read.
-    schema = manifest.get("manifest_schema")
-    if not _is_int(schema):
-        raise bad("manifest_schema is missing or not an int", "manifest_schema", "1", repr(schema))
-    if schema != MANIFEST_SCHEMA:
-        newer = schema > MANIFEST_SCHEMA
-        raise SchemaUnsupported(
-            f"{MANIFEST} of {name} has manifest_schema {schema}"
-            + ("; it was written by a newer rollkeep" if newer else ""),
-            path=str(mpath),
-            field="manifest_schema",
-            expected=str(MANIFEST_SCHEMA),
-            found=str(schema),
-            remedy=("upgrade rollkeep (pip install -U rollkeep), or " if newer else "") + remedy,
-        )
-
-    # Step 2 (second half): reserved keys and their types.
-    if "manifest_sha256" not in manifest:
-        raise bad("manifest_sha256 is missing", "manifest_sha256", "a sha256 hex string", "none")
-    if manifest.get("name") != name:
-        raise bad(
-            "it belongs to another checkpoint (swapped or copied in?)",
-            "name",
-            repr(name),
-            repr(manifest.get("name")),
-        )
-    if manifest.get("step") != step or not _is_int(manifest.get("step")):
-        raise bad(
-            "its step does not match the directory", "step", str(step), repr(manifest.get("step"))
-        )
-    created = manifest.get("created")
-    if not (_is_int(created) or isinstance(created, float)) or not math.isfinite(created):
-        raise bad("created is not a unix time", "created", "a finite number", repr(created))
-    listed = manifest.get("files")
-    if not isinstance(listed, dict):
-        raise bad(
-            "files is not an object", "files", "an object path -> {size, sha256}", repr(listed)
-        )
-    expected: dict[str, tuple[int, str]] = {}
-    for rel, entry in listed.items():
-        fld = f"files[{rel!r}]"
-        problem = _relpath_problem(rel)
-        if problem is not None:
-            raise bad(f"listed path {rel!r} is not allowed", fld, problem, repr(rel))
-        if not isinstance(entry, dict) or set(entry) != {"size", "sha256"}:
-            raise bad(f"the entry of {rel} is malformed", fld, "{size, sha256}", repr(entry))
-        size, digest = entry["size"], entry["sha256"]
-        if not _is_int(size) or size < 0:
-            raise bad(f"the size of {rel} is malformed", fld + ".size", "an int >= 0", repr(size))
-        if not isinstance(digest, str) or not _SHA256_RE.fullmatch(digest):
-            raise bad(
-                f"the sha256 of {rel} is malformed", fld + ".sha256", "64 hex digits", repr(digest)
-            )
-        expected[rel] = (size, digest)
-    subdirs = {rel.split("/")[0] for rel in expected if "/" in rel}
-    for d in subdirs:
-        if d in expected:
-            raise bad(
-                f"{d} is listed both as a file and as a directory",
-                f"files[{d!r}]",
-                "distinct file and directory names",
-                d,
-            )
-
-    # Step 2 (second half): the directory holds exactly the listed files.
-    def mismatch(rel: str, what: str, exp: str, found: str) -> ManifestMismatch:
-        return ManifestMismatch(
-            f"{rel} of checkpoint {name}: {what}",
-            path=str(ckdir / rel),
-            field=f"files[{rel!r}]",
-            expected=exp,
-            found=found,
-            remedy=remedy,
-        )
-
-    unlisted_remedy = (
-        "an unlisted file is never trusted; if you added it by hand, move it out of the "
-        "checkpoint directory; otherwise " + remedy
-    )
-    for rel in _walk(ckdir, subdirs, fs):
-        if rel not in expected and rel != MANIFEST:
-            raise ManifestMismatch(
-                f"{rel} in checkpoint {name} is not listed in {MANIFEST}",
-                path=str(ckdir / rel),
-                field="files",
-                expected=f"only the files listed in {MANIFEST}",
-                found=f"an unlisted entry {rel!r}",
-                remedy=unlisted_remedy,
-            )
-    for rel, (size, digest) in sorted(expected.items()):
-        try:
-            found_size, found_digest = fs.hash(ckdir / rel)
-        except OSError as e:
-            raise mismatch(
-                rel,
-                "it is missing" if isinstance(e, FileNotFoundError) else "it cannot be read",
-                f"a regular file of {size} bytes",
-                _oserror_text(e),
-            ) from e
-        if found_size != size:
-            raise mismatch(
-                rel, "wrong size (truncated or replaced?)", f"{size} bytes", f"{found_size} bytes"
-            )
-        if found_digest != digest:
-            raise mismatch(rel, "wrong sha256 (corrupted or replaced)", digest, found_digest)
-
-    # Step 3 (second half): component schema versions.
-    schemas = manifest.get("schemas")
-    if schemas is not None:
-        if not isinstance(schemas, dict) or not all(_is_int(v) for v in schemas.values()):
-            raise bad(
-                "schemas is malformed", "schemas", "an object component -> int", repr(schemas)
-            )
-        if supported:
-            for comp, version in sorted(schemas.items()):
-                versions = supported.get(comp)
-                if versions is not None and version in versions:
-                    continue
-                newer = versions is None or (bool(versions) and version > max(versions))
-                raise SchemaUnsupported(
-                    f"checkpoint {name} holds {comp} in schema version {version}, which this "
-                    f"rollkeep cannot read"
-                    + ("; it was written by a newer rollkeep" if newer else ""),
-                    path=str(mpath),
-                    field=f"schemas.{comp}",
-                    expected=(
-                        f"one of the versions {sorted(versions)}"
-                        if versions is not None
-                        else f"one of the components {sorted(supported)}"
-                    ),
-                    found=str(version),
-                    remedy=("upgrade rollkeep (pip install -U rollkeep), or " if newer else "")
-                    + remedy,
-                )
-
-    return OpenedCheckpoint(name, ckdir, manifest, MappingProxyType(expected), fs)
-
-
-def _walk(ckdir: Path, subdirs: set[str], fs: FS) -> list[str]:
-    """Every entry of a checkpoint directory, as relative paths; a listed subdirectory is
-    entered (one level), anything else (including a symlink or a deeper directory) is
-    returned as is, to be refused if it is not a listed regular file."""
-    out: list[str] = []
-    for name, kind in fs.listdir(ckdir):
-        if name in subdirs and kind == DIR:
-            out.extend(f"{name}/{sub}" for sub, _ in fs.listdir(ckdir / name))
-        else:
-            out.append(name)
-    return out
