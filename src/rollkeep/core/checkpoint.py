@@ -30,8 +30,8 @@ from . import codec
 from .audit import audit
 from .errors import AuditFailure
 from .ledger import AttemptStatus, Ledger, LedgerState
-from .rows import RowId, RowPin, RowStore, encode_rows
 from .manifest import OpenedCheckpoint
+from .rows import RowId, RowPin, RowStore, encode_rows
 from .store import CheckpointStore, Published
 from .untrusted import SAFETENSORS_MAX_HEADER, loads_json, safetensors_header
 
