@@ -1,0 +1,143 @@
+"""The report as markdown (`report.md`, and what `rollkeep trace` prints)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from .model import DEFINITIONS, METRICS, TRACE, Report, _percentile
+
+# ====================================================================== markdown
+
+
+def render_markdown(report: Report, files: list[Path] | None = None) -> str:
+    s = report.summary()
+    t0 = report.runs[0].started if report.runs and report.runs[0].started else None
+    out = [f"# rollkeep trace: {report.run_dir}", ""]
+    state = "finished" if s["finished"] else "not finished (killed, or still running)"
+    out.append(
+        f"{s['runs']} run(s), {s['restarts']} restart(s), {s['steps']} step(s) in the surviving "
+        f"lineage (last step {s['last_step']}), {state}. Torn or unreadable lines skipped: "
+        f"{report.torn_lines} in {TRACE}, {report.torn_metrics_lines} in {METRICS}."
+    )
+    if t0 is not None:
+        out.append(f"Times are seconds since the first run started ({_iso(t0)}).")
+    if report.duplicates:
+        out.append(f"**Prompts trained more than once:** {report.duplicates}")
+    out += ["", "## Runs", ""]
+    out += _table(
+        ["#", "run id", "started (s)", "resumed from step", "checkpoint", "steps committed",
+         "last line (s)", "end"],
+        [
+            [i, r.run_id, _rel(r.started, t0), _f(r.resumed_from_step), _f(r.checkpoint),
+             _steps_range(r.steps_committed), _rel(r.last_t, t0), r.status]
+            for i, r in enumerate(report.runs)
+        ],
+    )
+    out += ["", "## Restarts", ""]
+    if report.restarts:
+        out += _table(
+            ["#", "run id", "checkpoint", "step", "groups reused", "siblings reused",
+             "siblings regenerated", "prompts re-admitted", "groups lost", "tokens reused",
+             "tokens thrown away (after cut + discarded siblings)",
+             "thrown-away generation (s)", "attempts abandoned", "lost progress (s)"],
+            [
+                [r.index, r.run_id, _f(r.checkpoint), _f(r.step), _f(r.groups_reused),
+                 _f(r.siblings_reused), _f(r.siblings_regenerated), _f(r.groups_readmitted),
+                 _f(r.groups_lost), _f(r.tokens_reused),
+                 f"{_f(r.tokens_thrown_away)} ({_f(r.tokens_sealed_after_cut)} + "
+                 f"{_f(r.tokens_siblings_discarded)})",
+                 _f(r.thrown_away_generation_seconds, 3), r.attempts_abandoned,
+                 f"{_f(r.lost_progress_seconds, 3)} (until {r.lost_progress_until})"]
+                for r in report.restarts
+            ],
+        )
+        out.append("")
+        out.append(
+            f"Total: {s['tokens_thrown_away']} tokens thrown away, "
+            f"{s['thrown_away_generation_seconds']:.3f} s of generation thrown away, "
+            f"{s['lost_progress_seconds']:.3f} s of progress lost."
+        )
+        unmatched = sum(r.attempts_without_dispatch for r in report.restarts)
+        if unmatched:
+            out.append(f"{unmatched} abandoned attempt(s) had no dispatch before the cut in the trace.")
+    else:
+        out.append("No restarts.")
+    out += ["", "## Steps", ""]
+    out += _step_stats(report)
+    out += ["", "## Definitions", ""]
+    out += [f"- **{k}**: {v}" for k, v in DEFINITIONS.items()]
+    if files:
+        out += ["", "## Files", ""] + [f"- {p.name}" for p in files]
+    return "\n".join(out) + "\n"
+
+
+def _step_stats(report: Report) -> list[str]:
+    steps = report.steps
+    if not steps:
+        return ["No committed steps."]
+    rows = []
+    for label, unit, values in [
+        ("batch age", "weight versions", [s.batch_age for s in steps]),
+        ("group completion, mean per step", "s", [s.completion_mean for s in steps]),
+        ("group completion, p90 per step", "s", [s.completion_p90 for s in steps]),
+        ("reward mean", "", [s.reward_mean for s in steps]),
+        ("tokens per step", "tokens", [s.tokens for s in steps]),
+        ("generation throughput", "tokens/s", [s.tokens_generated_per_s for s in steps]),
+        ("step time", "s", [s.step_seconds for s in steps]),
+    ]:
+        xs = [float(v) for v in values if v is not None]
+        if not xs:
+            rows.append([label, unit, "-", "-", "-", "-", "-"])
+            continue
+        rows.append([label, unit, _f(xs[0], 3), _f(xs[-1], 3), _f(min(xs), 3),
+                     _f(_percentile(xs, 50), 3), _f(max(xs), 3)])
+    out = _table(["measure", "unit", "first", "last", "min", "median", "max"], rows)
+    # One row per step, thinned to about 40 rows for long runs (report.json has them all).
+    every = max(1, len(steps) // 40)
+    shown = [s for k, s in enumerate(steps) if k % every == 0 or k == len(steps) - 1]
+    out += ["", f"Per step{'' if every == 1 else f' (every {every}th; all in report.json)'}:", ""]
+    out += _table(
+        ["step", "run id", "groups", "tokens", "batch age (versions)", "reward mean",
+         "tokens/s", "group completion mean / p50 / p90 (s)"],
+        [
+            [s.step, _f(s.run_id), s.groups, _f(s.tokens), _f(s.batch_age, 3), _f(s.reward_mean, 3),
+             _f(s.tokens_generated_per_s, 0),
+             f"{_f(s.completion_mean, 3)} / {_f(s.completion_p50, 3)} / {_f(s.completion_p90, 3)}"]
+            for s in shown
+        ],
+    )
+    return out
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def _f(x: Any, digits: int | None = None) -> str:
+    if x is None:
+        return "-"
+    if digits is not None and isinstance(x, float) and not float(x).is_integer():
+        return f"{x:.{digits}f}"
+    if digits is not None and isinstance(x, float | int) and not isinstance(x, bool):
+        return f"{float(x):.{digits}f}" if isinstance(x, float) else str(x)
+    return str(x)
+
+
+def _rel(t: float | None, t0: float | None) -> str:
+    return "-" if t is None or t0 is None else f"{t - t0:.3f}"
+
+
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).isoformat(timespec="seconds")
+
+
+def _steps_range(steps: list[int]) -> str:
+    if not steps:
+        return "none"
+    return f"{len(steps)} ({min(steps)}–{max(steps)})"
+
+
