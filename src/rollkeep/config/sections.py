@@ -1,0 +1,522 @@
+"""The config's sections: one typed, frozen pydantic model each (see the package docstring)."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from ..core.samplers import SAMPLERS
+from .problems import _DEFER_CROSS_FIELD, _config_error, _cross_field_problems, _model_getter
+
+
+class _Section(BaseModel):
+    """Base of every config model: unknown keys refused, immutable, no type coercion, and
+    each field's docstring kept as its description."""
+
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, strict=True, use_attribute_docstrings=True,
+        allow_inf_nan=False,  # no honest setting is infinite or NaN (`latency_ms: .inf` hung)
+    )
+
+
+def _list_to_tuple(v: Any) -> Any:
+    # YAML has no tuples; strict mode would refuse the list YAML gives us.
+    return tuple(v) if isinstance(v, list) else v
+
+
+Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
+Betas = Annotated[tuple[Beta, Beta], BeforeValidator(_list_to_tuple)]
+
+
+# --------------------------------------------------------------------------------- data
+
+
+class GeneratedDataConfig(_Section):
+    """Settings of the built-in generated dataset (used when `data.path` is null)."""
+
+    task: str = "arith"
+    """Built-in task: `arith` (exact-match reward) or `arith_partial` (partial credit for digits
+    in the right place)."""
+    n_rows: int = Field(512, ge=1)
+    """Number of training prompts generated (rows)."""
+    digits: int = Field(2, ge=1)
+    """Number of digits per operand of a generated problem."""
+    eval_rows: int = Field(128, ge=0)
+    """Number of held-out prompts generated for evaluation (rows)."""
+
+
+class DataConfig(_Section):
+    """Where prompts come from and how many passes are made over them."""
+
+    path: str | None = None
+    """Path of a JSONL/Parquet dataset; null uses the built-in generated dataset."""
+    epochs: int | None = Field(1, ge=1)
+    """Passes over the dataset before the source is exhausted; null = unbounded."""
+    generated: GeneratedDataConfig = GeneratedDataConfig()
+    """The built-in dataset's settings (ignored when `path` is set)."""
+
+
+# ------------------------------------------------------------------------------ engines
+
+
+class ToyEngineConfig(_Section):
+    """Deterministic fake engine with configurable latency and failure injection."""
+
+    name: Literal["toy"] = "toy"
+    """Engine backend."""
+    latency_ms: float = Field(0.0, ge=0.0)
+    """Simulated time per generation, in milliseconds."""
+    latency_jitter_ms: float = Field(0.0, ge=0.0)
+    """Extra random time per generation, uniform in [0, jitter], in milliseconds."""
+    infra_fail_rate: float = Field(0.0, ge=0.0, le=1.0)
+    """Probability that an attempt fails as an infra failure (engine error)."""
+    data_fail_rate: float = Field(0.0, ge=0.0, le=1.0)
+    """Probability that an attempt fails as a data failure (environment or reward error)."""
+    completion_tokens: int = Field(8, ge=1)
+    """Tokens in each fake completion."""
+    hang_rate: float = Field(0.0, ge=0.0, le=1.0)
+    """Probability that an attempt never returns (until `rollout.timeout_s` aborts it);
+    keyed by the sibling's infra-retry count like `infra_fail_rate`, so the same hangs
+    happen in every lineage."""
+
+
+class _SamplingSection(_Section):
+    """Sampling settings shared by the real engines (torch, hf, vllm)."""
+
+    temperature: float = Field(1.0, gt=0.0)
+    """Sampling temperature (> 0)."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass, in (0, 1]; 1 = no truncation."""
+    max_new_tokens: int = Field(8, ge=1)
+    """Maximum completion length, in tokens."""
+
+
+class TorchEngineConfig(_SamplingSection):
+    """The built-in tiny GPT sampling with a KV cache on CPU."""
+
+    name: Literal["torch"] = "torch"
+    """Engine backend."""
+    max_batch_size: int = Field(64, ge=1)
+    """Most sequences generated in one batch."""
+    update_weights_in_flight: bool = False
+    """Apply new weights between decode steps of a running generation (fast mode only)."""
+
+
+class HFEngineConfig(_SamplingSection):
+    """A transformers causal LM loaded from a local path."""
+
+    name: Literal["hf"] = "hf"
+    """Engine backend."""
+    model_path: str
+    """Local directory of the transformers model and tokenizer (required)."""
+    chat_template: bool = False
+    """Wrap each prompt with the tokenizer's chat template."""
+    max_batch_size: int = Field(16, ge=1)
+    """Most sequences generated in one batch."""
+
+
+class VLLMEngineConfig(_SamplingSection):
+    """vLLM on the GPU (import-guarded: needs the `vllm` extra)."""
+
+    name: Literal["vllm"] = "vllm"
+    """Engine backend."""
+    model_path: str
+    """Local directory of the model (required)."""
+    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
+    """Fraction of GPU memory vLLM may take, in (0, 1]."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """Number of GPUs the model is sharded over."""
+
+    @field_validator("top_p")
+    @classmethod
+    def _full_vocabulary_only(cls, v: float) -> float:
+        # vLLM renormalises its behaviour log-probs over the nucleus; GRPO's ratio takes
+        # the full-vocabulary log_softmax(logits / T): they agree only at top_p = 1.
+        if v != 1.0:
+            from pydantic_core import PydanticCustomError
+
+            raise PydanticCustomError(
+                "vllm_top_p",
+                "1.0 with engine vllm (with top_p < 1 vLLM renormalises its behaviour log-probs "
+                "over the nucleus, and GRPO's ratio against them would be wrong; use engine.name=hf "
+                "for nucleus sampling)",
+            )
+        return v
+
+
+EngineConfig = Annotated[
+    ToyEngineConfig | TorchEngineConfig | HFEngineConfig | VLLMEngineConfig,
+    Field(discriminator="name"),
+]
+
+
+# ----------------------------------------------------------------------------- trainers
+
+
+class _TrainerSection(_Section):
+    """What every trainer section has: how advantages are computed at finalize (they are
+    stored in the ledger, so this is a semantic key; `rollkeep.core.advantages` has the formulas)."""
+
+    scale_rewards: Literal["group_population", "group", "batch", "none"] = "group_population"
+    """What a group's centred rewards r - mean(group) are divided by: `group_population` the
+    group's population std (divisor G; the default, rollkeep's behaviour before this key),
+    `group` the group's sample std (divisor G - 1: TRL's `scale_rewards="group"`, verl's
+    `norm_adv_by_std_in_grpo: true`), `batch` the sample std of every reward in the step's
+    batch (TRL's `scale_rewards="batch"`; the ledger stores centred advantages and the
+    trainer divides at train time; the toy trainer records them as stored), `none` nothing
+    (TRL `"none"`, verl `false`, Dr. GRPO). Every mode adds eps = 1e-6; a group whose
+    siblings all scored alike gets exactly zero advantages in every mode."""
+
+
+class ToyTrainerConfig(_TrainerSection):
+    """Deterministic fake trainer: a digest of the batches it saw (proves resume equivalence)."""
+
+    name: Literal["toy"] = "toy"
+    """Trainer backend."""
+    step_sleep_ms: float = Field(0.0, ge=0.0)
+    """Simulated time per optimizer step, in milliseconds."""
+
+
+class TorchModelConfig(_Section):
+    """Shape of the built-in tiny GPT."""
+
+    vocab_size: int | None = Field(None, ge=1)
+    """Vocabulary size, in tokens; null = taken from the tokenizer."""
+    n_layer: int = Field(2, ge=1)
+    """Number of transformer blocks."""
+    n_head: int = Field(4, ge=1)
+    """Attention heads per block (must divide `n_embd`)."""
+    n_embd: int = Field(128, ge=1)
+    """Width of the residual stream."""
+    block_size: int = Field(64, ge=1)
+    """Longest sequence (prompt + completion) the model accepts, in tokens."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout probability, in [0, 1)."""
+
+
+class _GRPOSection(_TrainerSection):
+    """GRPO and AdamW settings shared by the real trainers (torch, hf). The formulas of
+    every option are in `rollkeep.trainers.grpo`."""
+
+    lr: float = Field(3e-4, gt=0.0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW decoupled weight decay."""
+    betas: Betas = (0.9, 0.95)
+    """AdamW (beta1, beta2), each in [0, 1)."""
+    grad_clip: float = Field(1.0, gt=0.0)
+    """Global gradient-norm clip (> 0)."""
+    clip_eps: float = Field(0.2, gt=0.0)
+    """PPO ratio clip: the ratio is clipped to [1 - eps, 1 + eps]."""
+    kl_coef: float = Field(0.0, ge=0.0)
+    """Weight of the KL penalty (k3 estimator) against a frozen reference: the policy as it
+    was when RL started (after the warm start); 0 = no KL term."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Optimizer passes over each step's batch."""
+    micro_batch_size: int = Field(64, ge=1)
+    """Sequences per forward/backward pass (gradient accumulation; memory only, except under
+    `loss_type: bnpo`, where it changes the loss and is a semantic key)."""
+    loss_type: Literal["dapo", "grpo", "dr_grpo", "bnpo"] = "dapo"
+    """How per-token losses are aggregated over a step's batch: `dapo` token mean over the
+    whole batch (the default; TRL `loss_type="dapo"`, verl `loss_agg_mode: token-mean`),
+    `grpo` mean over sequences of each sequence's token mean (TRL `"grpo"`, verl
+    `seq-mean-token-mean`), `dr_grpo` token sum over (sequences x `engine.max_new_tokens`)
+    (TRL `"dr_grpo"`), `bnpo` token mean per micro-batch, averaged over micro-batches (TRL
+    `"bnpo"`; `micro_batch_size` then changes the update)."""
+    dual_clip: float | None = Field(None, gt=1.0)
+    """Dual clip (verl's `clip_ratio_c`, usually 3): a token with negative advantage A loses
+    at most -c x A however large its ratio grows (the clipped objective is unbounded there);
+    null = off. Must be > 1."""
+
+
+class TorchTrainerConfig(_GRPOSection):
+    """GRPO on the built-in tiny GPT with AdamW, on CPU."""
+
+    name: Literal["torch"] = "torch"
+    """Trainer backend."""
+    model: TorchModelConfig = TorchModelConfig()
+    """Shape of the model."""
+
+
+class HFTrainerConfig(_GRPOSection):
+    """GRPO on a transformers causal LM loaded from a local path."""
+
+    name: Literal["hf"] = "hf"
+    """Trainer backend."""
+    model_path: str
+    """Local directory of the transformers model and tokenizer (required)."""
+    lr: float = Field(1e-5, gt=0.0)
+    """AdamW learning rate (a pretrained model wants a small one)."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Sequences per forward/backward pass (gradient accumulation; memory only, except under
+    `loss_type: bnpo`, where it changes the loss and is a semantic key)."""
+
+
+TrainerConfig = Annotated[
+    ToyTrainerConfig | TorchTrainerConfig | HFTrainerConfig,
+    Field(discriminator="name"),
+]
+
+
+# ------------------------------------------------------------------- loop and custody
+
+
+class RolloutConfig(_Section):
+    """Groups, retries and what happens to a prompt whose budget is spent (docs/design.md §6)."""
+
+    group_size: int = Field(4, ge=1, le=4096)
+    """Completions (siblings) generated per prompt; GRPO normalises rewards within a group.
+    At most 4096."""
+    timeout_s: float = Field(600.0, gt=0.0)
+    """Deadline of one attempt, in seconds: an attempt that delivers nothing for this long
+    is aborted and fails as infra (within `max_infra_attempts`)."""
+    max_infra_attempts: int = Field(3, ge=1, le=255)
+    """Attempts per sibling that may fail as infra (engine error, timeout) before the group
+    is dropped."""
+    max_data_attempts: int = Field(2, ge=1, le=255)
+    """Attempts per sibling that may fail as data (environment or reward error) before the
+    group is dropped."""
+    backoff_ms: float = Field(10.0, ge=0.0)
+    """First retry delay, in milliseconds; doubles on each retry."""
+    backoff_max_ms: float = Field(2000.0, ge=0.0)
+    """Longest retry delay, in milliseconds (>= `backoff_ms`)."""
+    on_dropped_prompt: Literal["replace", "shrink"] = "replace"
+    """A dropped group's step is refilled from the spare pool (`replace`) or trains on
+    fewer groups (`shrink`)."""
+    min_step_batch_fraction: float = Field(0.5, gt=0.0, le=1.0)
+    """With `shrink`: the run stops with an error if a step would train on fewer than
+    ceil(fraction x num_prompts_per_step) groups. In (0, 1]."""
+    spare_prompts: int = Field(0, ge=0)
+    """Prompts kept in the spare pool for `replace`."""
+
+
+class RecoveryConfig(_Section):
+    """What a restart reuses (docs/design.md §1 granularity; issue: restart cost made visible)."""
+
+    mode: Literal["sibling", "prompt_group", "cursor_only"] = "sibling"
+    """`sibling`: a restart keeps finished siblings and regenerates only those in flight.
+    `prompt_group`: a group is all-or-nothing; an unfinished group regenerates every
+    sibling. `cursor_only`: the behaviour of systems without a ledger, for comparison only:
+    groups in flight at the checkpoint are lost on restore (recorded as DROPPED with reason
+    "lost in flight at the cut", and refilled from the source)."""
+
+
+class TrainConfig(_Section):
+    """How much training a run does."""
+
+    num_prompts_per_step: int = Field(8, ge=1)
+    """Prompt groups per optimizer step."""
+    total_steps: int = Field(20, ge=1)
+    """Optimizer steps after which the run ends (a resumed run may extend it)."""
+
+
+class CheckpointConfig(_Section):
+    """When atomic cuts are written and how many are kept."""
+
+    every_steps: int = Field(5, ge=1)
+    """Write a checkpoint every this many committed steps."""
+    keep_last: int = Field(3, ge=1)
+    """Number of most recent checkpoints kept on disk."""
+    on_shutdown: bool = True
+    """Write a checkpoint on a graceful shutdown (SIGINT/SIGTERM)."""
+    warmup_every_steps: int = Field(100, ge=1)
+    """Checkpoint the supervised warm start every this many of its steps."""
+
+
+class SamplerConfig(_Section):
+    """Admission gate and step selection policy (docs/design.md §2)."""
+
+    name: Literal[SAMPLERS] = "in_order"  # type: ignore[valid-type]
+    """`in_order`: step k trains groups stamped k; `weight_fifo`: oldest ready groups within
+    the staleness bound; `windowed`: ungated, groups falling out of the window are evicted."""
+    max_lookahead_versions: int = Field(1, ge=0)
+    """`in_order`: how many steps (weight versions) dispatch may run ahead of the trainer."""
+    max_staleness_versions: int = Field(1, ge=0)
+    """`weight_fifo` / `windowed`: oldest weight version a trained group may come from,
+    counted back from the trainer's version."""
+    on_stale: Literal["regenerate", "drop"] = "regenerate"
+    """`windowed`: a group evicted from the window is generated again, or dropped."""
+
+    @property
+    def window(self) -> int:
+        """Versions the sampler admits beyond the current one; buffer capacity is
+        num_prompts_per_step x (window + 1)."""
+        if self.name == "in_order":
+            return self.max_lookahead_versions
+        return self.max_staleness_versions
+
+
+class EvalConfig(_Section):
+    """Periodic evaluation on the held-out set (greedy completions, with the torch and hf
+    trainers)."""
+
+    every_steps: int = Field(10, ge=0)
+    """Evaluate every this many committed steps; 0 = never."""
+    n_rows: int | None = Field(None, ge=1)
+    """Eval prompts used per evaluation (rows); null = all of the eval set."""
+    path: str | None = None
+    """A held-out JSONL (or Parquet) dataset to evaluate on, read like `data.path` (`prompt`
+    required, `task` optional, other fields go to the reward function); null = the built-in
+    dataset's held-out rows (`data.generated.eval_rows`), and no evaluation when `data.path`
+    is set."""
+
+
+_REWARD_SPEC = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+_REWARD_EXPECTED = (
+    "a `package.module:function` string (a module path, a colon, a function name, e.g. "
+    "`my_rewards:score`), or a mapping of task names to such strings"
+)
+
+
+def _reward_spec(v: Any) -> str | dict[str, str] | None:
+    """`reward.fn`: checked here in one piece (a union would report one error per member)."""
+    from pydantic_core import PydanticCustomError
+
+    def bad() -> PydanticCustomError:  # the error's line adds what was found
+        return PydanticCustomError("reward_spec", _REWARD_EXPECTED)
+
+    if v is None:
+        return None
+    if isinstance(v, str):
+        if not _REWARD_SPEC.match(v):
+            raise bad()
+        return v
+    if isinstance(v, dict) and v:
+        for task, spec in v.items():
+            if not isinstance(task, str) or not isinstance(spec, str) or not _REWARD_SPEC.match(spec):
+                raise bad()
+        return dict(v)
+    raise bad()
+
+
+RewardSpec = Annotated[str | dict[str, str] | None, PlainValidator(_reward_spec)]
+
+
+class RewardConfig(_Section):
+    """Reward functions from your own code, instead of the built-in ones looked up by each
+    row's `task` (`rollkeep.tasks.REWARDS`)."""
+
+    fn: RewardSpec = None
+    """`"package.module:function"`: rewards every row with that function; or a mapping
+    `{task: "package.module:function"}`: rewards the rows of each listed task with its
+    function (other tasks keep the built-in reward). The function is called as
+    `fn(completion: str, row: dict) -> float` (`row` is the dataset row, every field) and
+    must return a finite number; an exception or a non-number is a data failure of that
+    attempt (within `rollout.max_data_attempts`). The module is imported at start-up, from
+    the current directory or the Python path; null = the built-in rewards."""
+
+
+class WarmupConfig(_Section):
+    """Supervised warm-up before RL, so a tiny model starts from non-zero reward."""
+
+    sft_steps: int = Field(0, ge=0)
+    """Supervised steps before the first RL step; 0 = no warm-up."""
+    sft_lr: float = Field(1e-3, gt=0.0)
+    """Learning rate of the supervised warm-up."""
+    sft_batch_size: int = Field(32, ge=1)
+    """Examples per supervised step."""
+
+
+class LoggerConfig(_Section):
+    """What the run reports while it runs."""
+
+    tensorboard: bool = False
+    """Also write metrics as TensorBoard event files under run_dir."""
+    wandb: bool = False
+    """Also log metrics to Weights & Biases (needs the `wandb` extra). Set
+    `WANDB_MODE=offline` to log without a network (`wandb sync` uploads later). A resumed
+    run continues the same W&B run: its id is kept in `RUN_DIR/wandb_run_id`."""
+    wandb_project: str = "rollkeep"
+    """W&B project the run is logged to."""
+    wandb_name: str | None = None
+    """W&B run name; null = the last part of run_dir."""
+    progress: Literal["auto", "bar", "lines", "none"] = "auto"
+    """Live progress: a bar, one line per step, nothing, or `auto` (bar on a terminal,
+    lines otherwise)."""
+
+
+# ------------------------------------------------------------------------------- Config
+
+
+class Config(_Section):
+    """A whole run. Build it with `load_config`; hand each component only its section."""
+
+    run_dir: str = "runs/default"
+    """Directory of the run: checkpoints, trace and metrics. A run resumes from it."""
+    seed: int = Field(0, ge=0, lt=2**63)
+    """Seeds the dataset permutation, sampling and initial weights; 0 <= seed < 2**63."""
+    deterministic: bool = False
+    """Make every step a function of the config alone (needs sampler `in_order`, no weight
+    updates in flight): a killed-and-resumed run ends byte-identical to an unkilled one."""
+    data: DataConfig = DataConfig()
+    """Dataset."""
+    engine: EngineConfig = ToyEngineConfig()
+    """Generation backend, chosen by `engine.name`: toy, torch, hf, vllm."""
+    trainer: TrainerConfig = ToyTrainerConfig()
+    """Training backend, chosen by `trainer.name`: toy, torch, hf."""
+    rollout: RolloutConfig = RolloutConfig()
+    """Groups, retries, drops."""
+    recovery: RecoveryConfig = RecoveryConfig()
+    """What a restart reuses."""
+    train: TrainConfig = TrainConfig()
+    """Steps."""
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    """Checkpoint cadence and retention."""
+    sampler: SamplerConfig = SamplerConfig()
+    """Admission and selection policy."""
+    max_inflight_prompts: int | None = None
+    """Most prompt groups being generated at once; null = the sampler's buffer capacity."""
+    max_buffered_rollouts: int | None = None
+    """Most finished groups waiting for the trainer; null = the sampler's buffer capacity."""
+    reward: RewardConfig = RewardConfig()
+    """Reward functions from your own code."""
+    eval: EvalConfig = EvalConfig()
+    """Evaluation."""
+    warmup: WarmupConfig = WarmupConfig()
+    """Supervised warm-up."""
+    logger: LoggerConfig = LoggerConfig()
+    """Progress and metrics output."""
+
+    @field_validator("engine", "trainer", mode="before")
+    @classmethod
+    def _name_defaults_to_toy(cls, v: Any) -> Any:
+        # `engine: {latency_ms: 2}` (or the override `engine.latency_ms=2` on the defaults)
+        # means the default backend, like any other omitted key.
+        if isinstance(v, dict) and "name" not in v:
+            return {**v, "name": "toy"}
+        return v
+
+    @model_validator(mode="after")
+    def _cross_field(self, info: ValidationInfo) -> Config:
+        if not (info.context or {}).get(_DEFER_CROSS_FIELD):
+            problems = _cross_field_problems(_model_getter(self))
+            if problems:
+                raise _config_error(problems, path=None, overrides=(), source="the config")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """The full resolved config as plain JSON-able data (tuples become lists), with
+        each backend's `name` first."""
+        out = self.model_dump(mode="json")
+        for section in ("engine", "trainer"):
+            out[section] = {"name": out[section]["name"], **out[section]}
+        return out
+
+
+def dump_yaml(cfg: Config) -> str:
+    """The full resolved config as YAML; `load_config` reads it back to an equal `Config`."""
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False)
+
+
