@@ -171,7 +171,7 @@ def request(text: str, seed: int, gid: str = "check"):
     from rollkeep.engines import GenRequest
 
     prompt = Prompt(key=Key(0, 0), group_id=gid, idx=0, task="default", row={}, row_fingerprint=0, prompt=text)
-    return GenRequest(group_id=gid, generation=0, attempt=0, prompt=prompt, seed=seed, version=None)
+    return GenRequest(group_id=gid, generation=0, attempt=0, prompt=prompt, seed=seed, pinned_version=None)
 
 
 def gaps(a, b) -> tuple[float, float]:

@@ -40,7 +40,7 @@ def engine(model_dir, **overrides) -> HFEngine:
 
 def request(text: str, seed: int, *, generation: int = 0, version: int | None = None) -> GenRequest:
     prompt = Prompt(key=Key(0, 0), group_id="g", idx=0, task="default", row={}, row_fingerprint=0, prompt=text)
-    return GenRequest(group_id="g", generation=generation, attempt=0, prompt=prompt, seed=seed, version=version)
+    return GenRequest(group_id="g", generation=generation, attempt=0, prompt=prompt, seed=seed, pinned_version=version)
 
 
 class Gate:

@@ -44,7 +44,7 @@ def make_engine(model: GPT | None = None, **kw) -> TorchEngine:
 
 def req(text: str, seed: int, *, version: int | None = None, gid: str = "e0.0", generation: int = 0) -> GenRequest:
     prompt = Prompt(key=Key(0, 0), group_id=gid, idx=0, task="default", row={}, row_fingerprint=0, prompt=text)
-    return GenRequest(group_id=gid, generation=generation, attempt=0, prompt=prompt, seed=seed, version=version)
+    return GenRequest(group_id=gid, generation=generation, attempt=0, prompt=prompt, seed=seed, pinned_version=version)
 
 
 def same(a: Completion, b: Completion) -> bool:

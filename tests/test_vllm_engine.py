@@ -37,7 +37,7 @@ def _vllm_on_cuda() -> bool:
 
 def request(seed: int = 7, *, text: str = "12+34=", gid: str = "g", version: int | None = None) -> GenRequest:
     prompt = Prompt(key=Key(0, 0), group_id=gid, idx=0, task="default", row={}, row_fingerprint=0, prompt=text)
-    return GenRequest(group_id=gid, generation=0, attempt=0, prompt=prompt, seed=seed, version=version)
+    return GenRequest(group_id=gid, generation=0, attempt=0, prompt=prompt, seed=seed, pinned_version=version)
 
 
 @pytest.fixture

@@ -40,7 +40,7 @@ class GenRequest:
     attempt: int
     prompt: Prompt
     seed: int
-    version: int | None  # deterministic mode: generate under exactly this weight version
+    pinned_version: int | None  # deterministic mode: generate under exactly this weight version
     infra_retries: int = 0  # failures so far of this sibling, for engines that inject them
     data_retries: int = 0
 

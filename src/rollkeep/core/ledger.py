@@ -108,11 +108,11 @@ __all__ = [
 
 
 # Hot-path aliases: enum attribute lookups cost more than module globals.
-_RESERVED, _GENERATING, _RTF, _FINALIZING, _READY, _CLAIMED = (int(s) for s in GroupState)
+_RESERVED, _GENERATING, _READY_TO_FINALIZE, _FINALIZING, _READY, _CLAIMED = (int(s) for s in GroupState)
 _A_RESERVED, _A_DISPATCHED, _A_SEALED = 0, 1, 2
 _GONE = -1  # the record leaves the ledger (TRAINED or DROPPED)
 # The two hot handlers (`_dispatched`, `_sealed`) inline these values as literals.
-assert (_GENERATING, _RTF, _A_RESERVED, _A_DISPATCHED, _A_SEALED) == (1, 2, 0, 1, 2)
+assert (_GENERATING, _READY_TO_FINALIZE, _A_RESERVED, _A_DISPATCHED, _A_SEALED) == (1, 2, 0, 1, 2)
 
 #: (group state, event) → next group state. Pairs not listed are illegal.
 GROUP_TABLE: dict[tuple[GroupState, str], int] = {
@@ -126,7 +126,7 @@ GROUP_TABLE: dict[tuple[GroupState, str], int] = {
     (GroupState.READY_TO_FINALIZE, "finalizing"): _FINALIZING,
     (GroupState.READY_TO_FINALIZE, "dropped"): _GONE,
     (GroupState.FINALIZING, "ready"): _READY,
-    (GroupState.FINALIZING, "released"): _RTF,
+    (GroupState.FINALIZING, "released"): _READY_TO_FINALIZE,
     (GroupState.FINALIZING, "dropped"): _GONE,
     (GroupState.READY, "claimed"): _CLAIMED,
     (GroupState.READY, "evicted"): _RESERVED,
@@ -445,7 +445,7 @@ class Ledger:
             "spare": len(self._spare),
             "reserved": by_state[_RESERVED],
             "generating": by_state[_GENERATING],
-            "finalizing": by_state[_RTF] + by_state[_FINALIZING],
+            "finalizing": by_state[_READY_TO_FINALIZE] + by_state[_FINALIZING],
             "ready": by_state[_READY],
             "claimed": by_state[_CLAIMED],
             "trained": self.trained_count(),
@@ -766,7 +766,7 @@ class Ledger:
         status = rec.status
         status[g] = 2  # _A_SEALED
         if status.count(2) == len(status):
-            rec.state = 2  # _RTF
+            rec.state = 2  # _READY_TO_FINALIZE
         return ()
 
     def _failed(self, ev: Failed) -> FreedRows:

@@ -171,10 +171,10 @@ class HFEngine:
         version = self._version
         try:
             for job in batch:
-                if job.req.version is not None and job.req.version != version:
+                if job.req.pinned_version is not None and job.req.pinned_version != version:
                     raise CustodyError(
                         f"hf engine: request {job.req.group_id}/{job.req.generation} is pinned to another weight version",
-                        expected=f"version {job.req.version}",
+                        expected=f"version {job.req.pinned_version}",
                         found=f"engine at version {version}",
                         remedy="this is a bug in the controller's refit ordering",
                     )

@@ -286,11 +286,11 @@ class TorchEngine:
         # engine holds that version, and refits only after those requests are done.
         rows = []
         for item in batch:
-            if item.req.version is not None and item.req.version != version:
+            if item.req.pinned_version is not None and item.req.pinned_version != version:
                 _answer(item.loop, item.future, None, CustodyError(
                     f"torch engine: request {item.req.group_id}/{item.req.generation} is pinned to "
-                    f"weight version {item.req.version} but the engine holds version {version}",
-                    expected=f"version {item.req.version} (deterministic mode pins generation)",
+                    f"weight version {item.req.pinned_version} but the engine holds version {version}",
+                    expected=f"version {item.req.pinned_version} (deterministic mode pins generation)",
                     found=f"engine at version {version}",
                     remedy="this is a bug in the controller: it must dispatch pinned requests only "
                     "while the engine is at their version and refit only after they finish",
@@ -310,7 +310,7 @@ class TorchEngine:
         x = torch.tensor([rows[i].item.prompt_ids for i in _padded(live)], dtype=torch.long)  # (B, P)
         cache = self.model.new_cache()
         start = 0
-        pinned = any(r.item.req.version is not None for r in rows)
+        pinned = any(r.item.req.pinned_version is not None for r in rows)
         for position in range(n_new):
             # In-flight update, between decode steps: later tokens carry the new version,
             # while the keys and values cached for earlier tokens stay those computed by the

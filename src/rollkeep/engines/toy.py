@@ -75,7 +75,7 @@ class ToyEngine:
             raise DataError(f"toy engine: injected data failure ({req.group_id}/{req.generation})")
         n, ids, logprobs = _sample(req.seed, self.completion_tokens)
         prompt_ids = np.frombuffer(req.prompt.prompt.encode(), dtype=np.uint8).astype(np.int32)
-        version = self._version if req.version is None else req.version
+        version = self._version if req.pinned_version is None else req.pinned_version
         return Completion(
             prompt_ids=prompt_ids,
             completion_ids=ids,

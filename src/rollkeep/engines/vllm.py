@@ -541,10 +541,10 @@ class VLLMEngine:
 
     def _add(self, engine: Any, job: _Job) -> bool:
         req = job.req
-        if req.version is not None and req.version != self._version:
+        if req.pinned_version is not None and req.pinned_version != self._version:
             settle(job.future, exception=CustodyError(
                 f"vllm engine: request {req.group_id}/{req.generation} is pinned to another weight version",
-                expected=f"version {req.version}", found=f"engine at version {self._version}",
+                expected=f"version {req.pinned_version}", found=f"engine at version {self._version}",
                 remedy="this is a bug in the controller's refit ordering",
             ))
             return False

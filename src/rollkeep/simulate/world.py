@@ -370,7 +370,7 @@ class _Process:
         if outcome is None:
             n = 1 + int(_unit(req.seed, "len") * self.w.plan.script.completion_tokens)
             ids = np.array([int(_unit(req.seed, "tok", i) * 10) for i in range(n)], np.int32)
-            version = self.engine_version if req.version is None else req.version
+            version = self.engine_version if req.pinned_version is None else req.pinned_version
             completion = Completion(prompt_ids=np.arange(3, dtype=np.int32), completion_ids=ids,
                                     logprobs=np.full(n, -0.5, np.float32), versions=np.full(n, version, np.int32),
                                     finish_reason="stop", text="".join(map(str, ids.tolist())))

@@ -286,7 +286,7 @@ class Scheduler:
                 req = GenRequest(
                     group_id=gid, generation=g, attempt=rec.attempts[g], prompt=prompt,
                     seed=sampling_seed(self.settings.seed, gid, g, rec.data_failures[g]),
-                    version=pinned, infra_retries=rec.infra_failures[g], data_retries=rec.data_failures[g],
+                    pinned_version=pinned, infra_retries=rec.infra_failures[g], data_retries=rec.data_failures[g],
                 )
                 key = (gid, g, req.attempt)
                 self._in_flight[key] = deadline
