@@ -1,6 +1,12 @@
 import os
+import sys
+from pathlib import Path
 
 from hypothesis import settings
+
+# The test helpers (run_harness, ledger_driver, hf_fixture, fake_vllm) live in tests/ and
+# are imported by name from the test packages below it, which mirror src/rollkeep/.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # CI runs derandomized so a red build is reproducible; locally examples vary per run.
 settings.register_profile("ci", derandomize=True, print_blob=True)

@@ -121,7 +121,7 @@ def test_config_refuses_top_p_below_one_for_the_vllm_engine():
 
 
 def test_extra_pins_the_supported_range():
-    text = (vl.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    text = (vl.Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
     assert f'vllm = ["vllm{vl.SUPPORTED}"]' in text
 
 

@@ -25,7 +25,7 @@ from rollkeep.config import (
 from rollkeep.core.configdiff import diff, flatten
 from rollkeep.core.errors import ConfigError, UserInputError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def write(tmp_path: Path, text: str, name: str = "cfg.yaml") -> Path:

@@ -25,7 +25,7 @@ from rollkeep.core import codec
 from rollkeep.core.ledger import AttemptStatus
 from rollkeep.core.store import _encode_manifest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 V010_RUN = ROOT / "tests" / "data" / "v0.1.0-toy-run"  # written by rollkeep 0.1.0 (ledger schema 1)
 
 
