@@ -100,10 +100,8 @@ def eval_notes(cfg: Config, eval_rows: list[dict] | None, *, evaluates: bool) ->
 def _build_torch(cfg: Config, dataset: Dataset, source: PromptSource, eval_rows) -> Parts:
     import torch
 
-    from ..engines.torch_gpt import TorchEngine
     from ..models.gpt import GPT, GPTConfig
     from ..models.tokenizer import CharTokenizer
-    from ..trainers.grpo import TorchTrainer
     from .evaluate import Evaluator
 
     # One intra-op thread each: the engine's thread and the trainer's thread then run
@@ -122,20 +120,12 @@ def _build_torch(cfg: Config, dataset: Dataset, source: PromptSource, eval_rows)
     torch.manual_seed(cfg.seed)
     model = GPT(model_cfg)
     e = cfg.engine
-    trainer = TorchTrainer(cfg.trainer, model=model, tokenizer=tokenizer, temperature=e.temperature,
+    trainer = make_trainer(cfg.trainer, model=model, tokenizer=tokenizer, temperature=e.temperature,
                            seed=cfg.seed, max_completion_length=e.max_new_tokens)
-    engine = TorchEngine(
-        temperature=e.temperature,
-        top_p=e.top_p,
-        max_new_tokens=e.max_new_tokens,
-        max_batch_size=e.max_batch_size,
-        update_weights_in_flight=e.update_weights_in_flight,
-        model=copy.deepcopy(model),
-        tokenizer=tokenizer,
-        # Deterministic runs sample in float64: a batch of other size than the one the
-        # uninterrupted run had must not flip a token on a last-bit difference.
-        dtype=torch.float64 if cfg.deterministic else torch.float32,
-    )
+    # Deterministic runs sample in float64: a batch of other size than the one the
+    # uninterrupted run had must not flip a token on a last-bit difference.
+    engine = make_engine(e, model=copy.deepcopy(model), tokenizer=tokenizer,
+                         dtype=torch.float64 if cfg.deterministic else torch.float32)
     evaluator = None
     if eval_rows and cfg.eval.every_steps:
         rows = eval_rows[: cfg.eval.n_rows] if cfg.eval.n_rows else eval_rows
@@ -146,12 +136,10 @@ def _build_torch(cfg: Config, dataset: Dataset, source: PromptSource, eval_rows)
 def _build_hf(cfg: Config, dataset: Dataset, source: PromptSource, eval_rows) -> Parts:
     import torch
 
-    from ..trainers.hf import HFTrainer
-
     if not torch.cuda.is_available():
         torch.set_num_threads(1)  # as for the built-in model: engine and trainer side by side
-    trainer = HFTrainer(cfg.trainer, temperature=cfg.engine.temperature, seed=cfg.seed,
-                        max_completion_length=cfg.engine.max_new_tokens)
+    trainer = make_trainer(cfg.trainer, temperature=cfg.engine.temperature, seed=cfg.seed,
+                           max_completion_length=cfg.engine.max_new_tokens)
     if cfg.engine.name == "hf" and cfg.deterministic:
         # float64 sampling: a different batch composition must not flip a token (see _build_torch)
         engine = make_engine(cfg.engine, dtype=torch.float64)
