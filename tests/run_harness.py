@@ -55,8 +55,7 @@ def run_child(cfg: Config, crash_at: str | None = None, *, crash_signal: str = "
             crashpoints._reload_from_env()
             from rollkeep.controller import train
 
-            train(cfg)
-            code = 0
+            code = train(cfg).exit_code  # as `rollkeep train` exits: 128 + signal after a graceful stop
         except BaseException:
             traceback.print_exc()
         finally:

@@ -7,6 +7,8 @@ Each crash is a real SIGKILL of a forked child process; the resume is another ch
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 from run_harness import check, config, event_counts, final_sha, killed, run_child, run_to_end
 
@@ -107,6 +109,6 @@ def test_deterministic_graceful_stops_end_byte_identical(tmp_path, at) -> None:
     reference = config(tmp_path / "reference", *over)
     run_to_end(reference)
     cfg = config(tmp_path / "stopped", *over)
-    assert run_child(cfg, at, crash_signal="TERM") == 0
+    assert run_child(cfg, at, crash_signal="TERM") == 128 + signal.SIGTERM
     run_to_end(cfg)
     check(cfg, final_sha(reference))

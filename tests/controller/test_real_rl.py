@@ -4,10 +4,23 @@ controller, ledger and checkpoints as the toy job."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from run_harness import check, config, final_sha, killed, run_child, run_to_end, trace_lines
+from run_harness import (
+    DEFAULTS,
+    FAST,
+    check,
+    config,
+    final_sha,
+    killed,
+    run_child,
+    run_to_end,
+    trace_lines,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -38,6 +51,28 @@ def test_real_model_kill_and_resume_ends_byte_identical(tmp_path) -> None:
     assert report.restarts == 5 and report.steps == 8
     warm = Path(cfg.run_dir) / "warmup" / "checkpoints"
     assert (warm / "LATEST").read_text().strip() == "step_000020"
+
+
+@pytest.mark.parametrize("sig, code", [("INT", 130), ("TERM", 143)])
+def test_a_signal_in_the_warm_start_checkpoints_it_and_exits_128_plus_signal(tmp_path, sig, code) -> None:
+    """The signal lands at the warm start's first checkpoint (step 5 of 20): the step in
+    progress is checkpointed, the process exits 128 + signal naming that checkpoint, and
+    the rerun resumes the warm start there and ends as a run never stopped."""
+    reference = config(tmp_path / "reference", *TINY)
+    run_to_end(reference)
+    cfg = config(tmp_path / "stopped", *TINY)
+    env = {**os.environ, "ROLLKEEP_CRASH_AT": "publish.latest_replaced:1", "ROLLKEEP_CRASH_SIGNAL": sig}
+    child = subprocess.run([sys.executable, "-m", "rollkeep", "train", DEFAULTS, *FAST, *TINY,
+                            f"run_dir={cfg.run_dir}"], capture_output=True, text=True, env=env, timeout=120)
+    assert child.returncode == code, child.stderr
+    warm = Path(cfg.run_dir) / "warmup" / "checkpoints"
+    reached = int((warm / "LATEST").read_text().strip().removeprefix("step_"))
+    assert 5 <= reached < 20  # checkpointed after the step the signal interrupted, not at the end
+    assert (f"stopped at warm-start step {reached} by SIG{sig}; a rerun resumes the warm start from "
+            f"warmup/checkpoints/step_{reached}") in child.stdout
+    assert not (Path(cfg.run_dir) / "checkpoints" / "LATEST").exists()  # RL never began
+    run_to_end(cfg)
+    check(cfg, final_sha(reference))
 
 
 def test_metrics_and_eval_are_logged(tmp_path) -> None:

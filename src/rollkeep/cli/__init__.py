@@ -63,6 +63,8 @@ exit codes:
   3  a checkpoint is missing, corrupt, torn or does not match this run (CheckpointError)
   4  a custody rule would be broken: a bug in rollkeep or its caller (CustodyError)
   5  something outside rollkeep failed: engine, reward function, filesystem (ExternalError)
+  130, 143  `train` stopped by SIGINT / SIGTERM after its final checkpoint: requeue it,
+     the same command resumes (0 means training finished or its data ran out)
 
 examples:
   rollkeep train config.yaml

@@ -75,5 +75,5 @@ def run(args: argparse.Namespace) -> int:
         allow_dataset_change=args.allow_dataset_change,
         resume_from=args.resume_from,
     )
-    print(f"done: step {result.step} ({result.reason}), weights_sha256 {result.weights_sha256}")
-    return 0
+    print(result.summary())
+    return result.exit_code

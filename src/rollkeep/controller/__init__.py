@@ -69,8 +69,12 @@ def _run(cfg: Config, parts: Parts, *, allow_config_change: tuple[str, ...], all
                 evaluator=parts.evaluator,
             )
             if start is None:  # once RL has a checkpoint, the trainer state comes from it
-                run_warmup(cfg, dataset=parts.dataset, trainer=parts.trainer, tokenizer=parts.tokenizer,
-                           log=lambda line: print(line, flush=True) if cfg.logger.progress != "none" else None)
+                step, stopped_by = run_warmup(
+                    cfg, dataset=parts.dataset, trainer=parts.trainer, tokenizer=parts.tokenizer,
+                    log=lambda line: print(line, flush=True) if cfg.logger.progress != "none" else None)
+                if stopped_by is not None:
+                    return RunResult(step, parts.trainer.weights_sha256(), "signal", signal=stopped_by,
+                                     checkpoint=f"warmup/checkpoints/step_{step}", phase="warmup")
             try:
                 return asyncio.run(runner.run())
             except BaseExceptionGroup as group:

@@ -70,6 +70,26 @@ class RunResult:
     step: int
     weights_sha256: str
     reason: str  # "finished", "data exhausted", "signal"
+    signal: str | None = None  # "SIGTERM" / "SIGINT" for a graceful stop
+    checkpoint: str | None = None  # what a rerun resumes from (LATEST when the run ended)
+    phase: str = "rl"  # "warmup" when a signal stopped the warm start
+
+    @property
+    def exit_code(self) -> int:
+        """0 when the run finished or its data ran out; 128 + signal after a graceful stop,
+        so a scheduler (SLURM --requeue, Kubernetes) requeues it instead of calling it done."""
+        return 128 + signal.Signals[self.signal] if self.signal else 0
+
+    def summary(self) -> str:
+        if self.signal is None:
+            return f"done: step {self.step} ({self.reason}), weights_sha256 {self.weights_sha256}"
+        if self.phase == "warmup":
+            return (f"stopped at warm-start step {self.step} by {self.signal}; a rerun resumes the warm "
+                    f"start from {self.checkpoint}; run the same command to resume")
+        resume = (f"a rerun resumes from checkpoint {self.checkpoint}" if self.checkpoint
+                  else "no RL checkpoint exists yet, so a rerun starts RL over "
+                  "(after the warm start, which is kept)")
+        return f"stopped at step {self.step} by {self.signal}; {resume}; run the same command to resume"
 
 
 class Runner:
@@ -96,6 +116,7 @@ class Runner:
         self._tg: asyncio.TaskGroup | None = None
         self._t_start = self._last_step = time.perf_counter()
         self._last_eval: dict[str, float] = {}
+        self._signal: str | None = None  # the signal that stopped the run gracefully
 
     # ================================================================== start
 
@@ -115,11 +136,12 @@ class Runner:
             self._start()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 with contextlib.suppress(NotImplementedError, RuntimeError):
-                    loop.add_signal_handler(sig, self._on_signal)
+                    loop.add_signal_handler(sig, self._on_signal, sig)
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
                 reason = await self._drive(loop)
-            result = RunResult(self.sched.version, self.trainer.weights_sha256(), reason.value)
+            result = RunResult(self.sched.version, self.trainer.weights_sha256(), reason.value,
+                               signal=self._signal, checkpoint=self.store.latest())
             self.trace.emit(RunFinished(step=result.step, weights_sha256=result.weights_sha256,
                                         reason=result.reason))
             return result
@@ -167,7 +189,8 @@ class Runner:
                     await self._wake.wait()
             self._wake.clear()
 
-    def _on_signal(self) -> None:
+    def _on_signal(self, sig: int) -> None:
+        self._signal = self._signal or signal.Signals(sig).name
         self.sched.on_signal()
         self._wake.set()
 

@@ -10,7 +10,10 @@ function of (seed, step), so a resumed warmup ends with the same weights.
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +26,37 @@ from ..core.source import Dataset
 from ..core.store import CheckpointStore
 
 
-def run_warmup(cfg: Config, *, dataset: Dataset, trainer: Any, tokenizer: Any, log=print) -> None:
-    """Run the warm start (or resume it). Call only before RL has a checkpoint."""
+@contextlib.contextmanager
+def _graceful_signals() -> Iterator[list[str]]:
+    """SIGINT/SIGTERM during the warm start only note the signal (the list it yields); the
+    loop checkpoints and returns at the end of the step, as the RL phase does. The previous
+    handlers come back however the warm start ends."""
+    got: list[str] = []
+    previous = {}
+
+    def note(sig: int, _frame: object) -> None:
+        got.append(signal.Signals(sig).name)
+
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(ValueError):  # not the main thread: signals stay as they are
+                previous[sig] = signal.signal(sig, note)
+        yield got
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def run_warmup(cfg: Config, *, dataset: Dataset, trainer: Any, tokenizer: Any, log=print) -> tuple[int, str | None]:
+    """Run the warm start (or resume it). Call only before RL has a checkpoint. Returns the
+    warm-start step reached and the signal that stopped it (None when it finished); a
+    stopped warm start has checkpointed that step."""
     steps = cfg.warmup.sft_steps
     run_dir = Path(cfg.run_dir)
     if steps == 0:
         if hasattr(trainer, "set_reference"):
             trainer.set_reference()
-        return
+        return 0, None
     if not hasattr(trainer, "sft_step"):
         raise ConfigError(
             f"warmup.sft_steps is {steps} but the {trainer.name} trainer has no supervised step",
@@ -68,6 +94,20 @@ def run_warmup(cfg: Config, *, dataset: Dataset, trainer: Any, tokenizer: Any, l
                 remedy=f"remove {store.root} to redo the warm start (RL has not started yet)",
             )
         log(f"warmup: resumed from {ck.name}")
+    with _graceful_signals() as stopped_by:
+        step = _train(cfg, store, done, stopped_by, dataset=dataset, trainer=trainer, tokenizer=tokenizer, log=log)
+    if stopped_by:
+        return step, stopped_by[0]
+    trainer.set_reference()
+    return steps, None
+
+
+def _train(cfg: Config, store: CheckpointStore, done: int, stopped_by: list[str], *, dataset: Dataset,
+           trainer: Any, tokenizer: Any, log) -> int:
+    """Supervised steps `done + 1 ..`, each checkpointed on schedule, the last one and the
+    one a signal stopped after always. Returns the last step taken."""
+    steps = cfg.warmup.sft_steps
+    step = done
     t0 = time.perf_counter()
     for step in range(done + 1, steps + 1):
         rng = np.random.default_rng([cfg.seed, 0x5F7, step])
@@ -78,9 +118,11 @@ def run_warmup(cfg: Config, *, dataset: Dataset, trainer: Any, tokenizer: Any, l
             for i in idx
         ]
         metrics = trainer.sft_step(seqs, lr=cfg.warmup.sft_lr)
-        if step % cfg.checkpoint.warmup_every_steps == 0 or step == steps:
+        if step % cfg.checkpoint.warmup_every_steps == 0 or step == steps or stopped_by:
             files = {f"trainer/{k}": v for k, v in trainer.snapshot().files().items()}
             store.publish(step, files, {"phase": "warmup", "config": semantic(cfg)}, keep_last=1)
             log(f"warmup: step {step}/{steps}, loss {metrics['loss']:.3f}, "
                 f"{(step - done) / (time.perf_counter() - t0):.1f} steps/s")
-    trainer.set_reference()
+        if stopped_by:
+            break
+    return step
