@@ -9,10 +9,12 @@ until it finishes, and then checks, from the trace and the final checkpoint alon
   - with `deterministic: true`, the final `weights_sha256` equals that of a run of the
     same config that was never killed.
 
-Kills alternate between two kinds: SIGKILL at a random instant of the run (uniform over
-the reference run's duration), and a named crash point (`ROLLKEEP_CRASH_AT`): a ledger
-transition after a random number of occurrences, or a step of checkpoint publication
-(deliberately mid-write), chosen at random.
+Kills alternate between two kinds: SIGKILL at a random instant, and a named crash point
+(`ROLLKEEP_CRASH_AT`): a ledger transition after a random number of occurrences, or a step
+of checkpoint publication (deliberately mid-write), chosen at random. Each kill is sized
+from the uninterrupted reference run so that every one lands and the run still moves
+forward: it aims one to two checkpoint intervals past the last checkpoint (more when many
+checkpoints are left for few kills), and short of the end.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from .core.events import ALL_EVENTS, Abandoned, Configured, Evicted, Released, S
 from .core.restore import restore_chain
 from .core.source import PromptSource
 from .core.store import CheckpointStore
-from .core.trace_schema import RUN_FINISHED, RUN_STARTED
+from .core.trace_schema import CHECKPOINT_PUBLISHED, RUN_FINISHED, RUN_STARTED
 from .lineage import exactly_once, lineage
 from .trace import read_trace
 
@@ -53,7 +55,7 @@ class Kill:
     kind: str  # "timer" or "crash point"
     detail: str  # "after 1.23 s" or "ledger.sealed:140"
     killed: bool  # False if the run finished before the kill landed
-    resumed_from: int | None  # the step the killed run had resumed from
+    resumed_from: int | None  # the step the killed run had resumed from (None: it started fresh)
 
 
 @dataclass
@@ -71,6 +73,7 @@ class ChaosReport:
     deterministic: bool = False
     problems: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    unspent: int = 0  # kills not attempted: the run had its final checkpoint already
 
     @property
     def passed(self) -> bool:
@@ -81,10 +84,12 @@ class ChaosReport:
         out = [
             f"kills: {landed} landed of {len(self.kills)} attempted "
             f"({sum(k.kind == 'timer' and k.killed for k in self.kills)} at random instants, "
-            f"{sum(k.kind == 'crash point' and k.killed for k in self.kills)} at crash points)",
+            f"{sum(k.kind == 'crash point' and k.killed for k in self.kills)} at crash points)"
+            + (f"; {self.unspent} not attempted: the run had reached its final checkpoint" if self.unspent else ""),
         ]
         out += [f"  - {k.kind:11} {k.detail:32} {'killed' if k.killed else 'finished first'}"
-                f" (run resumed from step {k.resumed_from})" for k in self.kills]
+                f" ({'a fresh start' if k.resumed_from is None else f'resumed from step {k.resumed_from}'})"
+                for k in self.kills]
         out.append(f"lineage: {self.steps} steps, {self.trained} prompts trained, {self.dropped} dropped, "
                    f"{self.restarts} restarts")
         out.append(f"completed epochs checked: {self.completed_epochs or 'none'}")
@@ -112,6 +117,12 @@ def _env(crash_at: str | None) -> dict[str, str]:
 def _trace_mark(trace: Path) -> int:
     """Where the trace ends now; a run launched afterwards traces its start past here."""
     return trace.stat().st_size if trace.exists() else 0
+
+
+def _last_checkpoint(trace: Path) -> int:
+    """The step of the newest checkpoint the run's trace records (0: none yet)."""
+    lines, _ = read_trace(trace) if trace.exists() else ([], 0)
+    return max((x["step"] for x in lines if x["event"] == CHECKPOINT_PUBLISHED), default=0)
 
 
 def _wait_started(proc: subprocess.Popen, trace: Path, mark: int, timeout: float) -> bool:
@@ -165,23 +176,41 @@ def run_chaos(
     duration = max(0.05, finished["t"] - started)
     report.reference_sha256 = finished["weights_sha256"]
     counts = Counter(x["event"] for x in ref_lines)
-    n_checkpoints = counts["checkpoint_published"]
+    total_steps = max(1, finished["step"])
+    interval = min(1.0, cfg.checkpoint.every_steps / total_steps)
+    # Transitions every run goes through many times (not the rare failure paths, which a
+    # resumed run may never meet again), so a crash point sized below lands.
+    common = [p for p in LEDGER_POINTS if counts[p] >= 2 * (kills + 1)] or ["taken"]
 
     # 2. Kill and resume.
     trace = run_dir / "trace.jsonl"
     cmd = _train_cmd(config, [*overrides, f"run_dir={run_dir}", *quiet])
     for i in range(kills):
+        # The share of the reference run this kill aims at, counted from the last checkpoint:
+        # one to two checkpoint intervals (so each kill moves the run forward) or ½ to 1½
+        # times the work left divided among the kills left, whichever is more, and always
+        # short of the end (so it lands).
+        left = 1 - _last_checkpoint(trace) / total_steps
+        if left <= 0:  # the last kill landed after the final checkpoint: nothing is left to kill
+            report.unspent = kills - i
+            break
+        share = min(0.5 * left, max(interval * rng.uniform(1, 2), left / (kills - i + 1) * rng.uniform(0.5, 1.5)))
         crash_at = None
         if i % 2 == 1:  # every other kill is a named crash point
-            if n_checkpoints and rng.random() < 0.5:
-                crash_at = f"{rng.choice(PUBLISH_POINTS)}:{rng.randint(1, max(1, n_checkpoints // 3))}"
+            if counts[CHECKPOINT_PUBLISHED] and rng.random() < 0.5:
+                n = max(1, round(share * counts[CHECKPOINT_PUBLISHED]))
+                crash_at = f"{rng.choice(PUBLISH_POINTS)}:{n}"
             else:
-                point = rng.choice([p for p in LEDGER_POINTS if counts[p]] or ["taken"])
-                crash_at = f"ledger.{point}:{rng.randint(1, max(1, counts[point] // 3))}"
+                point = rng.choice(common)
+                # A resumed run meets a transition fewer times than its share of the run:
+                # the groups admitted ahead of the checkpoint (up to the sampler's window
+                # plus the step in training) went through the early ones before the kill.
+                fresh = min(share, 0.5 * (left - (cfg.sampler.window + 1) / total_steps))
+                crash_at = f"ledger.{point}:{max(1, round(fresh * counts[point]))}"
         mark = _trace_mark(trace)
         proc = subprocess.Popen(cmd, env=_env(crash_at), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         if crash_at is None:
-            delay = rng.uniform(0.0, 0.6 * duration)  # resumed runs have less left to do
+            delay = share * duration
             if _wait_started(proc, trace, mark, timeout):
                 try:
                     proc.wait(timeout=delay)
@@ -206,13 +235,14 @@ def run_chaos(
                                  runs[-1].get("resumed_from_step") if runs else None))
         log(f"chaos: kill {i + 1}/{kills}: {report.kills[-1].kind} {detail}: "
             f"{'killed' if killed else 'finished first'}")
-        if not killed:
+        if not killed:  # the run finished: there is nothing left to kill or resume
             break
-    final = subprocess.run(cmd, env=_env(None), capture_output=True, text=True, timeout=timeout)
-    if final.returncode != 0:
-        report.problems.append(f"the final resume failed (exit {final.returncode}): {final.stderr[-1000:]}")
-        report.seconds = time.monotonic() - t0
-        return report
+    else:
+        final = subprocess.run(cmd, env=_env(None), capture_output=True, text=True, timeout=timeout)
+        if final.returncode != 0:
+            report.problems.append(f"the final resume failed (exit {final.returncode}): {final.stderr[-1000:]}")
+            report.seconds = time.monotonic() - t0
+            return report
 
     # 3. Verify from the trace and the final checkpoint alone.
     verify(cfg, run_dir, report)

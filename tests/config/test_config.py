@@ -186,12 +186,12 @@ def test_to_dict_is_plain_data_and_dump_yaml_round_trips(tmp_path):
 def test_toy_yaml_loads():
     cfg = load_config(REPO / "configs" / "toy.yaml")
     assert cfg.engine == ToyEngineConfig(
-        latency_ms=2, latency_jitter_ms=2, infra_fail_rate=0.02, data_fail_rate=0.01
+        latency_ms=10, latency_jitter_ms=10, infra_fail_rate=0.02, data_fail_rate=0.01
     )
     assert isinstance(cfg.trainer, ToyTrainerConfig)
-    assert cfg.data.path is None and cfg.data.epochs == 1 and cfg.data.generated.n_rows == 256
+    assert cfg.data.path is None and cfg.data.epochs == 3 and cfg.data.generated.n_rows == 96
     assert cfg.rollout.group_size == 4 and cfg.train.num_prompts_per_step == 8
-    assert cfg.train.total_steps == 30 and cfg.checkpoint.every_steps == 5
+    assert cfg.train.total_steps == 30 and cfg.checkpoint.every_steps == 3
     assert cfg.sampler.name == "in_order" and cfg.sampler.max_lookahead_versions == 1
     assert cfg.run_dir == "runs/toy" and cfg.eval.every_steps == 0
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -173,6 +174,12 @@ def test_chaos_random_sigkills_pass(tmp_path) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     assert "PASS" in out.stdout and "duplicates: 0   lost: 0" in out.stdout
     assert "(== uninterrupted run)" in out.stdout
+    # Every kill attempted lands (each is sized short of the run's end), the restarts are
+    # the kills, and both epochs were checked prompt by prompt.
+    landed, attempted = re.search(r"kills: (\d+) landed of (\d+) attempted", out.stdout).groups()
+    assert landed == attempted and int(landed) >= 5
+    assert f"{landed} restarts" in out.stdout
+    assert "completed epochs checked: [0, 1]" in out.stdout
 
 
 def test_a_second_writer_on_the_same_run_dir_is_refused(tmp_path) -> None:

@@ -17,7 +17,7 @@ Runs in RUN_DIR/chaos/{reference,killed} (wiped first). Exit 0 only on PASS.
 
 examples:
   rollkeep chaos configs/toy.yaml --kills 10
-  rollkeep chaos configs/toy.yaml deterministic=true sampler.name=in_order --kills 6 --seed 3
+  rollkeep chaos configs/toy.yaml deterministic=true rollout.on_dropped_prompt=shrink --kills 6 --seed 3
 """
 
 
