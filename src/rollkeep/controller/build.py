@@ -41,8 +41,24 @@ def build_data(cfg: Config) -> tuple[Dataset, list[dict] | None]:
             found=repr(gen.task),
             remedy="set data.generated.task=arith or point data.path at a JSONL file",
         )
+    # The training rows are the first n_rows of a stream of n_rows + eval_rows problems (as
+    # they always were: a run started by an older rollkeep resumes on the same rows). The
+    # held-out rows are problems that appear in no training row: greedy accuracy on them
+    # measures what the policy learned, not what it memorised.
     rows = arith.make_rows(gen.n_rows + gen.eval_rows, digits=gen.digits, seed=cfg.seed, task=gen.task)
-    return SequenceDataset(rows[: gen.n_rows]), rows[gen.n_rows :]
+    train = rows[: gen.n_rows]
+    try:
+        held_out = arith.held_out_rows(gen.eval_rows, digits=gen.digits, seed=cfg.seed, exclude=train,
+                                       task=gen.task)
+    except ValueError as e:
+        raise ConfigError(
+            f"the built-in dataset cannot hold out {gen.eval_rows} problems: {e}",
+            field="data.generated.eval_rows",
+            expected="at most the number of problems that no training row holds",
+            found=str(gen.eval_rows),
+            remedy="lower data.generated.eval_rows or data.generated.n_rows, or raise data.generated.digits",
+        ) from None
+    return SequenceDataset(train), held_out
 
 
 def build(cfg: Config) -> Parts:

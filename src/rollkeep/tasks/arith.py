@@ -27,6 +27,33 @@ def make_rows(n_rows: int, *, digits: int, seed: int, task: str = TASK) -> list[
     ]
 
 
+def held_out_rows(
+    n_rows: int, *, digits: int, seed: int, exclude: list[dict], task: str = TASK
+) -> list[dict]:
+    """`n_rows` distinct problems, none of which is the problem of a row of `exclude` (the
+    training rows): an evaluation set the policy was never trained or warm-started on.
+    Drawn from their own seeded stream, so they do not depend on the training rows'
+    stream, only on which problems those rows hold. Raises ValueError when fewer than
+    `n_rows` problems with operands of up to `digits` digits are left."""
+    hi = 10**digits
+    seen = {(int(a), int(b)) for a, b in (r["prompt"].rstrip("=").split("+") for r in exclude)}
+    left = hi * hi - len(seen)
+    if n_rows > left:
+        raise ValueError(f"only {left} problems with operands of up to {digits} digit(s) are "
+                         f"not in the training rows; {n_rows} held-out rows were asked for")
+    rng = np.random.default_rng([seed, 0xE7A1])
+    out: list[dict] = []
+    while len(out) < n_rows:
+        for x, y in zip(rng.integers(0, hi, 4 * n_rows), rng.integers(0, hi, 4 * n_rows), strict=True):
+            if (int(x), int(y)) in seen:
+                continue
+            seen.add((int(x), int(y)))
+            out.append({"prompt": f"{int(x)}+{int(y)}=", "answer": str(int(x) + int(y)), "task": task})
+            if len(out) == n_rows:
+                break
+    return out
+
+
 def reward(text: str, row: dict, *, partial_credit: bool = False) -> float:
     """1.0 if the first number in the completion equals the answer, else 0.0.
 

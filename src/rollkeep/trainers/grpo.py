@@ -141,6 +141,7 @@ from ..core.errors import CheckpointError
 from ..core.untrusted import loads_json
 from ..models.gpt import GPT
 from ..models.tokenizer import PAD
+from .adamw import make_adamw
 from .base import Batch, check_step
 
 __all__ = ["GRPOSnapshot", "GRPOTrainer", "TorchTrainer", "grpo_loss", "token_logprobs"]
@@ -376,15 +377,16 @@ class GRPOTrainer:
 
         self._params = [p for p in model.parameters() if p.requires_grad]  # ties counted once
         self.optimizer = self._adamw(lr)
-        self._sft_optimizer: torch.optim.AdamW | None = None  # made by the first sft_step
+        self._sft_optimizer: Any = None  # made by the first sft_step
         self._reference: nn.Module | None = None  # made by set_reference (kl_coef > 0)
         self.rl_steps = 0
         self.sft_steps = 0
 
-    def _adamw(self, lr: float) -> torch.optim.AdamW:
-        return torch.optim.AdamW(
-            self._params, lr=lr, betas=self.betas, weight_decay=self.weight_decay
-        )
+    def _adamw(self, lr: float) -> Any:
+        """AdamW: rollkeep's on the CPU (torch's arithmetic, bit for bit, without the
+        ~1 s import of torch._dynamo that any torch.optim optimizer pays), torch's
+        elsewhere (`trainers.adamw`)."""
+        return make_adamw(self._params, lr=lr, betas=self.betas, weight_decay=self.weight_decay)
 
     @property
     def device(self) -> torch.device:
@@ -694,7 +696,7 @@ def _raw_bytes(t: Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
-def _optimizer_state(opt: torch.optim.Optimizer) -> OptimizerState:
+def _optimizer_state(opt: Any) -> OptimizerState:
     """Copies of an optimizer's state, params numbered as `Optimizer.state_dict` does."""
     params = [p for group in opt.param_groups for p in group["params"]]
     tensors: dict[str, Tensor] = {}
@@ -863,7 +865,7 @@ def _read_optimizers(
     return out
 
 
-def _torch_optimizer_state(opt: torch.optim.Optimizer, state: dict[int, dict[str, Any]]) -> dict:
+def _torch_optimizer_state(opt: Any, state: dict[int, dict[str, Any]]) -> dict:
     """`Optimizer.load_state_dict` input: the checkpoint's state with this optimizer's own
     param groups (hyper-parameters come from the config)."""
     groups, start = [], 0
