@@ -91,3 +91,29 @@ def test_builtin_eval_rows_are_held_out() -> None:
     with pytest.raises(ConfigError) as err:
         build_data(load_config(None, ["data.generated.digits=1", "data.generated.eval_rows=100"]))
     assert err.value.field == "data.generated.eval_rows"
+
+
+def test_arith_formats() -> None:
+    assert arith.problem(7, 45, digits=2) == {"prompt": "7+45=", "answer": "52", "task": "arith"}
+    assert arith.problem(7, 45, digits=2, fmt="padded")["prompt"] == "07+45="
+    assert arith.problem(7, 45, digits=2, fmt="padded")["answer"] == "052"
+    assert arith.problem(7, 45, digits=2, fmt="reversed")["answer"] == "250"
+    assert arith.problem(99, 99, digits=2, fmt="reversed") == {"prompt": "99+99=", "answer": "891",
+                                                               "task": "arith"}
+    for fmt in arith.FORMATS:
+        row = arith.problem(3, 60, digits=2, fmt=fmt)
+        assert arith.operands(row) == (3, 60)
+        assert arith.reward(row["answer"], row) == 1.0
+    assert arith.reward("52", arith.problem(7, 45, digits=2, fmt="padded")) == 0.0  # the width counts
+    # The plain format is what make_rows always wrote (runs of older versions resume).
+    assert arith.make_rows(3, digits=2, seed=0) == [
+        {"prompt": "6+88=", "answer": "94", "task": "arith"},
+        {"prompt": "92+43=", "answer": "135", "task": "arith"},
+        {"prompt": "93+40=", "answer": "133", "task": "arith"},
+    ]
+    # Every format writes the same problems.
+    same = [arith.operands(r) for r in arith.make_rows(50, digits=2, seed=4)]
+    for fmt in arith.FORMATS:
+        assert [arith.operands(r) for r in arith.make_rows(50, digits=2, seed=4, fmt=fmt)] == same
+    with pytest.raises(ValueError, match="unknown format"):
+        arith.problem(1, 2, digits=2, fmt="roman")

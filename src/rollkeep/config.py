@@ -107,6 +107,11 @@ class GeneratedDataConfig(_Section):
     """Number of digits per operand of a generated problem."""
     eval_rows: int = Field(128, ge=0)
     """Number of held-out prompts generated for evaluation (rows)."""
+    format: Literal["plain", "padded", "reversed"] = "plain"
+    """How problems are written: `plain` "7+45=" -> "52"; `padded` operands and answer
+    zero-padded to fixed widths, "07+45=" -> "052"; `reversed` padded, with the answer's
+    digits least significant first, "07+45=" -> "250" (each digit then depends only on
+    the operand digits at and below its place, and the carry from the one before)."""
 
 
 class DataConfig(_Section):
@@ -618,6 +623,7 @@ def semantic(cfg: Config) -> dict[str, Any]:
 #: before the key existed: a checkpoint written without the key resumes under that value
 #: (and any other value is a change to name with --allow-config-change).
 ADDED_KEYS: dict[str, Any] = {
+    "data.generated.format": "plain",
     "trainer.scale_rewards": "group_population",
     "trainer.loss_type": "dapo",
     "trainer.dual_clip": None,

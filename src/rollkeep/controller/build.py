@@ -45,11 +45,12 @@ def build_data(cfg: Config) -> tuple[Dataset, list[dict] | None]:
     # they always were: a run started by an older rollkeep resumes on the same rows). The
     # held-out rows are problems that appear in no training row: greedy accuracy on them
     # measures what the policy learned, not what it memorised.
-    rows = arith.make_rows(gen.n_rows + gen.eval_rows, digits=gen.digits, seed=cfg.seed, task=gen.task)
+    rows = arith.make_rows(gen.n_rows + gen.eval_rows, digits=gen.digits, seed=cfg.seed, task=gen.task,
+                           fmt=gen.format)
     train = rows[: gen.n_rows]
     try:
         held_out = arith.held_out_rows(gen.eval_rows, digits=gen.digits, seed=cfg.seed, exclude=train,
-                                       task=gen.task)
+                                       task=gen.task, fmt=gen.format)
     except ValueError as e:
         raise ConfigError(
             f"the built-in dataset cannot hold out {gen.eval_rows} problems: {e}",
