@@ -269,6 +269,11 @@ class _GRPOSection(_TrainerSection):
 
     lr: float = Field(3e-4, gt=0.0)
     """AdamW learning rate."""
+    lr_warmup_steps: int = Field(0, ge=0)
+    """RL steps over which the learning rate rises linearly to `lr`: step k (from 1) uses
+    lr x min(1, k / lr_warmup_steps). A fresh AdamW's first updates move every weight by
+    about lr whatever its gradient, which can undo much of a warm start; 0 = `lr` from
+    the first step (the behaviour before this key)."""
     weight_decay: float = Field(0.0, ge=0.0)
     """AdamW decoupled weight decay."""
     betas: Betas = (0.9, 0.95)
@@ -624,6 +629,7 @@ def semantic(cfg: Config) -> dict[str, Any]:
 #: (and any other value is a change to name with --allow-config-change).
 ADDED_KEYS: dict[str, Any] = {
     "data.generated.format": "plain",
+    "trainer.lr_warmup_steps": 0,
     "trainer.scale_rewards": "group_population",
     "trainer.loss_type": "dapo",
     "trainer.dual_clip": None,

@@ -80,7 +80,8 @@ whole batch under every `loss_type`: they describe the tokens, not the weighting
     advantage_abs_mean  mean |advantage| over the batch's completions, as trained on (after
                         the `batch` division); 0 when every group scored all its siblings
                         alike (such a batch teaches nothing)
-    lr                  the AdamW learning rate used
+    lr                  the AdamW learning rate used: `lr`, or less during the linear
+                        warmup of the first `lr_warmup_steps` RL steps
 
 Metrics returned by `sft_step` (the supervised warm start)
 ----------------------------------------------------------
@@ -347,6 +348,7 @@ class GRPOTrainer:
         dual_clip: float | None = None,
         scale_rewards: ScaleRewards = "group_population",
         max_completion_length: int | None = None,
+        lr_warmup_steps: int = 0,
     ) -> None:
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0 to define log-probs, got {temperature}")
@@ -359,6 +361,8 @@ class GRPOTrainer:
                              f"max_new_tokens), got {max_completion_length}")
         if dual_clip is not None and not dual_clip > 1.0:
             raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
+        if lr_warmup_steps < 0:
+            raise ValueError(f"lr_warmup_steps must be >= 0, got {lr_warmup_steps}")
         if scale_rewards not in SCALE_REWARDS:
             raise ValueError(f"unknown scale_rewards {scale_rewards!r}; expected one of "
                              f"{SCALE_REWARDS}")
@@ -366,6 +370,7 @@ class GRPOTrainer:
         self.logits_fn = logits_fn
         self.pad_id = pad_id
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
+        self.lr_warmup_steps = lr_warmup_steps
         self.grad_clip, self.clip_eps, self.kl_coef = grad_clip, clip_eps, kl_coef
         self.ppo_epochs, self.micro_batch_size = ppo_epochs, micro_batch_size
         self.temperature = temperature
@@ -376,10 +381,11 @@ class GRPOTrainer:
         torch.manual_seed(seed)  # dropout is the only randomness; its state is checkpointed
 
         self._params = [p for p in model.parameters() if p.requires_grad]  # ties counted once
+        self.rl_steps = 0
         self.optimizer = self._adamw(lr)
+        self._set_lr()
         self._sft_optimizer: Any = None  # made by the first sft_step
         self._reference: nn.Module | None = None  # made by set_reference (kl_coef > 0)
-        self.rl_steps = 0
         self.sft_steps = 0
 
     def _adamw(self, lr: float) -> Any:
@@ -387,6 +393,21 @@ class GRPOTrainer:
         ~1 s import of torch._dynamo that any torch.optim optimizer pays), torch's
         elsewhere (`trainers.adamw`)."""
         return make_adamw(self._params, lr=lr, betas=self.betas, weight_decay=self.weight_decay)
+
+    def step_lr(self, step: int) -> float:
+        """The learning rate of RL step `step` (counted from 1): `lr` after a linear
+        warmup of `lr_warmup_steps` steps. A function of the step alone, so a resumed
+        run uses the same rates."""
+        if self.lr_warmup_steps and step < self.lr_warmup_steps:
+            return self.lr * step / self.lr_warmup_steps
+        return self.lr
+
+    def _set_lr(self) -> float:
+        """The optimizer holds the rate of the next RL step (so does a snapshot of it)."""
+        lr = self.step_lr(self.rl_steps + 1)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
 
     @property
     def device(self) -> torch.device:
@@ -438,6 +459,7 @@ class GRPOTrainer:
             ("loss", "clip_frac", "dual_clip_frac", "ratio_mean", "kl", "grad_norm"), 0.0
         )
         self.model.train()
+        lr = self._set_lr()
         for _ in range(self.ppo_epochs if n_tokens else 0):  # no tokens: nothing to learn
             self.optimizer.zero_grad(set_to_none=True)
             for mb, ref_logp in micro:
@@ -460,6 +482,7 @@ class GRPOTrainer:
             totals["grad_norm"] += grad_norm.item()
             self.optimizer.step()
         self.rl_steps += 1
+        self._set_lr()
 
         # 4. Metrics (documented in the module docstring).
         epochs = self.ppo_epochs if n_tokens else 1
@@ -467,7 +490,7 @@ class GRPOTrainer:
         metrics["tokens"] = float(n_tokens)
         metrics["reward_mean"] = sum(r.reward for r in rows) / max(1, len(rows))
         metrics["advantage_abs_mean"] = sum(abs(a) for a in advs) / max(1, len(advs))
-        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        metrics["lr"] = float(lr)
         return metrics
 
     def set_reference(self) -> None:
@@ -587,6 +610,7 @@ class GRPOTrainer:
             self._sft_optimizer = None
         torch.set_rng_state(rng["cpu"])
         self.rl_steps, self.sft_steps = meta["rl_steps"], meta["sft_steps"]
+        self._set_lr()
         self._reference = None
         if reference is not None:
             self._reference = _frozen_copy(self.model)
@@ -920,6 +944,7 @@ def hyperparameters(cfg: Any) -> dict[str, Any]:
     """The GRPO settings shared by every trainer config section (torch, hf)."""
     return {
         "lr": cfg.lr,
+        "lr_warmup_steps": cfg.lr_warmup_steps,
         "weight_decay": cfg.weight_decay,
         "betas": cfg.betas,
         "grad_clip": cfg.grad_clip,
