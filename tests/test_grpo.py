@@ -822,3 +822,11 @@ def test_lr_warmup_rates_and_resume_bit_exact():
     assert c.train_step(mixed_batch(c.model, 1))["lr"] == pytest.approx(3e-3)
     with pytest.raises(ValueError, match="lr_warmup_steps"):
         warm_trainer(0, -1)
+
+
+def test_lr_decay_after_the_warmup():
+    t = grpo(tiny_gpt(), lr=1e-3, lr_warmup_steps=10, lr_decay_steps=100, lr_final_ratio=0.2)
+    got = [t.step_lr(k) for k in (1, 5, 10, 60, 110, 500)]
+    assert got == pytest.approx([1e-4, 5e-4, 1e-3, 6e-4, 2e-4, 2e-4])
+    no_warmup = grpo(tiny_gpt(), lr=1e-3, lr_decay_steps=10, lr_final_ratio=0.0)
+    assert [no_warmup.step_lr(k) for k in (1, 5, 10, 11)] == pytest.approx([9e-4, 5e-4, 0.0, 0.0])

@@ -274,6 +274,12 @@ class _GRPOSection(_TrainerSection):
     lr x min(1, k / lr_warmup_steps). A fresh AdamW's first updates move every weight by
     about lr whatever its gradient, which can undo much of a warm start; 0 = `lr` from
     the first step (the behaviour before this key)."""
+    lr_decay_steps: int = Field(0, ge=0)
+    """RL steps, counted from the end of the warmup, over which the learning rate falls
+    linearly from `lr` to `lr` x `lr_final_ratio`, where it then stays (so a run extended
+    past them keeps learning at that rate); 0 = no decay (the behaviour before this key)."""
+    lr_final_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    """Where the decay of `lr_decay_steps` ends, as a fraction of `lr`, in [0, 1]."""
     weight_decay: float = Field(0.0, ge=0.0)
     """AdamW decoupled weight decay."""
     betas: Betas = (0.9, 0.95)
@@ -630,6 +636,8 @@ def semantic(cfg: Config) -> dict[str, Any]:
 ADDED_KEYS: dict[str, Any] = {
     "data.generated.format": "plain",
     "trainer.lr_warmup_steps": 0,
+    "trainer.lr_decay_steps": 0,
+    "trainer.lr_final_ratio": 0.1,
     "trainer.scale_rewards": "group_population",
     "trainer.loss_type": "dapo",
     "trainer.dual_clip": None,

@@ -81,7 +81,8 @@ whole batch under every `loss_type`: they describe the tokens, not the weighting
                         the `batch` division); 0 when every group scored all its siblings
                         alike (such a batch teaches nothing)
     lr                  the AdamW learning rate used: `lr`, or less during the linear
-                        warmup of the first `lr_warmup_steps` RL steps
+                        warmup (`lr_warmup_steps`) and the linear decay (`lr_decay_steps`,
+                        to `lr_final_ratio` x `lr`); `GRPOTrainer.step_lr` has the formula
 
 Metrics returned by `sft_step` (the supervised warm start)
 ----------------------------------------------------------
@@ -349,6 +350,8 @@ class GRPOTrainer:
         scale_rewards: ScaleRewards = "group_population",
         max_completion_length: int | None = None,
         lr_warmup_steps: int = 0,
+        lr_decay_steps: int = 0,
+        lr_final_ratio: float = 0.1,
     ) -> None:
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0 to define log-probs, got {temperature}")
@@ -361,8 +364,9 @@ class GRPOTrainer:
                              f"max_new_tokens), got {max_completion_length}")
         if dual_clip is not None and not dual_clip > 1.0:
             raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
-        if lr_warmup_steps < 0:
-            raise ValueError(f"lr_warmup_steps must be >= 0, got {lr_warmup_steps}")
+        if lr_warmup_steps < 0 or lr_decay_steps < 0 or not 0.0 <= lr_final_ratio <= 1.0:
+            raise ValueError("lr_warmup_steps and lr_decay_steps must be >= 0 and lr_final_ratio "
+                             f"in [0, 1], got {lr_warmup_steps}, {lr_decay_steps}, {lr_final_ratio}")
         if scale_rewards not in SCALE_REWARDS:
             raise ValueError(f"unknown scale_rewards {scale_rewards!r}; expected one of "
                              f"{SCALE_REWARDS}")
@@ -370,7 +374,8 @@ class GRPOTrainer:
         self.logits_fn = logits_fn
         self.pad_id = pad_id
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
-        self.lr_warmup_steps = lr_warmup_steps
+        self.lr_warmup_steps, self.lr_decay_steps = lr_warmup_steps, lr_decay_steps
+        self.lr_final_ratio = lr_final_ratio
         self.grad_clip, self.clip_eps, self.kl_coef = grad_clip, clip_eps, kl_coef
         self.ppo_epochs, self.micro_batch_size = ppo_epochs, micro_batch_size
         self.temperature = temperature
@@ -395,11 +400,19 @@ class GRPOTrainer:
         return make_adamw(self._params, lr=lr, betas=self.betas, weight_decay=self.weight_decay)
 
     def step_lr(self, step: int) -> float:
-        """The learning rate of RL step `step` (counted from 1): `lr` after a linear
-        warmup of `lr_warmup_steps` steps. A function of the step alone, so a resumed
-        run uses the same rates."""
-        if self.lr_warmup_steps and step < self.lr_warmup_steps:
-            return self.lr * step / self.lr_warmup_steps
+        """The learning rate of RL step `step` (counted from 1), with W = lr_warmup_steps,
+        D = lr_decay_steps, r = lr_final_ratio:
+
+            step < W       lr x step / W                                  linear warmup
+            otherwise      lr x (1 - (1 - r) x min(1, (step - W) / D))    linear decay (D > 0)
+                           lr                                             (D = 0)
+
+        A function of the step alone, so a resumed run uses the same rates."""
+        w, d = self.lr_warmup_steps, self.lr_decay_steps
+        if w and step < w:
+            return self.lr * step / w
+        if d:
+            return self.lr * (1.0 - (1.0 - self.lr_final_ratio) * min(1.0, (step - w) / d))
         return self.lr
 
     def _set_lr(self) -> float:
@@ -945,6 +958,8 @@ def hyperparameters(cfg: Any) -> dict[str, Any]:
     return {
         "lr": cfg.lr,
         "lr_warmup_steps": cfg.lr_warmup_steps,
+        "lr_decay_steps": cfg.lr_decay_steps,
+        "lr_final_ratio": cfg.lr_final_ratio,
         "weight_decay": cfg.weight_decay,
         "betas": cfg.betas,
         "grad_clip": cfg.grad_clip,
