@@ -166,7 +166,10 @@ def _restart(cmd: list[str], run_dir: Path, stderr: Path, timeout: float) -> tup
                     tail += f.read()
                     *lines, tail = tail.split(b"\n")
                     for line in lines:
-                        x = json.loads(line)
+                        try:
+                            x = json.loads(line)
+                        except json.JSONDecodeError:  # a line the previous SIGKILL tore
+                            continue
                         if x["event"] == "run_started":
                             started = x
                         elif x["event"] == "dispatched" and started and x["run_id"] == started["run_id"]:
