@@ -37,12 +37,12 @@ Medians over --repeats; ratios against sibling (preemption), lookahead 0 (speedu
 in_order (waste).
 
 examples:
-  rollkeep bench --quick                                  # everything small, ~2 minutes
+  rollkeep bench --quick                                  # everything small, ~1 minute
   rollkeep bench --suite core --json core.json            # the custody core, a few minutes
   rollkeep bench --suite preemption --kills 4 --repeats 3 --json p.json  # ~7 minutes
   rollkeep bench --suite speedup                          # ~3 minutes
   rollkeep bench --suite waste --json w.json              # ~30 seconds
-  rollkeep bench --suite restart --json r.json            # ~2 minutes (the warm start first)
+  rollkeep bench --suite restart --json r.json            # ~1 minute (the warm start first)
 """
 
 
