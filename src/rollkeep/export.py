@@ -48,6 +48,7 @@ from typing import Any
 from .core.errors import CheckpointError, ExternalError, FilesystemError, UserInputError
 from .core.restore import restore_chain
 from .core.store import CheckpointStore
+from .version import rollkeep_version
 
 __all__ = ["ExportResult", "Loaded", "TOLERANCE", "export", "gpt2_state_dict", "hf_tokenizer", "load_builtin"]
 
@@ -373,7 +374,7 @@ def _write(loaded: Loaded, tmp: Path, run_dir: str | Path) -> None:
         "checkpoint": loaded.checkpoint,
         "step": loaded.step,
         "weights_sha256": loaded.weights_sha256,
-        "rollkeep_version": _version(),
+        "rollkeep_version": rollkeep_version(),
     }, indent=1) + "\n")
     umask = os.umask(0)
     os.umask(umask)
@@ -424,10 +425,3 @@ def _move_into_place(tmp: Path, out: Path) -> tuple[list[str], list[str]]:
     return [n for n in existing if n in ours], [n for n in existing if n not in ours]
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("rollkeep")
-    except PackageNotFoundError:  # running from a source tree
-        return "unknown"

@@ -1,14 +1,12 @@
 """What a person watching a run sees: a live bar (rich) on a terminal, plain lines
-otherwise, and one clear line per checkpoint and per restore."""
+otherwise, and one clear line per checkpoint and per restore. (rich is imported only for
+the bar: a restart that prints lines, or nothing, does not pay for it.)"""
 
 from __future__ import annotations
 
 import sys
 import time
 from typing import Any
-
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 
 def _fmt(fields: dict[str, Any]) -> str:
@@ -27,17 +25,25 @@ class RunProgress:
         if mode == "auto":
             mode = "bar" if sys.stdout.isatty() else "lines"
         self.mode = mode
-        self.console = Console(stderr=False, highlight=False)
         self._last_line = 0.0
-        self._bar: Progress | None = None
+        self._bar: Any = None  # a rich Progress in bar mode
         if mode == "bar":
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
             self._bar = Progress(
                 TextColumn("[bold]step"),
                 MofNCompleteColumn(),
                 BarColumn(),
                 TimeElapsedColumn(),
                 TextColumn("{task.fields[info]}"),
-                console=self.console,
+                console=Console(stderr=False, highlight=False),
                 transient=False,
             )
             self._task = self._bar.add_task("train", total=total_steps, completed=start_step, info="")

@@ -9,6 +9,7 @@ kills are the same code path with a delay instead of a point.
 from __future__ import annotations
 
 import json
+import statistics
 from importlib.resources import files
 from pathlib import Path
 
@@ -138,3 +139,30 @@ def test_bench_cli_refuses_bad_options_before_running_anything(capsys):
     assert main(["bench", "--suite", "nope"]) == 2
     assert main(["bench", "--suite", "speedup", "--repeats", "0"]) == 2
     assert "--repeats" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_restart_latency_restarts_the_same_checkpoint_and_orders_its_times(tmp_path):
+    """`rollkeep bench --suite restart` on a small real job: every restart resumes from the
+    checkpoint the preparation left, dispatches after it traced run_started, and the
+    restore chain ran. (No timed assertion: numbers go in the notes.)"""
+    from rollkeep.bench.restart import restart_latency
+    from rollkeep.cli.bench import restart_table
+
+    arith = str(files("rollkeep") / "configs" / "arith.yaml")
+    r = restart_latency(
+        repeats=2, workdir=tmp_path, log=lambda line: None, config=arith,
+        overrides=["warmup.sft_steps=5", "checkpoint.every_steps=10", "eval.every_steps=0",
+                   "trainer.model.n_layer=1", "trainer.model.n_embd=32"],
+    )
+    # Killed within ~50 ms of its first checkpoint, the job is far from its second.
+    assert r["checkpoint"] == "step_000010" and len(r["runs"]) == 2
+    for run in r["runs"]:
+        assert run["resumed_from_step"] == 10
+        assert 0 < run["import_torch_inprocess_s"] < run["import_torch_s"]
+        assert 0 < run["run_started_s"] <= run["first_dispatch_s"]
+        assert run["restore_chain_s"] > 0
+    assert r["median"]["overhead_s"] == statistics.median(x["overhead_s"] for x in r["runs"])
+    assert CheckpointStore(tmp_path / "run" / "checkpoints").latest() == "step_000010"
+    title, _ = restart_table(r)
+    assert "restart latency" in title

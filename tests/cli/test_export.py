@@ -141,6 +141,10 @@ def test_hf_yaml_continues_rl_from_an_exported_directory(run, tmp_path) -> None:
     shipped = load_config(ROOT / "configs" / "hf.yaml")
     assert (shipped.engine.name, shipped.trainer.name, shipped.run_dir) == ("hf", "hf", "runs/hf")
     assert shipped.engine.model_path == shipped.trainer.model_path == "models/arith"
+    # The same held-out problems as the default job's, so its first eval repeats runs/arith's last.
+    arith = load_config(ROOT / "configs" / "arith.yaml")
+    assert (shipped.seed, shipped.data.generated, shipped.eval.n_rows) == (
+        arith.seed, arith.data.generated, arith.eval.n_rows)
     train(cfg)
     lines = trace_lines(cfg)
     assert [e["step"] for e in lines if e["event"] == "step_committed"] == [1, 2]

@@ -64,3 +64,56 @@ def test_unknown_task_stops_the_run_at_start_up(tmp_path) -> None:
                          capture_output=True, text=True)
     assert out.returncode == 2 and "no reward function for task 'poetry'" in out.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_held_out_rows_are_distinct_and_never_training_problems() -> None:
+    train = arith.make_rows(3000, digits=2, seed=5)
+    held = arith.held_out_rows(300, digits=2, seed=5, exclude=train)
+    prompts = [r["prompt"] for r in held]
+    assert len(set(prompts)) == 300
+    assert not set(prompts) & {r["prompt"] for r in train}
+    assert held == arith.held_out_rows(300, digits=2, seed=5, exclude=train)  # seeded
+    assert all(str(sum(map(int, r["prompt"][:-1].split("+")))) == r["answer"] for r in held)
+    # one-digit operands: 100 problems in all
+    with pytest.raises(ValueError, match="only 0 problems"):
+        arith.held_out_rows(1, digits=1, seed=0, exclude=arith.make_rows(2000, digits=1, seed=0))
+
+
+def test_builtin_eval_rows_are_held_out() -> None:
+    from rollkeep.config import load_config
+    from rollkeep.controller.build import build_data
+    from rollkeep.core.errors import ConfigError
+
+    cfg = load_config(None, ["data.generated.n_rows=4000", "data.generated.eval_rows=200"])
+    dataset, held = build_data(cfg)
+    train = {dataset[i]["prompt"] for i in range(len(dataset))}
+    assert len(held) == 200 and not train & {r["prompt"] for r in held}
+    with pytest.raises(ConfigError) as err:
+        build_data(load_config(None, ["data.generated.digits=1", "data.generated.eval_rows=100"]))
+    assert err.value.field == "data.generated.eval_rows"
+
+
+def test_arith_formats() -> None:
+    assert arith.problem(7, 45, digits=2) == {"prompt": "7+45=", "answer": "52", "task": "arith"}
+    assert arith.problem(7, 45, digits=2, fmt="padded")["prompt"] == "07+45="
+    assert arith.problem(7, 45, digits=2, fmt="padded")["answer"] == "052"
+    assert arith.problem(7, 45, digits=2, fmt="reversed")["answer"] == "250"
+    assert arith.problem(99, 99, digits=2, fmt="reversed") == {"prompt": "99+99=", "answer": "891",
+                                                               "task": "arith"}
+    for fmt in arith.FORMATS:
+        row = arith.problem(3, 60, digits=2, fmt=fmt)
+        assert arith.operands(row) == (3, 60)
+        assert arith.reward(row["answer"], row) == 1.0
+    assert arith.reward("52", arith.problem(7, 45, digits=2, fmt="padded")) == 0.0  # the width counts
+    # The plain format is what make_rows always wrote (runs of older versions resume).
+    assert arith.make_rows(3, digits=2, seed=0) == [
+        {"prompt": "6+88=", "answer": "94", "task": "arith"},
+        {"prompt": "92+43=", "answer": "135", "task": "arith"},
+        {"prompt": "93+40=", "answer": "133", "task": "arith"},
+    ]
+    # Every format writes the same problems.
+    same = [arith.operands(r) for r in arith.make_rows(50, digits=2, seed=4)]
+    for fmt in arith.FORMATS:
+        assert [arith.operands(r) for r in arith.make_rows(50, digits=2, seed=4, fmt=fmt)] == same
+    with pytest.raises(ValueError, match="unknown format"):
+        arith.problem(1, 2, digits=2, fmt="roman")

@@ -794,3 +794,39 @@ def test_torch_trainer_gets_the_options_from_config():
             trainer.max_completion_length) == ("dr_grpo", 3.0, "batch", 7)
     with pytest.raises(ValueError, match="max_completion_length"):
         make_trainer(cfg, model=tiny_gpt(), tokenizer=TOK, temperature=1.0, seed=1)
+
+
+def warm_trainer(seed: int, warmup: int) -> GRPOTrainer:
+    return grpo(tiny_gpt(seed, dropout=0.1), kl_coef=0.05, ppo_epochs=2, micro_batch_size=3,
+                lr=3e-3, lr_warmup_steps=warmup)
+
+
+def test_lr_warmup_rates_and_resume_bit_exact():
+    a = warm_trainer(0, 4)
+    assert [a.step_lr(k) for k in (1, 2, 3, 4, 9)] == pytest.approx([3e-3 / 4, 3e-3 / 2, 3e-3 * 3 / 4,
+                                                                     3e-3, 3e-3])
+    lrs = []
+    for step in range(1, 3):
+        lrs.append(a.train_step(mixed_batch(a.model, step))["lr"])
+    assert lrs == pytest.approx([3e-3 / 4, 3e-3 / 2])
+    files = a.snapshot().files()
+    run_steps(a, 3, 3)  # the uninterrupted run, through the end of the warmup
+    b = warm_trainer(99, 4)
+    b.load(files)
+    assert b.optimizer.param_groups[0]["lr"] == pytest.approx(3e-3 * 3 / 4)  # the next step's
+    run_steps(b, 3, 3)
+    assert b.weights_sha256() == a.weights_sha256()
+    assert b.snapshot().files() == a.snapshot().files()
+    # No warmup: every step at lr (the behaviour before the key existed).
+    c = ckpt_trainer()
+    assert c.train_step(mixed_batch(c.model, 1))["lr"] == pytest.approx(3e-3)
+    with pytest.raises(ValueError, match="lr_warmup_steps"):
+        warm_trainer(0, -1)
+
+
+def test_lr_decay_after_the_warmup():
+    t = grpo(tiny_gpt(), lr=1e-3, lr_warmup_steps=10, lr_decay_steps=100, lr_final_ratio=0.2)
+    got = [t.step_lr(k) for k in (1, 5, 10, 60, 110, 500)]
+    assert got == pytest.approx([1e-4, 5e-4, 1e-3, 6e-4, 2e-4, 2e-4])
+    no_warmup = grpo(tiny_gpt(), lr=1e-3, lr_decay_steps=10, lr_final_ratio=0.0)
+    assert [no_warmup.step_lr(k) for k in (1, 5, 10, 11)] == pytest.approx([9e-4, 5e-4, 0.0, 0.0])

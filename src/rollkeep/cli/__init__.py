@@ -125,6 +125,20 @@ def _load(name: str) -> ModuleType | None:
         ) from e
 
 
+class _VersionAction(argparse.Action):
+    """`--version`, which reads the package metadata only when asked (see
+    `rollkeep_version`)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                 help="show program's version number and exit"):
+        super().__init__(option_strings=option_strings, dest=dest, default=default, nargs=0,
+                         help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"rollkeep {rollkeep_version()}")  # stdout, as argparse's own version action
+        parser.exit()
+
+
 def build_parser(command: str | None) -> argparse.ArgumentParser:
     """The top-level parser. Only `command`'s module is imported and builds its own
     subparser; the others appear in `--help` with their one-line summary."""
@@ -135,7 +149,7 @@ def build_parser(command: str | None) -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"rollkeep {rollkeep_version()}")
+    parser.add_argument("--version", action=_VersionAction)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, summary in COMMANDS.items():
         module = _load(name) if name == command else None

@@ -8,7 +8,7 @@ import math
 import time
 from typing import Any
 
-SUITES = ("core", "preemption", "speedup", "waste", "all")
+SUITES = ("core", "preemption", "speedup", "waste", "restart", "all")
 
 HELP = """\
 Run the benchmark suite and print what it measured, side by side, in one invocation:
@@ -26,6 +26,12 @@ Run the benchmark suite and print what it measured, side by side, in one invocat
               failures, per sampler (in_order, weight_fifo, windowed): completions
               generated / trained (1.00 = nothing generated twice), groups evicted as
               stale, run time and throughput
+  restart     restart latency: the default job killed after its first RL checkpoint and
+              restarted again and again (each restart SIGKILLed at its first dispatch):
+              process start -> run_started and -> the first generation dispatched after
+              the restore, next to `import torch` alone (target: at most import torch +
+              0.3 s), and the restore chain's own time. 7 restarts (3 with --quick)
+              unless --repeats says otherwise
 
 Medians over --repeats; ratios against sibling (preemption), lookahead 0 (speedup) and
 in_order (waste).
@@ -36,6 +42,7 @@ examples:
   rollkeep bench --suite preemption --kills 4 --repeats 3 --json p.json  # ~7 minutes
   rollkeep bench --suite speedup                          # ~3 minutes
   rollkeep bench --suite waste --json w.json              # ~30 seconds
+  rollkeep bench --suite restart --json r.json            # ~1 minute (the warm start first)
 """
 
 
@@ -64,7 +71,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "--repeats",
         type=int,
         default=None,
-        help="preemption, speedup and waste: repeats, medians reported (default 3; 1 with --quick)",
+        help="preemption, speedup and waste: repeats, medians reported (default 3; 1 with "
+        "--quick); restart: restarts (default 7; 3 with --quick)",
     )
     p.add_argument("--seed", type=int, default=0, help="preemption: seed of the kill schedules")
     p.add_argument("--json", help="also write the results as JSON to this file")
@@ -81,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
             "bench: --kills must be >= 0 and --repeats >= 1",
             found=f"--kills {kills} --repeats {repeats}",
         )
-    suites = ("core", "preemption", "speedup", "waste") if args.suite == "all" else (args.suite,)
+    suites = SUITES[:-1] if args.suite == "all" else (args.suite,)
     results: dict = {
         "settings": {
             "suite": args.suite,
@@ -128,6 +136,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"== wasted generation per sampler ({repeats} repeat(s))")
         results["waste"] = waste(repeats=repeats, quick=args.quick, log=_note)
         _print(waste_table(results["waste"]))
+    if "restart" in suites:
+        from ..bench.restart import restart_latency
+
+        restarts = args.repeats if args.repeats is not None else (3 if args.quick else 7)
+        print(f"== restart latency ({restarts} restart(s))")
+        results["restart"] = restart_latency(repeats=restarts, quick=args.quick, log=_note)
+        _print(restart_table(results["restart"]))
     results["settings"]["seconds"] = time.monotonic() - t0
     if args.json:
         with open(args.json, "w") as f:
@@ -244,6 +259,32 @@ def waste_table(r: dict) -> tuple[str, Any]:
             f"{m['trained_per_s']:.0f}",
             _x(m.get("speed_vs_in_order", float("nan"))),
         )
+    return title, t
+
+
+def restart_table(r: dict) -> tuple[str, Any]:
+    """(title, rich table) of a `restart_latency` result."""
+    from rich.table import Table
+
+    verdict = "meets" if r["meets_target"] else "MISSES"
+    title = (
+        f"restart latency: {r['describe']}; seconds, medians of {r['repeats']}; the first "
+        f"dispatch comes {r['median']['overhead_s']:.2f} s after import torch would be done "
+        f"({verdict} the target of <= {r['target_overhead_s']:.2f} s)"
+        + ("" if r["bytecode_cache"] else "; rollkeep's modules had no .pyc cache")
+    )
+    t = Table()
+    for col in ("measure", "median", "min", "max"):
+        t.add_column(col, justify="left" if col == "measure" else "right")
+    for key, label in (
+        ("import_torch_s", "import torch: process start -> imported"),
+        ("import_torch_inprocess_s", "import torch: the import alone"),
+        ("run_started_s", "restart: process start -> run_started"),
+        ("first_dispatch_s", "restart: process start -> first dispatched after restore"),
+        ("overhead_s", "first dispatched - import torch (both from process start)"),
+        ("restore_chain_s", "restore chain (in process, read-only)"),
+    ):
+        t.add_row(label, f"{r['median'][key]:.3f}", f"{r['min'][key]:.3f}", f"{r['max'][key]:.3f}")
     return title, t
 
 

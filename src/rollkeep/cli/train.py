@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 
 HELP = """\
 Run the job CONFIG describes (default: configs/arith.yaml, the built-in arithmetic GRPO job
@@ -57,18 +58,31 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..config import load_config
-    from ..controller import train
+    # Start-up allocates long-lived objects only (modules, torch's operator tables, the
+    # config): the cyclic collector would walk them again and again for nothing, each
+    # full pass over torch's objects costing ~0.1 s. So it is paused while the heavy
+    # imports run, and what they made is then frozen out of every later collection
+    # (`gc.freeze`); it collects as usual from there on, the run itself included.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        from ..config import load_config
+        from ..controller import train
 
-    config, overrides = args.config, list(args.overrides)
-    if config is not None and "=" in config:  # `rollkeep train key=value` without a file
-        overrides.insert(0, config)
-        config = None
-    if config is None:  # the main job: the packaged configs/arith.yaml
-        from importlib.resources import files
+        config, overrides = args.config, list(args.overrides)
+        if config is not None and "=" in config:  # `rollkeep train key=value` without a file
+            overrides.insert(0, config)
+            config = None
+        if config is None:  # the main job: the packaged configs/arith.yaml
+            from importlib.resources import files
 
-        config = str(files("rollkeep") / "configs" / "arith.yaml")
-    cfg = load_config(config, overrides)
+            config = str(files("rollkeep") / "configs" / "arith.yaml")
+        cfg = load_config(config, overrides)
+        _import_backends(cfg)
+    finally:
+        gc.freeze()
+        if collecting:
+            gc.enable()
     result = train(
         cfg,
         allow_config_change=tuple(args.allow_config_change),
@@ -77,3 +91,14 @@ def run(args: argparse.Namespace) -> int:
     )
     print(result.summary())
     return result.exit_code
+
+
+def _import_backends(cfg) -> None:
+    """Import now what building the run will (torch, the built-in model's modules)."""
+    names = {cfg.engine.name, cfg.trainer.name}
+    if names & {"torch", "hf"}:
+        import torch  # noqa: F401
+    if "torch" in names:
+        from ..engines import torch_gpt  # noqa: F401
+        from ..models import sampling  # noqa: F401
+        from ..trainers import grpo  # noqa: F401

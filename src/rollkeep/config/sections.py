@@ -55,6 +55,11 @@ class GeneratedDataConfig(_Section):
     """Number of digits per operand of a generated problem."""
     eval_rows: int = Field(128, ge=0)
     """Number of held-out prompts generated for evaluation (rows)."""
+    format: Literal["plain", "padded", "reversed"] = "plain"
+    """How problems are written: `plain` "7+45=" -> "52"; `padded` operands and answer
+    zero-padded to fixed widths, "07+45=" -> "052"; `reversed` padded, with the answer's
+    digits least significant first, "07+45=" -> "250" (each digit then depends only on
+    the operand digits at and below its place, and the carry from the one before)."""
 
 
 class DataConfig(_Section):
@@ -212,6 +217,17 @@ class _GRPOSection(_TrainerSection):
 
     lr: float = Field(3e-4, gt=0.0)
     """AdamW learning rate."""
+    lr_warmup_steps: int = Field(0, ge=0)
+    """RL steps over which the learning rate rises linearly to `lr`: step k (from 1) uses
+    lr x min(1, k / lr_warmup_steps). A fresh AdamW's first updates move every weight by
+    about lr whatever its gradient, which can undo much of a warm start; 0 = `lr` from
+    the first step (the behaviour before this key)."""
+    lr_decay_steps: int = Field(0, ge=0)
+    """RL steps, counted from the end of the warmup, over which the learning rate falls
+    linearly from `lr` to `lr` x `lr_final_ratio`, where it then stays (so a run extended
+    past them keeps learning at that rate); 0 = no decay (the behaviour before this key)."""
+    lr_final_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    """Where the decay of `lr_decay_steps` ends, as a fraction of `lr`, in [0, 1]."""
     weight_decay: float = Field(0.0, ge=0.0)
     """AdamW decoupled weight decay."""
     betas: Betas = (0.9, 0.95)

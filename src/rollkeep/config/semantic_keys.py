@@ -119,6 +119,10 @@ def semantic(cfg: Config) -> dict[str, Any]:
 #: before the key existed: a checkpoint written without the key resumes under that value
 #: (and any other value is a change to name with --allow-config-change).
 ADDED_KEYS: dict[str, Any] = {
+    "data.generated.format": "plain",
+    "trainer.lr_warmup_steps": 0,
+    "trainer.lr_decay_steps": 0,
+    "trainer.lr_final_ratio": 0.1,
     "reward.fn": None,
     "trainer.scale_rewards": "group_population",
     "trainer.loss_type": "dapo",

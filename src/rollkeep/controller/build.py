@@ -35,24 +35,42 @@ class Parts:
 def build_data(cfg: Config) -> tuple[Dataset, list[dict] | None]:
     """The training dataset and the held-out eval set: `eval.path` when set, else the
     built-in task's held-out rows (None with `data.path`: a dataset has no held-out part)."""
-    if cfg.data.path is not None:
-        dataset, eval_rows = load_dataset(cfg.data.path), None
-    else:
-        gen = cfg.data.generated
-        if gen.task not in (arith.TASK, arith.TASK_PARTIAL):
-            raise ConfigError(
-                f"unknown built-in dataset task {gen.task!r}",
-                field="data.generated.task",
-                expected=f"{arith.TASK} (exact match) or {arith.TASK_PARTIAL} (partial credit)",
-                found=repr(gen.task),
-                remedy="set data.generated.task=arith or point data.path at a JSONL file",
-            )
-        rows = arith.make_rows(gen.n_rows + gen.eval_rows, digits=gen.digits, seed=cfg.seed, task=gen.task)
-        dataset, eval_rows = SequenceDataset(rows[: gen.n_rows]), rows[gen.n_rows :]
+    dataset, eval_rows = (load_dataset(cfg.data.path), None) if cfg.data.path is not None else _generated(cfg)
     if cfg.eval.path is not None:
         held_out = load_dataset(cfg.eval.path)  # refuses a missing file, a FIFO, a bad row
         eval_rows = [dict(held_out[i]) for i in range(len(held_out))]
     return dataset, eval_rows
+
+
+def _generated(cfg: Config) -> tuple[Dataset, list[dict]]:
+    gen = cfg.data.generated
+    if gen.task not in (arith.TASK, arith.TASK_PARTIAL):
+        raise ConfigError(
+            f"unknown built-in dataset task {gen.task!r}",
+            field="data.generated.task",
+            expected=f"{arith.TASK} (exact match) or {arith.TASK_PARTIAL} (partial credit)",
+            found=repr(gen.task),
+            remedy="set data.generated.task=arith or point data.path at a JSONL file",
+        )
+    # The training rows are the first n_rows of a stream of n_rows + eval_rows problems (as
+    # they always were: a run started by an older rollkeep resumes on the same rows). The
+    # held-out rows are problems that appear in no training row: greedy accuracy on them
+    # measures what the policy learned, not what it memorised.
+    rows = arith.make_rows(gen.n_rows + gen.eval_rows, digits=gen.digits, seed=cfg.seed, task=gen.task,
+                           fmt=gen.format)
+    train = rows[: gen.n_rows]
+    try:
+        held_out = arith.held_out_rows(gen.eval_rows, digits=gen.digits, seed=cfg.seed, exclude=train,
+                                       task=gen.task, fmt=gen.format)
+    except ValueError as e:
+        raise ConfigError(
+            f"the built-in dataset cannot hold out {gen.eval_rows} problems: {e}",
+            field="data.generated.eval_rows",
+            expected="at most the number of problems that no training row holds",
+            found=str(gen.eval_rows),
+            remedy="lower data.generated.eval_rows or data.generated.n_rows, or raise data.generated.digits",
+        ) from None
+    return SequenceDataset(train), held_out
 
 
 def build(cfg: Config) -> Parts:

@@ -80,7 +80,9 @@ whole batch under every `loss_type`: they describe the tokens, not the weighting
     advantage_abs_mean  mean |advantage| over the batch's completions, as trained on (after
                         the `batch` division); 0 when every group scored all its siblings
                         alike (such a batch teaches nothing)
-    lr                  the AdamW learning rate used
+    lr                  the AdamW learning rate used: `lr`, or less during the linear
+                        warmup (`lr_warmup_steps`) and the linear decay (`lr_decay_steps`,
+                        to `lr_final_ratio` x `lr`); `GRPOTrainer.step_lr` has the formula
 
 Metrics returned by `sft_step` (the supervised warm start)
 ----------------------------------------------------------
@@ -141,6 +143,7 @@ from ..core.errors import CheckpointError
 from ..core.untrusted import loads_json
 from ..models.gpt import GPT
 from ..models.tokenizer import PAD
+from .adamw import make_adamw
 from .base import Batch, check_step
 
 __all__ = ["GRPOSnapshot", "GRPOTrainer", "TorchTrainer", "grpo_loss", "token_logprobs"]
@@ -346,6 +349,9 @@ class GRPOTrainer:
         dual_clip: float | None = None,
         scale_rewards: ScaleRewards = "group_population",
         max_completion_length: int | None = None,
+        lr_warmup_steps: int = 0,
+        lr_decay_steps: int = 0,
+        lr_final_ratio: float = 0.1,
     ) -> None:
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0 to define log-probs, got {temperature}")
@@ -358,6 +364,9 @@ class GRPOTrainer:
                              f"max_new_tokens), got {max_completion_length}")
         if dual_clip is not None and not dual_clip > 1.0:
             raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
+        if lr_warmup_steps < 0 or lr_decay_steps < 0 or not 0.0 <= lr_final_ratio <= 1.0:
+            raise ValueError("lr_warmup_steps and lr_decay_steps must be >= 0 and lr_final_ratio "
+                             f"in [0, 1], got {lr_warmup_steps}, {lr_decay_steps}, {lr_final_ratio}")
         if scale_rewards not in SCALE_REWARDS:
             raise ValueError(f"unknown scale_rewards {scale_rewards!r}; expected one of "
                              f"{SCALE_REWARDS}")
@@ -365,6 +374,8 @@ class GRPOTrainer:
         self.logits_fn = logits_fn
         self.pad_id = pad_id
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
+        self.lr_warmup_steps, self.lr_decay_steps = lr_warmup_steps, lr_decay_steps
+        self.lr_final_ratio = lr_final_ratio
         self.grad_clip, self.clip_eps, self.kl_coef = grad_clip, clip_eps, kl_coef
         self.ppo_epochs, self.micro_batch_size = ppo_epochs, micro_batch_size
         self.temperature = temperature
@@ -375,16 +386,41 @@ class GRPOTrainer:
         torch.manual_seed(seed)  # dropout is the only randomness; its state is checkpointed
 
         self._params = [p for p in model.parameters() if p.requires_grad]  # ties counted once
-        self.optimizer = self._adamw(lr)
-        self._sft_optimizer: torch.optim.AdamW | None = None  # made by the first sft_step
-        self._reference: nn.Module | None = None  # made by set_reference (kl_coef > 0)
         self.rl_steps = 0
+        self.optimizer = self._adamw(lr)
+        self._set_lr()
+        self._sft_optimizer: Any = None  # made by the first sft_step
+        self._reference: nn.Module | None = None  # made by set_reference (kl_coef > 0)
         self.sft_steps = 0
 
-    def _adamw(self, lr: float) -> torch.optim.AdamW:
-        return torch.optim.AdamW(
-            self._params, lr=lr, betas=self.betas, weight_decay=self.weight_decay
-        )
+    def _adamw(self, lr: float) -> Any:
+        """AdamW: rollkeep's on the CPU (torch's arithmetic, bit for bit, without the
+        ~1 s import of torch._dynamo that any torch.optim optimizer pays), torch's
+        elsewhere (`trainers.adamw`)."""
+        return make_adamw(self._params, lr=lr, betas=self.betas, weight_decay=self.weight_decay)
+
+    def step_lr(self, step: int) -> float:
+        """The learning rate of RL step `step` (counted from 1), with W = lr_warmup_steps,
+        D = lr_decay_steps, r = lr_final_ratio:
+
+            step < W       lr x step / W                                  linear warmup
+            otherwise      lr x (1 - (1 - r) x min(1, (step - W) / D))    linear decay (D > 0)
+                           lr                                             (D = 0)
+
+        A function of the step alone, so a resumed run uses the same rates."""
+        w, d = self.lr_warmup_steps, self.lr_decay_steps
+        if w and step < w:
+            return self.lr * step / w
+        if d:
+            return self.lr * (1.0 - (1.0 - self.lr_final_ratio) * min(1.0, (step - w) / d))
+        return self.lr
+
+    def _set_lr(self) -> float:
+        """The optimizer holds the rate of the next RL step (so does a snapshot of it)."""
+        lr = self.step_lr(self.rl_steps + 1)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
 
     @property
     def device(self) -> torch.device:
@@ -436,6 +472,7 @@ class GRPOTrainer:
             ("loss", "clip_frac", "dual_clip_frac", "ratio_mean", "kl", "grad_norm"), 0.0
         )
         self.model.train()
+        lr = self._set_lr()
         for _ in range(self.ppo_epochs if n_tokens else 0):  # no tokens: nothing to learn
             self.optimizer.zero_grad(set_to_none=True)
             for mb, ref_logp in micro:
@@ -458,6 +495,7 @@ class GRPOTrainer:
             totals["grad_norm"] += grad_norm.item()
             self.optimizer.step()
         self.rl_steps += 1
+        self._set_lr()
 
         # 4. Metrics (documented in the module docstring).
         epochs = self.ppo_epochs if n_tokens else 1
@@ -465,7 +503,7 @@ class GRPOTrainer:
         metrics["tokens"] = float(n_tokens)
         metrics["reward_mean"] = sum(r.reward for r in rows) / max(1, len(rows))
         metrics["advantage_abs_mean"] = sum(abs(a) for a in advs) / max(1, len(advs))
-        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        metrics["lr"] = float(lr)
         return metrics
 
     def set_reference(self) -> None:
@@ -585,6 +623,7 @@ class GRPOTrainer:
             self._sft_optimizer = None
         torch.set_rng_state(rng["cpu"])
         self.rl_steps, self.sft_steps = meta["rl_steps"], meta["sft_steps"]
+        self._set_lr()
         self._reference = None
         if reference is not None:
             self._reference = _frozen_copy(self.model)
@@ -694,7 +733,7 @@ def _raw_bytes(t: Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
-def _optimizer_state(opt: torch.optim.Optimizer) -> OptimizerState:
+def _optimizer_state(opt: Any) -> OptimizerState:
     """Copies of an optimizer's state, params numbered as `Optimizer.state_dict` does."""
     params = [p for group in opt.param_groups for p in group["params"]]
     tensors: dict[str, Tensor] = {}
@@ -863,7 +902,7 @@ def _read_optimizers(
     return out
 
 
-def _torch_optimizer_state(opt: torch.optim.Optimizer, state: dict[int, dict[str, Any]]) -> dict:
+def _torch_optimizer_state(opt: Any, state: dict[int, dict[str, Any]]) -> dict:
     """`Optimizer.load_state_dict` input: the checkpoint's state with this optimizer's own
     param groups (hyper-parameters come from the config)."""
     groups, start = [], 0
@@ -918,6 +957,9 @@ def hyperparameters(cfg: Any) -> dict[str, Any]:
     """The GRPO settings shared by every trainer config section (torch, hf)."""
     return {
         "lr": cfg.lr,
+        "lr_warmup_steps": cfg.lr_warmup_steps,
+        "lr_decay_steps": cfg.lr_decay_steps,
+        "lr_final_ratio": cfg.lr_final_ratio,
         "weight_decay": cfg.weight_decay,
         "betas": cfg.betas,
         "grad_clip": cfg.grad_clip,
