@@ -31,6 +31,7 @@ from ..progress import RunProgress
 from ..trace import Trace
 from ..trainers import Trainer
 from .metrics import MetricsLog
+from .rundir import last_committed_in_trace
 
 
 def settings(cfg: Config) -> Settings:
@@ -80,6 +81,7 @@ def open_run(
         run_dir.mkdir(parents=True, exist_ok=True)  # `train` made it; a direct caller may not
         (run_dir / "config.yaml").write_text(dump_yaml(cfg))
     leftovers = store.cleanup_tmp()
+    redone = [] if restored is None else _steps_redone(ledger.version, run_dir / "trace.jsonl")
     trace = Trace(run_dir / "trace.jsonl")
     metrics = MetricsLog(run_dir, trace.run_id, tensorboard=cfg.logger.tensorboard)
     with open(run_dir / "config-history.jsonl", "a") as f:
@@ -100,15 +102,38 @@ def open_run(
                       f"{', '.join(abandoned['names'])} aside into {abandoned['into']}/")
     if restored is not None:
         trace.emit(Restored(checkpoint=restored.name, step=ledger.version,
-                            cut_time=restored.manifest.get("cut_time"), **counts,
+                            cut_time=restored.manifest.get("cut_time"), **counts, steps_redone=redone,
                             config_changes=[list(c) for c in restored.config_changes]))
-        lost = counts["groups_lost"]
-        progress.note(
-            f"restored {restored.name}: reuse {counts['groups_reused']} finished group(s) and "
-            f"{counts['siblings_reused']} sealed sibling(s); regenerate {counts['siblings_regenerated']} "
-            f"sibling(s); re-admit {counts['groups_readmitted']} group(s); {counts['spare_prompts']} spare"
-            + (f"; LOST {lost} group(s) in flight (recovery.mode=cursor_only)" if lost else ""))
+        progress.note(restore_banner(restored.name, counts, redone))
     return sched, trace, metrics, progress
+
+
+def restore_banner(name: str, counts: dict[str, Any], steps_redone: list[int]) -> str:
+    """The line a resumed run prints: what it reuses, which steps it trains again, and how
+    many siblings it sends out (`siblings_regenerated + siblings_pending`: the dispatches
+    the restored groups get)."""
+    again, resent, fresh = counts["siblings_regenerated"], counts["siblings_resent"], counts["siblings_pending"]
+    redo = "no step to redo"
+    if steps_redone:
+        first, last = steps_redone
+        redo = (f"redo step {first}" if first == last else f"redo steps {first}-{last}") + \
+            " (trained after the checkpoint, lost with the process)"
+    why = [f"{again - resent} in flight at the cut"] if again - resent else []
+    why += [f"{resent} waiting after an abandoned or failed attempt"] if resent else []
+    line = (f"restored {name}: {redo}; reuse {counts['groups_reused']} finished group(s) and "
+            f"{counts['siblings_reused']} sealed sibling(s); dispatch {again + fresh} sibling(s): "
+            f"{again} again" + (f" ({', '.join(why)})" if why else "") + f" and {fresh} for the first time; "
+            f"re-admit {counts['groups_readmitted']} group(s); {counts['spare_prompts']} spare")
+    if counts["groups_lost"]:
+        line += f"; LOST {counts['groups_lost']} group(s) in flight (recovery.mode=cursor_only)"
+    return line
+
+
+def _steps_redone(step: int, trace_path: Path) -> list[int]:
+    """[first, last] of the steps an earlier process trained after the restored checkpoint
+    (its commits are in the trace, its weights are gone), or [] when none was."""
+    last = last_committed_in_trace(trace_path)
+    return [step + 1, last] if last is not None and last > step else []
 
 
 def _resume_here(store: CheckpointStore, restored) -> dict[str, Any] | None:

@@ -59,6 +59,8 @@ class RestorePlan:
     siblings_reused: int  # sealed siblings of unfinished groups (SIBLING granularity)
     siblings_discarded: int  # sealed siblings of unfinished PROMPT_GROUP groups
     siblings_regenerated: int  # dispatched at the cut: abandoned and dispatched again
+    siblings_resent: int  # waiting at the cut after an earlier attempt was abandoned
+    #                       (a graceful stop), failed or evicted: dispatched again
     siblings_pending: int  # never dispatched: dispatched for the first time
     groups_readmitted: int  # RESERVED: admitted again
     spare_prompts: int
@@ -73,7 +75,9 @@ class RestorePlan:
             f"finalize    {self.groups_finalize_again} group(s) with every sibling sealed",
             f"regenerate  {self.siblings_regenerated} sibling(s) in flight at the cut, "
             f"{self.siblings_discarded} sealed sibling(s) of all-or-nothing groups",
-            f"dispatch    {self.siblings_pending} sibling(s) not yet dispatched, "
+            f"resend      {self.siblings_resent} sibling(s) waiting at the cut after an earlier "
+            f"attempt was abandoned, failed or evicted",
+            f"dispatch    {self.siblings_pending} sibling(s) never dispatched, "
             f"{self.groups_readmitted} group(s) re-admitted",
             f"source      {self.spare_prompts} spare prompt(s), then the source from "
             f"e{self.source_cursor[0]}.{self.source_cursor[1]}",
@@ -82,32 +86,34 @@ class RestorePlan:
 
 
 def plan(state: LedgerState) -> RestorePlan:
-    reused = finalize = sib_reused = sib_discarded = sib_regen = sib_pending = readmit = 0
+    reused = finalize = sib_reused = sib_discarded = sib_regen = sib_resent = sib_pending = readmit = 0
     for rec in state.groups.values():
         s = rec.state
         if s >= GroupState.READY:
             reused += 1
-        elif s >= GroupState.READY_TO_FINALIZE:
+            continue
+        if s >= GroupState.READY_TO_FINALIZE:
             finalize += 1
-        elif s == GroupState.RESERVED:
+            continue
+        if s == GroupState.RESERVED:
             readmit += 1
-            sib_pending += len(rec.status)
+        elif rec.granularity == PROMPT_GROUP_CODE:  # all-or-nothing: sealed work is redone
+            sib_discarded += rec.status.count(AttemptStatus.SEALED)
         else:
-            sealed = rec.status.count(AttemptStatus.SEALED)
-            dispatched = rec.status.count(AttemptStatus.DISPATCHED)
-            pending = rec.status.count(AttemptStatus.RESERVED)
-            if rec.granularity == PROMPT_GROUP_CODE:  # all-or-nothing: sealed work is redone
-                sib_discarded += sealed
-            else:
-                sib_reused += sealed
-            sib_regen += dispatched
-            sib_pending += pending
+            sib_reused += rec.status.count(AttemptStatus.SEALED)
+        sib_regen += rec.status.count(AttemptStatus.DISPATCHED)
+        # A waiting sibling whose attempt number is past 0 was sent out before.
+        resent = sum(1 for st, a in zip(rec.status, rec.attempts, strict=True)
+                     if st == AttemptStatus.RESERVED and a > 0)
+        sib_resent += resent
+        sib_pending += rec.status.count(AttemptStatus.RESERVED) - resent
     return RestorePlan(
         groups_reused=reused,
         groups_finalize_again=finalize,
         siblings_reused=sib_reused,
         siblings_discarded=sib_discarded,
         siblings_regenerated=sib_regen,
+        siblings_resent=sib_resent,
         siblings_pending=sib_pending,
         groups_readmitted=readmit,
         spare_prompts=len(state.spare),

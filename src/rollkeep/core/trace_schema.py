@@ -57,6 +57,8 @@ class Restored(RunEvent, tag="restored"):
     groups_lost: int
     recovery_mode: str
     config_changes: list[list[Any]] = []
+    siblings_resent: int = 0  # of siblings_regenerated: waiting after an abandoned/failed attempt
+    steps_redone: list[int] = []  # [first, last] step trained after the checkpoint, to train again
 
 
 class CheckpointPublished(RunEvent, tag="checkpoint_published"):

@@ -30,15 +30,20 @@ def lost_in_flight(ledger: Ledger) -> list[str]:
 
 
 def restored_fields(plan: RestorePlan, *, lost: int, mode: str) -> dict[str, Any]:
-    """The counts of the `restored` trace event (docs/design.md §8)."""
+    """The counts of the `restored` trace event (docs/design.md §8). The siblings the run
+    dispatches for the restored groups are `siblings_regenerated` (sent out before: in
+    flight at the cut, sealed in an all-or-nothing group, or `siblings_resent`, waiting
+    after an abandoned, failed or evicted attempt) plus `siblings_pending` (never sent)."""
     if mode == "cursor_only":  # nothing of the lost groups is reused or regenerated
         plan = dataclasses.replace(plan, groups_finalize_again=0, siblings_reused=0, siblings_discarded=0,
-                                   siblings_regenerated=0, siblings_pending=0, groups_readmitted=0)
+                                   siblings_regenerated=0, siblings_resent=0, siblings_pending=0,
+                                   groups_readmitted=0)
     return {
         "groups_reused": plan.groups_reused,
         "groups_finalize_again": plan.groups_finalize_again,
         "siblings_reused": plan.siblings_reused,
-        "siblings_regenerated": plan.siblings_regenerated + plan.siblings_discarded,
+        "siblings_regenerated": plan.siblings_regenerated + plan.siblings_discarded + plan.siblings_resent,
+        "siblings_resent": plan.siblings_resent,
         "siblings_pending": plan.siblings_pending,
         "groups_readmitted": plan.groups_readmitted,
         "spare_prompts": plan.spare_prompts,
