@@ -11,8 +11,12 @@ The trace is data: tests and `rollkeep trace` read it, nothing parses log text.
 
 from __future__ import annotations
 
+import mmap
+import os
+import stat
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -23,7 +27,7 @@ from .core.events import Event
 from .core.trace_schema import FLUSH_NOW, RunEvent
 from .core.untrusted import end_torn_line, loads_json, open_append, read_regular
 
-__all__ = ["FLUSH_NOW", "Trace", "read_trace"]
+__all__ = ["FLUSH_NOW", "Trace", "event_lines", "read_trace", "scan_trace"]
 
 _json = msgspec.json.Encoder()
 
@@ -97,3 +101,45 @@ def read_trace(path: Path) -> tuple[list[dict[str, Any]], int]:
         else:
             torn += 1
     return out, torn
+
+
+def scan_trace(path: Path, search: Callable[[mmap.mmap | None], Any]) -> Any:
+    """`search(m)` over the trace's bytes, memory-mapped: for the few lines a start-up or
+    an end-of-run summary needs, found by a byte search instead of parsing the whole
+    trace. `m` is None for an empty file or one that is not regular (a FIFO is never waited
+    on); None without a trace. Raises FilesystemError if it cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise FilesystemError.of(e, "reading the trace", path) from None
+    try:
+        st = os.fstat(fd)
+        if st.st_size == 0 or not stat.S_ISREG(st.st_mode):
+            return search(None)
+        with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as m:
+            return search(m)
+    finally:
+        os.close(fd)
+
+
+def event_lines(m: mmap.mmap | None, event: str, *, reverse: bool = False) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(offset, line) of each readable line of `event` in a mapped trace, in file order
+    or from the end; a torn or damaged line is passed over. (The tag's bytes cannot occur
+    inside another line's string field: JSON escapes the quotes.)"""
+    if m is None:
+        return
+    tag = b'"event":"%s"' % event.encode()
+    at = m.rfind(tag) if reverse else m.find(tag)
+    while at >= 0:
+        start = m.rfind(b"\n", 0, at) + 1
+        stop = m.find(b"\n", at)
+        stop = len(m) if stop < 0 else stop
+        try:
+            obj = loads_json(m[start:stop], strict=False)
+        except ValueError:
+            obj = None
+        if isinstance(obj, dict) and obj.get("event") == event:
+            yield start, obj
+        at = m.rfind(tag, 0, start) if reverse else m.find(tag, stop)

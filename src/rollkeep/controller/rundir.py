@@ -16,24 +16,19 @@ restores, and refuses to start over durable work:
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import mmap
 import os
-import stat
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-import msgspec
 
 from ..core.errors import CheckpointNotFound, FilesystemError, UserInputError
 from ..core.store import CheckpointStore
 from ..core.trace_schema import CHECKPOINT_PUBLISHED, STEP_COMMITTED
+from ..trace import event_lines, scan_trace
 
 _PUBLISHED = b'"event":"%s"' % CHECKPOINT_PUBLISHED.encode()
-_COMMITTED = b'"event":"%s"' % STEP_COMMITTED.encode()
 
 
 class RunDir:
@@ -161,46 +156,13 @@ def published_in_trace(trace_path: Path) -> int | None:
             at = m.find(_PUBLISHED, at + 1)
         return n
 
-    return _search_trace(trace_path, count)
+    return scan_trace(trace_path, count)
 
 
 def last_committed_in_trace(trace_path: Path) -> int | None:
     """The step of the trace's last readable `step_committed` line (None if it has none):
-    the newest step an earlier process trained. A search backwards from the end, so a long
-    trace costs the bytes after its last commit, not its size; a torn or foreign line is
-    passed over."""
-
-    def last(m: mmap.mmap | None) -> int | None:
-        end = -1 if m is None else m.rfind(_COMMITTED)
-        while end >= 0:
-            start = m.rfind(b"\n", 0, end) + 1
-            stop = m.find(b"\n", end)
-            with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
-                return msgspec.json.decode(m[start:stop if stop >= 0 else len(m)], type=_Committed).step
-            end = m.rfind(_COMMITTED, 0, start)
-        return None
-
-    return _search_trace(trace_path, last)
-
-
-class _Committed(msgspec.Struct):
-    step: int
-
-
-def _search_trace(trace_path: Path, search: Callable[[mmap.mmap | None], Any]) -> Any:
-    """`search(m)` over the trace's bytes, memory-mapped (None for an empty file or one that
-    is not regular: a FIFO is never waited on); None without a trace."""
-    try:
-        fd = os.open(trace_path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        raise FilesystemError.of(e, "reading the trace", trace_path) from None
-    try:
-        st = os.fstat(fd)
-        if st.st_size == 0 or not stat.S_ISREG(st.st_mode):
-            return search(None)
-        with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as m:
-            return search(m)
-    finally:
-        os.close(fd)
+    the newest step an earlier process trained. Searched backwards from the end, so a long
+    trace costs the bytes after its last commit, not its size."""
+    return scan_trace(trace_path, lambda m: next(
+        (line["step"] for _, line in event_lines(m, STEP_COMMITTED, reverse=True)
+         if type(line.get("step")) is int), None))
