@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import deque
 from typing import Any
 
 
@@ -18,6 +19,39 @@ def _fmt(fields: dict[str, Any]) -> str:
     return "  ".join(parts)
 
 
+class Eta:
+    """Time left to `total_steps` at the pace of the last `window` steps of this process
+    (a resumed run does not count the steps it restored; an eval or a slow start falls out
+    of the window). The clock is an argument, so the arithmetic is testable without one."""
+
+    def __init__(self, total_steps: int, *, window: int = 20) -> None:
+        self.total_steps = total_steps
+        self._seen: deque[tuple[int, float]] = deque(maxlen=window + 1)
+
+    def update(self, step: int, now: float) -> float | None:
+        """Seconds left after `step` committed at `now`; None until two steps were seen."""
+        self._seen.append((step, now))
+        (s0, t0), (s1, t1) = self._seen[0], self._seen[-1]
+        if s1 <= s0:
+            return None
+        return max(0, self.total_steps - s1) * (t1 - t0) / (s1 - s0)
+
+
+def duration(seconds: float) -> str:
+    """3.2 s, 4m05s, 1h02m."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    m, s = divmod(int(round(seconds)), 60)
+    if m < 60:
+        return f"{m}m{s:02d}s"
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m"
+
+
+def eta_text(seconds: float | None) -> str:
+    return "?" if seconds is None else duration(seconds)
+
+
 class RunProgress:
     """`mode`: "bar", "lines", "none" or "auto" (a bar on a terminal, lines otherwise)."""
 
@@ -26,6 +60,7 @@ class RunProgress:
             mode = "bar" if sys.stdout.isatty() else "lines"
         self.mode = mode
         self._last_line = 0.0
+        self._eta = Eta(total_steps)
         self._bar: Any = None  # a rich Progress in bar mode
         if mode == "bar":
             from rich.console import Console
@@ -42,21 +77,24 @@ class RunProgress:
                 MofNCompleteColumn(),
                 BarColumn(),
                 TimeElapsedColumn(),
+                TextColumn("eta {task.fields[eta]}"),
                 TextColumn("{task.fields[info]}"),
                 console=Console(stderr=False, highlight=False),
                 transient=False,
             )
-            self._task = self._bar.add_task("train", total=total_steps, completed=start_step, info="")
+            self._task = self._bar.add_task("train", total=total_steps, completed=start_step, info="",
+                                          eta=eta_text(None))
             self._bar.start()
 
     def step(self, step: int, fields: dict[str, Any]) -> None:
+        now = time.monotonic()
+        eta = eta_text(self._eta.update(step, now))
         if self._bar is not None:
-            self._bar.update(self._task, completed=step, info=_fmt(fields))
+            self._bar.update(self._task, completed=step, info=_fmt(fields), eta=eta)
         elif self.mode == "lines":
-            now = time.monotonic()
             if now - self._last_line >= 1.0:  # at most a line a second
                 self._last_line = now
-                print(f"step {step}  {_fmt(fields)}", flush=True)
+                print(f"step {step}/{self._eta.total_steps}  eta {eta}  {_fmt(fields)}", flush=True)
 
     def note(self, line: str) -> None:
         if self.mode == "none":

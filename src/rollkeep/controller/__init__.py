@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 from ..config import Config, check_allowed_changes
 from ..core.errors import FilesystemError, RollkeepError
 from ..core.store import CheckpointStore
+from ..progress import duration
 from ..tasks import use_rewards
 from .build import Parts, build
 from .metrics import for_run
@@ -68,15 +70,20 @@ def _run(cfg: Config, parts: Parts, *, allow_config_change: tuple[str, ...], all
                 on_step=on_step,
                 evaluator=parts.evaluator,
             )
+            warmup_seconds = 0.0
             if start is None:  # once RL has a checkpoint, the trainer state comes from it
+                t0 = time.perf_counter()
                 step, stopped_by = run_warmup(
                     cfg, dataset=parts.dataset, trainer=parts.trainer, tokenizer=parts.tokenizer,
                     log=lambda line: print(line, flush=True) if cfg.logger.progress != "none" else None)
+                warmup_seconds = time.perf_counter() - t0 if cfg.warmup.sft_steps else 0.0
                 if stopped_by is not None:
                     return RunResult(step, parts.trainer.weights_sha256(), "signal", signal=stopped_by,
-                                     checkpoint=f"warmup/checkpoints/step_{step}", phase="warmup")
+                                     checkpoint=f"warmup/checkpoints/step_{step}", phase="warmup",
+                                     details=(f"  warm start  {step} of {cfg.warmup.sft_steps} steps; this "
+                                              f"process ran it for {duration(warmup_seconds)}",))
             try:
-                return asyncio.run(runner.run())
+                return asyncio.run(runner.run(warmup_seconds=warmup_seconds))
             except BaseExceptionGroup as group:
                 raise _primary(group) from group
     except OSError as e:

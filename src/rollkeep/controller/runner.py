@@ -58,6 +58,7 @@ from ..trainers import Trainer
 from ..version import rollkeep_version
 from .metrics import MetricsLog, progress_fields, step_record
 from .startup import open_run
+from .summary import restarts_in_trace, summary_lines
 
 for _ev in ALL_EVENTS:
     crashpoints.register("ledger." + event_name(_ev))
@@ -73,6 +74,7 @@ class RunResult:
     signal: str | None = None  # "SIGTERM" / "SIGINT" for a graceful stop
     checkpoint: str | None = None  # what a rerun resumes from (LATEST when the run ended)
     phase: str = "rl"  # "warmup" when a signal stopped the warm start
+    details: tuple[str, ...] = ()  # the summary's lines under the first (`summary.summary_lines`)
 
     @property
     def exit_code(self) -> int:
@@ -81,6 +83,9 @@ class RunResult:
         return 128 + signal.Signals[self.signal] if self.signal else 0
 
     def summary(self) -> str:
+        return "\n".join((self._headline(), *self.details))
+
+    def _headline(self) -> str:
         if self.signal is None:
             return f"done: step {self.step} ({self.reason}), weights_sha256 {self.weights_sha256}"
         if self.phase == "warmup":
@@ -116,6 +121,7 @@ class Runner:
         self._tg: asyncio.TaskGroup | None = None
         self._t_start = self._last_step = time.perf_counter()
         self._last_eval: dict[str, float] = {}
+        self._last_eval_step: int | None = None
         self._signal: str | None = None  # the signal that stopped the run gracefully
 
     # ================================================================== start
@@ -130,21 +136,30 @@ class Runner:
 
     # ================================================================== drive
 
-    async def run(self) -> RunResult:
+    async def run(self, *, warmup_seconds: float = 0.0) -> RunResult:
+        """Run to the end; `warmup_seconds`, the warm start's time in this process, goes
+        into the summary."""
         loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
         try:
             self._start()
+            first_step = self.sched.version
             for sig in (signal.SIGINT, signal.SIGTERM):
                 with contextlib.suppress(NotImplementedError, RuntimeError):
                     loop.add_signal_handler(sig, self._on_signal, sig)
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
                 reason = await self._drive(loop)
-            result = RunResult(self.sched.version, self.trainer.weights_sha256(), reason.value,
-                               signal=self._signal, checkpoint=self.store.latest())
-            self.trace.emit(RunFinished(step=result.step, weights_sha256=result.weights_sha256,
-                                        reason=result.reason))
-            return result
+            step, sha = self.sched.version, self.trainer.weights_sha256()
+            self.trace.emit(RunFinished(step=step, weights_sha256=sha, reason=reason.value))
+            counts = self.sched.counts()
+            details = summary_lines(
+                step=step, total_steps=self.cfg.train.total_steps, first_step=first_step,
+                rl_seconds=time.perf_counter() - t0, warmup_seconds=warmup_seconds, final_eval=self._last_eval,
+                eval_step=self._last_eval_step, trained=counts["trained"], dropped=counts["dropped"],
+                restarts=restarts_in_trace(self.trace.path), now=time.time(), run_dir=str(self.run_dir))
+            return RunResult(step, sha, reason.value, signal=self._signal, checkpoint=self.store.latest(),
+                             details=tuple(details))
         except BaseException as e:
             self._trace_failure(e)
             raise
@@ -239,7 +254,7 @@ class Runner:
         if self.evaluator is not None and every and version % every == 0:
             t0 = time.perf_counter()
             result = await asyncio.to_thread(self.evaluator.evaluate, self.trainer.weights())
-            self._last_eval = result
+            self._last_eval, self._last_eval_step = result, version
             self._metrics.write(version, {**result, "eval/seconds": time.perf_counter() - t0})
             self.trace.emit(Eval(step=version, accuracy=result["eval/accuracy"],
                                  reward_mean=result["eval/reward_mean"]))

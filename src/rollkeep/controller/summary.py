@@ -1,0 +1,109 @@
+"""The end of a run in a few lines: steps, wall time, the final eval, prompts trained and
+dropped, and the restarts of the run directory with what they cost.
+
+The restarts come from the trace by a byte search for its few `run_started` and
+`restored` lines (`rollkeep.trace.scan_trace`), so the summary costs milliseconds however
+long the run was; `rollkeep report RUN_DIR` measures each restart's cost in full (tokens
+thrown away, generation time lost).
+"""
+
+from __future__ import annotations
+
+import mmap
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..core.trace_schema import RESTORED, RUN_STARTED
+from ..core.untrusted import loads_json
+from ..progress import duration
+from ..trace import event_lines, scan_trace
+
+
+@dataclass(frozen=True)
+class Restarts:
+    """What the trace says about the processes of a run directory (warm-start-only
+    processes write no trace lines and are not counted)."""
+
+    count: int = 0  # processes after the first
+    steps_redone: int = 0  # steps trained again (committed after the checkpoint a restart restored)
+    siblings_regenerated: int = 0  # siblings sent out again for restored groups
+    groups_lost: int = 0  # recovery.mode=cursor_only: groups in flight a restart dropped
+    down_seconds: float = 0.0  # from each process's last trace line to the next one's start
+    first_t: float | None = None  # when the first process started
+
+
+def restarts_in_trace(trace_path: Path) -> Restarts:
+    return scan_trace(trace_path, _restarts) or Restarts()
+
+
+def _restarts(m: mmap.mmap | None) -> Restarts:
+    starts = list(event_lines(m, RUN_STARTED))
+    if not starts:
+        return Restarts()
+    down = 0.0
+    for offset, line in starts[1:]:
+        before = _line_before(m, offset)
+        if before is not None and isinstance(line.get("t"), (int, float)):
+            down += max(0.0, line["t"] - before)
+    redone = regenerated = lost = 0
+    for _, r in event_lines(m, RESTORED):
+        span = r.get("steps_redone") or []
+        if len(span) == 2 and all(type(s) is int for s in span):
+            redone += span[1] - span[0] + 1
+        regenerated += _int(r.get("siblings_regenerated"))
+        lost += _int(r.get("groups_lost"))
+    first_t = starts[0][1].get("t")
+    return Restarts(count=len(starts) - 1, steps_redone=redone, siblings_regenerated=regenerated,
+                    groups_lost=lost, down_seconds=down,
+                    first_t=first_t if isinstance(first_t, (int, float)) else None)
+
+
+def _line_before(m: mmap.mmap, offset: int, *, tries: int = 8) -> float | None:
+    """`t` of the last readable line before `offset` (the previous process's last event;
+    a line it tore when it was killed is passed over)."""
+    end = offset - 1
+    for _ in range(tries):
+        if end <= 0:
+            return None
+        start = m.rfind(b"\n", 0, end) + 1
+        try:
+            obj = loads_json(m[start:end], strict=False)
+        except ValueError:
+            obj = None
+        if isinstance(obj, dict) and isinstance(obj.get("t"), (int, float)):
+            return float(obj["t"])
+        end = start - 1
+    return None
+
+
+def _int(v: Any) -> int:
+    return v if type(v) is int else 0
+
+
+def summary_lines(*, step: int, total_steps: int, first_step: int, rl_seconds: float, warmup_seconds: float,
+                  final_eval: dict[str, float], eval_step: int | None, trained: int, dropped: int,
+                  restarts: Restarts, now: float, run_dir: str) -> list[str]:
+    """The lines under `done: ...` / `stopped at ...` (indented, one fact each)."""
+    this = (f"trained {first_step + 1}-{step}" if step > first_step else "trained no step") + \
+        f" in {duration(rl_seconds)}"
+    if warmup_seconds:
+        this += f" (+ {duration(warmup_seconds)} warm start)"
+    lines = [f"  steps       {step} of {total_steps}; this process {this}"]
+    if final_eval:
+        lines.append(f"  final eval  step {eval_step}: "
+                     + ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in final_eval.items()))
+    lines.append(f"  prompts     {trained} trained, {dropped} dropped")
+    if restarts.count:
+        cost = [f"{restarts.steps_redone} step(s) trained again",
+                f"{restarts.siblings_regenerated} sibling(s) generated again",
+                f"{duration(restarts.down_seconds)} down between processes"]
+        if restarts.groups_lost:
+            cost.append(f"{restarts.groups_lost} group(s) LOST (recovery.mode=cursor_only)")
+        lines.append(f"  restarts    {restarts.count}: " + ", ".join(cost)
+                     + f"; `rollkeep report {run_dir}` itemizes them")
+        if restarts.first_t is not None:
+            lines.append(f"  wall time   {duration(now - restarts.first_t)} since the first start")
+    else:
+        lines.append("  restarts    none")
+    return lines
