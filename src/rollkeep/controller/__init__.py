@@ -13,8 +13,9 @@ from ..config import Config, check_allowed_changes
 from ..core.errors import FilesystemError, RollkeepError
 from ..core.store import CheckpointStore
 from ..tasks import use_rewards
+from ..trace import new_run_id
 from .build import Parts, build
-from .metrics import for_run
+from .metrics import MetricsLog, for_run
 from .rundir import RunDir, published_in_trace, start_point
 from .runner import Runner, RunResult
 from .warmup import run_warmup
@@ -71,7 +72,11 @@ def _run(cfg: Config, parts: Parts, *, allow_config_change: tuple[str, ...], all
             if start is None:  # once RL has a checkpoint, the trainer state comes from it
                 step, stopped_by = run_warmup(
                     cfg, dataset=parts.dataset, trainer=parts.trainer, tokenizer=parts.tokenizer,
-                    log=lambda line: print(line, flush=True) if cfg.logger.progress != "none" else None)
+                    log=lambda line: print(line, flush=True) if cfg.logger.progress != "none" else None,
+                    # the run's metrics, W&B run included, under a run_id of the warm start's own
+                    # (the trace, which names the RL phase's, opens only once RL starts)
+                    metrics=lambda: MetricsLog(run_dir, new_run_id(), tensorboard=cfg.logger.tensorboard,
+                                               logger=cfg.logger, config=cfg.to_dict()))
                 if stopped_by is not None:
                     return RunResult(step, parts.trainer.weights_sha256(), "signal", signal=stopped_by,
                                      checkpoint=f"warmup/checkpoints/step_{step}", phase="warmup")

@@ -56,7 +56,7 @@ from ..tasks import reward_fn
 from ..trace import Trace
 from ..trainers import Trainer
 from ..version import rollkeep_version
-from .metrics import MetricsLog, progress_fields, step_record
+from .metrics import MetricsLog, Throughput, progress_fields, step_record
 from .startup import open_run
 
 for _ev in ALL_EVENTS:
@@ -114,7 +114,9 @@ class Runner:
         self._wake = asyncio.Event()
         self._tasks: dict[tuple[str, int, int], asyncio.Task] = {}
         self._tg: asyncio.TaskGroup | None = None
+        # The RL clocks start in `_start`, after the warm start and the restore (reset there).
         self._t_start = self._last_step = time.perf_counter()
+        self._throughput: Throughput | None = None
         self._last_eval: dict[str, float] = {}
         self._signal: str | None = None  # the signal that stopped the run gracefully
 
@@ -127,6 +129,9 @@ class Runner:
                           allow_dataset_change=self.allow_dataset_change)
         self.sched, self.trace, self._metrics, self._progress = opened
         self.sched.subscribe(_crash_point)
+        # The RL loop starts now: step 1's `step_seconds` and the throughput count from here.
+        self._t_start = self._last_step = time.perf_counter()
+        self._throughput = Throughput(self._t_start, self.sched.tokens_generated)
 
     # ================================================================== drive
 
@@ -224,7 +229,7 @@ class Runner:
         self.sched.on_trained(cmd.step)
         now = time.perf_counter()
         record = step_record(cmd.batch, metrics, train_seconds=now - t0, step_seconds=now - self._last_step,
-                             generated_per_s=self.sched.tokens_generated / max(1e-9, now - self._t_start),
+                             generated_per_s=self._throughput.step(now, self.sched.tokens_generated),
                              counts=self.sched.counts())
         self._last_step = now
         self._metrics.write(cmd.step, record)
@@ -239,11 +244,13 @@ class Runner:
         if self.evaluator is not None and every and version % every == 0:
             t0 = time.perf_counter()
             result = await asyncio.to_thread(self.evaluator.evaluate, self.trainer.weights())
-            self._last_eval = result
-            self._metrics.write(version, {**result, "eval/seconds": time.perf_counter() - t0})
-            self.trace.emit(Eval(step=version, accuracy=result["eval/accuracy"],
-                                 reward_mean=result["eval/reward_mean"]))
-            self._progress.note(f"eval at step {version}: " + ", ".join(f"{k} {v:.3f}" for k, v in result.items()))
+            self._last_eval = result.metrics
+            self._metrics.write(version, {**result.metrics, "eval/seconds": time.perf_counter() - t0})
+            self._metrics.write_samples(version, result.samples)  # samples.jsonl: text stays out of metrics
+            self.trace.emit(Eval(step=version, accuracy=result.metrics["eval/accuracy"],
+                                 reward_mean=result.metrics["eval/reward_mean"]))
+            self._progress.note(f"eval at step {version}: "
+                                + ", ".join(f"{k} {v:.3f}" for k, v in result.metrics.items()))
         self.sched.on_refit(version)
         self._wake.set()
 
