@@ -56,7 +56,7 @@ def test_defaults_load_with_the_documented_values():
     assert cfg.checkpoint.every_steps == 5 and cfg.checkpoint.keep_last == 3
     assert cfg.sampler.name == "in_order" and cfg.sampler.window == 1
     assert cfg.max_inflight_prompts is None and cfg.max_buffered_rollouts is None
-    assert cfg.eval.every_steps == 10 and cfg.eval.n_rows is None
+    assert cfg.eval.every_steps == 10 and cfg.eval.n_rows is None and cfg.eval.num_samples == 4
     assert cfg.warmup.sft_steps == 0 and cfg.logger.progress == "auto"
 
 
@@ -268,6 +268,7 @@ def test_wrong_types_are_refused(override, field, fragment):
         ("train.total_steps=0", "train.total_steps", ">= 1"),
         ("checkpoint.keep_last=0", "checkpoint.keep_last", ">= 1"),
         ("eval.every_steps=-1", "eval.every_steps", ">= 0"),
+        ("eval.num_samples=-1", "eval.num_samples", ">= 0"),
         ("sampler.max_lookahead_versions=-1", "sampler.max_lookahead_versions", ">= 0"),
         ("rollout.min_step_batch_fraction=0", "rollout.min_step_batch_fraction", "> 0.0"),
         ("rollout.spare_prompts=-1", "rollout.spare_prompts", ">= 0"),
@@ -516,6 +517,7 @@ def test_semantic_keys(path):
         "max_inflight_prompts",
         "max_buffered_rollouts",
         "eval.every_steps",
+        "eval.num_samples",
         "logger.progress",
         "rollout.max_infra_attempts",
         "rollout.backoff_ms",
@@ -541,6 +543,7 @@ def test_non_semantic_keys(path):
         "run_dir=elsewhere",
         "max_inflight_prompts=4",
         "eval.every_steps=0",
+        "eval.num_samples=0",
         "logger.tensorboard=true",
         "rollout.max_infra_attempts=9",
         "trainer.step_sleep_ms=3",

@@ -76,10 +76,19 @@ def test_a_signal_in_the_warm_start_checkpoints_it_and_exits_128_plus_signal(tmp
 
 
 def test_metrics_and_eval_are_logged(tmp_path) -> None:
+    import math
+
+    from rollkeep.report import analyse
+
     cfg = config(tmp_path / "run", *TINY, "eval.every_steps=4", "data.generated.eval_rows=16",
                  "logger.tensorboard=true")
     run_to_end(cfg)
-    records = [json.loads(line) for line in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    run = Path(cfg.run_dir)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    # metrics.jsonl stays numbers: every value but `run_id` (a number, not a bool)
+    assert all(isinstance(v, (int, float)) and not isinstance(v, bool)
+               for r in records for k, v in r.items() if k != "run_id")
+    warm = [r for r in records if "warmup/step" in r]
     steps = [r for r in records if "reward_mean" in r]
     evals = [r for r in records if "eval/accuracy" in r]
     assert [r["step"] for r in steps] == list(range(1, 9))
@@ -88,7 +97,34 @@ def test_metrics_and_eval_are_logged(tmp_path) -> None:
     assert [r["step"] for r in evals] == [0, 4, 8]
     assert all(0.0 <= r["eval/accuracy"] <= 1.0 for r in evals)
     assert any(e["event"] == "eval" for e in trace_lines(cfg))
-    assert list((Path(cfg.run_dir) / "tensorboard").glob("events.out.tfevents.*"))
+    # One TensorBoard event file for the warm start and one for RL (not one overwriting the other).
+    assert len(list((run / "tensorboard").glob("events.out.tfevents.*"))) == 2
+
+    # The warm start: one line per step, on its own lines (step 0) under its own run_id.
+    assert [r["warmup/step"] for r in warm] == list(range(1, 21)) and {r["step"] for r in warm} == {0}
+    assert all(math.isfinite(r["warmup/loss"]) and r["warmup/loss"] > 0 for r in warm)
+    assert len({r["run_id"] for r in warm}) == 1 and warm[0]["run_id"] != steps[0]["run_id"]
+    # Step 1's clock starts after the warm start ended, so its step time leaves it out.
+    assert steps[0]["t"] - steps[0]["step_seconds"] >= warm[-1]["t"]
+    assert warm[-1]["warmup/seconds"] >= warm[0]["warmup/seconds"] > 0
+
+    # Response lengths: completion tokens per sibling, at most engine.max_new_tokens (4).
+    for r in steps:
+        assert 0 <= r["response_length/min"] <= r["response_length/mean"] <= r["response_length/max"] <= 4
+        assert 0.0 <= r["response_length/clip_ratio"] <= 1.0
+        assert r["tokens_generated_per_s"] > 0 and r["tokens_generated_per_s_run"] > 0
+
+    # Samples: eval.num_samples (4) per eval, the same prompts each time, at the eval's step.
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [0, 4, 8]
+    assert all(len(s["samples"]) == 4 and s["run_id"] == steps[0]["run_id"] for s in samples)
+    assert len({tuple(x["prompt"] for x in s["samples"]) for s in samples}) == 1
+    assert all({"prompt", "completion", "reward", "answer"} == x.keys() and isinstance(x["answer"], str)
+               for s in samples for x in s["samples"])
+
+    # The report takes no warm-start line for a step.
+    report = analyse(run)
+    assert [s.step for s in report.steps] == list(range(1, 9)) and len(report.custody) == 8
 
 
 # The CI-sized learning test: the default job (reversed-digit answers, lr warmup), with a

@@ -37,6 +37,7 @@ def fake_wandb(monkeypatch) -> list:
     module = types.ModuleType("wandb")
     module.init = lambda **kw: FakeRun(calls, **kw)
     module.teardown = lambda: calls.append(("teardown",))
+    module.Table = lambda columns, data: ("table", tuple(columns), data)
     monkeypatch.setitem(sys.modules, "wandb", module)
     return calls
 
@@ -62,6 +63,33 @@ def test_metrics_go_to_one_wandb_run_that_a_resumed_run_continues(tmp_path, fake
     [again] = [c[1] for c in fake_wandb if c[0] == "init"]
     assert again["id"] == kept and again["name"] == "run"  # default name: the run_dir's
     assert [c[1]["step"] for c in fake_wandb if c[0] == "log"] == [5, 6]
+
+
+TORCH = ["engine.name=torch", "trainer.name=torch", "engine.max_new_tokens=4", "trainer.model.n_layer=1",
+         "trainer.model.n_head=2", "trainer.model.n_embd=32", "trainer.model.block_size=16",
+         "data.generated.n_rows=32", "data.generated.eval_rows=8"]
+
+
+def test_the_warm_start_and_the_eval_samples_log_into_the_same_wandb_run(tmp_path, fake_wandb) -> None:
+    cfg = config(tmp_path / "run", *TORCH, "warmup.sft_steps=3", "warmup.sft_batch_size=4",
+                 "train.total_steps=2", "eval.every_steps=2", "eval.num_samples=2", "logger.wandb=true")
+    train(cfg)
+    kept = (tmp_path / "run" / WANDB_ID_FILE).read_text().strip()
+    inits = [c[1] for c in fake_wandb if c[0] == "init"]
+    assert [(i["id"], i["resume"]) for i in inits] == [(kept, "allow")] * 2  # warm start, then RL: one W&B run
+    assert [c for c in fake_wandb if c[0] in ("finish", "teardown")] == [("finish",), ("teardown",)] * 2
+    # The warm start's keys plot against warmup/step, each by name (wandb picks any one
+    # matching glob, and `*` matches them too).
+    assert ("define_metric", "warmup/*", {"step_metric": "warmup/step"}) in fake_wandb
+    assert ("define_metric", "warmup/loss", {"step_metric": "warmup/step"}) in fake_wandb
+    logged = [c[1] for c in fake_wandb if c[0] == "log"]
+    warm = [d for d in logged if "warmup/step" in d]
+    assert [d["warmup/step"] for d in warm] == [1, 2, 3] and not any("step" in d for d in warm)
+    assert all({"warmup/loss", "warmup/seconds"} <= d.keys() for d in warm)
+    tables = [(d["step"], d["eval/samples"]) for d in logged if "eval/samples" in d]
+    assert [step for step, _ in tables] == [0, 2]
+    assert all(t[1] == ("prompt", "completion", "reward", "answer") and len(t[2]) == 2 for _, t in tables)
+    assert [d["step"] for d in logged if "reward_mean" in d] == [1, 2]
 
 
 def test_without_logger_wandb_nothing_is_sent(tmp_path, fake_wandb) -> None:

@@ -187,6 +187,20 @@ def test_lineage_steps_and_group_completion(run_dir: Path) -> None:
     assert rep.duplicates == []
 
 
+def test_warm_start_lines_are_not_taken_for_steps(run_dir: Path) -> None:
+    """The warm start logs into metrics.jsonl before RL (`step` 0 with `warmup/step`); the
+    report's steps and custody are those of the RL step lines only."""
+    before = analyse(run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    warm = [json.dumps({"t": 100.0 + k / 10, "run_id": "runA", "step": 0, "warmup/step": k,
+                        "warmup/loss": 2.0 / k, "warmup/seconds": k / 10, "warmup/tokens": 30.0})
+            for k in range(1, 4)]
+    metrics.write_text("\n".join(warm) + "\n" + metrics.read_text())
+    after = analyse(run_dir)
+    assert after.steps == before.steps and after.custody == before.custody
+    assert [s.step for s in after.steps] == [1, 2, 3] and after.torn_metrics_lines == 1
+
+
 def test_a_trace_being_written(run_dir: Path, tmp_path: Path) -> None:
     live = tmp_path / "live"
     live.mkdir()

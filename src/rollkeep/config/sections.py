@@ -382,6 +382,9 @@ class EvalConfig(_Section):
     """Evaluate every this many committed steps; 0 = never."""
     n_rows: int | None = Field(None, ge=1)
     """Eval prompts used per evaluation (rows); null = all of the eval set."""
+    num_samples: int = Field(4, ge=0)
+    """Sample completions kept per evaluation (the first this many eval rows: the same
+    prompts every time), in RUN_DIR/samples.jsonl and as TensorBoard text; 0 = none."""
     path: str | None = None
     """A held-out JSONL (or Parquet) dataset to evaluate on, read like `data.path` (`prompt`
     required, `task` optional, other fields go to the reward function); null = the built-in

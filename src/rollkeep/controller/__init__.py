@@ -15,8 +15,9 @@ from ..core.errors import FilesystemError, RollkeepError
 from ..core.store import CheckpointStore
 from ..progress import duration
 from ..tasks import use_rewards
+from ..trace import new_run_id
 from .build import Parts, build
-from .metrics import for_run
+from .metrics import MetricsLog, for_run
 from .rundir import RunDir, published_in_trace, start_point
 from .runner import Runner, RunResult
 from .warmup import run_warmup
@@ -75,7 +76,11 @@ def _run(cfg: Config, parts: Parts, *, allow_config_change: tuple[str, ...], all
                 t0 = time.perf_counter()
                 step, stopped_by = run_warmup(
                     cfg, dataset=parts.dataset, trainer=parts.trainer, tokenizer=parts.tokenizer,
-                    log=lambda line: print(line, flush=True) if cfg.logger.progress != "none" else None)
+                    log=lambda line: print(line, flush=True) if cfg.logger.progress != "none" else None,
+                    # the run's metrics, W&B run included, under a run_id of the warm start's own
+                    # (the trace, which names the RL phase's, opens only once RL starts)
+                    metrics=lambda: MetricsLog(run_dir, new_run_id(), tensorboard=cfg.logger.tensorboard,
+                                               logger=cfg.logger, config=cfg.to_dict()))
                 warmup_seconds = time.perf_counter() - t0 if cfg.warmup.sft_steps else 0.0
                 if stopped_by is not None:
                     return RunResult(step, parts.trainer.weights_sha256(), "signal", signal=stopped_by,

@@ -147,7 +147,8 @@ def _build_torch(cfg: Config, dataset: Dataset, source: PromptSource, eval_rows)
     evaluator = None
     if eval_rows and cfg.eval.every_steps:
         rows = eval_rows[: cfg.eval.n_rows] if cfg.eval.n_rows else eval_rows
-        evaluator = Evaluator(rows, model=model, tokenizer=tokenizer, max_new_tokens=e.max_new_tokens)
+        evaluator = Evaluator(rows, model=model, tokenizer=tokenizer, max_new_tokens=e.max_new_tokens,
+                              num_samples=cfg.eval.num_samples)
     return Parts(dataset, source, eval_rows, engine, trainer, tokenizer, evaluator)
 
 
@@ -171,7 +172,7 @@ def _build_hf(cfg: Config, dataset: Dataset, source: PromptSource, eval_rows) ->
         rows = eval_rows[: cfg.eval.n_rows] if cfg.eval.n_rows else eval_rows
         chat = cfg.engine.name == "hf" and cfg.engine.chat_template
         evaluator = Evaluator(rows, model=trainer.model, tokenizer=trainer.tokenizer.tok,
-                              max_new_tokens=cfg.engine.max_new_tokens,
+                              max_new_tokens=cfg.engine.max_new_tokens, num_samples=cfg.eval.num_samples,
                               greedy=lambda m, t, p, max_new_tokens: greedy_texts(
                                   m, t, p, max_new_tokens=max_new_tokens, chat_template=chat))
     return Parts(dataset, source, eval_rows, engine, trainer, getattr(trainer, "tokenizer", None), evaluator)

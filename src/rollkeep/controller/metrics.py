@@ -1,16 +1,21 @@
 """Per-step metrics: `RUN_DIR/metrics.jsonl` always (one JSON object per line, with `t`,
-`run_id` and `step`), and, on request, the same numbers in
+`run_id` and `step`; every value but `run_id` a number), and, on request, the same numbers in
 
   - TensorBoard event files in `RUN_DIR/tensorboard` (`logger.tensorboard: true`, the `tb`
     extra: tensorboardX);
   - a Weights & Biases run (`logger.wandb: true`, the `wandb` extra), files under
     `RUN_DIR/wandb`. Offline with `WANDB_MODE=offline` (`wandb sync RUN_DIR/wandb/offline-run-*`
     uploads later). The W&B run id is kept in `RUN_DIR/wandb_run_id`, so a resumed run
-    logs into the same W&B run. Every record carries `step` and W&B plots against it
+    logs into the same W&B run. Every RL record carries `step` and W&B plots against it
     (`define_metric`), so the steps a resumed run does again after its checkpoint are
     logged again at their own step, not dropped as out of order. Closing the log ends
     the W&B run and wandb's session in this process (`wandb.teardown`), so what was logged
     is on disk when the run ends.
+
+The warm start logs into the same file, on its own lines (`write_warmup`: `step` 0 and
+`warmup/step`, plotted against `warmup/step`). Each evaluation's sample completions go to
+`RUN_DIR/samples.jsonl` (`write_samples`), TensorBoard text and a W&B table, never to
+`metrics.jsonl`.
 
 Where the settings come from: `MetricsLog(..., logger=cfg.logger, config=cfg.to_dict())`,
 or, when the caller passes only `tensorboard` (the run loop did, before W&B), the run that
@@ -29,7 +34,8 @@ import secrets
 import string
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +45,9 @@ from ..core.errors import ConfigError, ExternalError, UserInputError
 from ..core.untrusted import end_torn_line, open_append, read_prefix
 
 WANDB_ID_FILE = "wandb_run_id"
+SAMPLES_FILE = "samples.jsonl"
+WARMUP_PREFIX = "warmup/"
+THROUGHPUT_WINDOW = 10  # committed steps `tokens_generated_per_s` is measured over
 _WANDB_ID = re.compile(r"^[a-z0-9]{8,64}$")
 
 # (logger settings, the resolved config as data) of the run in progress; see `for_run`.
@@ -87,14 +96,16 @@ class MetricsLog:
         if logger is None and (declared := _RUN.get()) is not None:
             logger, config = declared
         if tensorboard or (logger is not None and logger.tensorboard):
-            self._tb = _import_tensorboard()(str(Path(run_dir) / "tensorboard"))
+            # One event file per log, named by its run_id: two logs opened in the same second
+            # (the warm start's, then the RL phase's) would otherwise write one file name.
+            self._tb = _import_tensorboard()(str(Path(run_dir) / "tensorboard"), filename_suffix=f".{run_id}")
         if logger is not None and logger.wandb:
             self._wandb = _open_wandb(Path(run_dir), logger, dict(config or {}))
+        self._samples = None  # RUN_DIR/samples.jsonl, opened by the first evaluation's samples
+        self._wandb_warmup_keys: set[str] = set()
 
     def write(self, step: int, record: dict[str, Any]) -> None:
-        line = json.dumps({"t": time.time(), "run_id": self.run_id, "step": step, **record}) + "\n"
-        self._file.write(line.encode())
-        self._file.flush()
+        self._append(self._file, {"t": time.time(), "run_id": self.run_id, "step": step, **record})
         numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._tb is not None:
             for key, value in numbers.items():
@@ -103,9 +114,56 @@ class MetricsLog:
         if self._wandb is not None:
             self._wandb.log({"step": step, **numbers})
 
+    def write_warmup(self, warmup_step: int, record: Mapping[str, float]) -> None:
+        """One warm-start line: `step` 0 (no RL step exists yet; readers that key on `step`
+        keep working), `warmup/step` and the record's `warmup/*` numbers. TensorBoard and
+        W&B plot them against `warmup/step`."""
+        if not all(k.startswith(WARMUP_PREFIX) for k in record):
+            raise ValueError(f"warm-start keys start with {WARMUP_PREFIX!r}: {sorted(record)}")
+        self._append(self._file, {"t": time.time(), "run_id": self.run_id, "step": 0,
+                                  "warmup/step": warmup_step, **record})
+        if self._tb is not None:
+            for key, value in record.items():
+                self._tb.add_scalar(key, value, warmup_step)
+            self._tb.flush()
+        if self._wandb is not None:
+            # By name, not only by the `warmup/*` glob: wandb picks any one of the globs a
+            # key matches, and `*` (against `step`) matches these too.
+            for key in sorted(record.keys() - self._wandb_warmup_keys):
+                self._wandb.define_metric(key, step_metric="warmup/step")
+                self._wandb_warmup_keys.add(key)
+            self._wandb.log({"warmup/step": warmup_step, **record})
+
+    def write_samples(self, step: int, samples: Sequence[Mapping[str, Any]]) -> None:
+        """An evaluation's sample completions (`prompt`, `completion`, `reward`, `answer`):
+        one `samples.jsonl` line, the TensorBoard text `eval/samples` and the W&B table
+        `eval/samples`, at `step`. The file is opened on first use, with the same care as
+        metrics.jsonl (a FIFO or a symlink is refused)."""
+        if not samples:
+            return
+        if self._samples is None:
+            self._samples = open_append(self.path.with_name(SAMPLES_FILE))
+            end_torn_line(self._samples)
+        self._append(self._samples, {"t": time.time(), "run_id": self.run_id, "step": step,
+                                     "samples": [dict(s) for s in samples]})
+        if self._tb is not None:
+            self._tb.add_text("eval/samples", samples_markdown(samples), step)
+            self._tb.flush()
+        if self._wandb is not None:
+            columns = ["prompt", "completion", "reward", "answer"]
+            table = _import_wandb().Table(columns=columns, data=[[s.get(c) for c in columns] for s in samples])
+            self._wandb.log({"step": step, "eval/samples": table})
+
+    @staticmethod
+    def _append(file: Any, obj: dict[str, Any]) -> None:
+        file.write((json.dumps(obj) + "\n").encode())
+        file.flush()
+
     def close(self) -> None:
         try:
             self._file.close()
+            if self._samples is not None:
+                self._samples.close()
             if self._tb is not None:
                 self._tb.close()
         finally:
@@ -174,6 +232,8 @@ def _open_wandb(run_dir: Path, logger: Any, config: dict[str, Any]) -> Any:
         )
         run.define_metric("step")
         run.define_metric("*", step_metric="step")
+        run.define_metric("warmup/step")  # the warm start's lines: see `write_warmup`
+        run.define_metric("warmup/*", step_metric="warmup/step")
     except Exception as e:  # wandb's own errors: no network, no login, a bad project
         raise ExternalError(
             "Weights & Biases could not start the run's W&B run",
@@ -208,11 +268,42 @@ def _kept_wandb_id(run_dir: Path) -> str | None:
     return run_id
 
 
+# ------------------------------------------------------------------------------ records
+
+
+class Throughput:
+    """Generation throughput: completion tokens sealed per second over the last `window`
+    committed steps (`tokens_generated_per_s`), and since the RL phase of this process
+    started (`tokens_generated_per_s_run`).
+
+    Pure: the caller passes the time and the tokens sealed so far. The first mark is the
+    start of the RL loop, so right after a (re)start the window holds the steps there are;
+    a resumed run reads the same as a fresh one at the same rate (neither counts the warm
+    start, the restore, or the tokens an earlier process sealed)."""
+
+    def __init__(self, now: float, tokens: int = 0, *, window: int = THROUGHPUT_WINDOW) -> None:
+        if window < 1:
+            raise ValueError(f"the throughput window is at least one step, not {window}")
+        self._start = (now, tokens)
+        self._marks: deque[tuple[float, int]] = deque([self._start], maxlen=window + 1)
+
+    def step(self, now: float, tokens: int) -> tuple[float, float]:
+        """Mark a committed step: (tokens/s over the window, tokens/s since the start)."""
+        self._marks.append((now, tokens))
+        return _rate(self._marks[0], (now, tokens)), _rate(self._start, (now, tokens))
+
+
+def _rate(a: tuple[float, int], b: tuple[float, int]) -> float:
+    return (b[1] - a[1]) / (b[0] - a[0]) if b[0] > a[0] else 0.0
+
+
 def step_record(batch: Any, metrics: dict[str, float], *, train_seconds: float, step_seconds: float,
-                generated_per_s: float, counts: dict[str, int]) -> dict[str, Any]:
-    """One `metrics.jsonl` line for a committed step (the keys are listed in the README)."""
+                generated_per_s: tuple[float, float], counts: dict[str, int]) -> dict[str, Any]:
+    """One `metrics.jsonl` line for a committed step (the keys are listed in the README);
+    `generated_per_s` is `Throughput.step`'s (windowed, since the start)."""
     rows = [r for g in batch.groups for r in g.rows]
     tokens = sum(r.tokens for r in rows)
+    lengths = [r.tokens for r in rows]  # completion tokens per sibling
     trainer_version = batch.step - 1
     age = float(sum(int((trainer_version - r.versions).sum()) for r in rows) / tokens) if tokens else 0.0
     return {
@@ -221,12 +312,31 @@ def step_record(batch: Any, metrics: dict[str, float], *, train_seconds: float, 
         "tokens": tokens,
         "reward_mean": float(np.mean([r.reward for r in rows])) if rows else 0.0,
         "batch_age": age,
+        "response_length/mean": float(np.mean(lengths)) if rows else 0.0,
+        "response_length/max": max(lengths, default=0),
+        "response_length/min": min(lengths, default=0),
+        "response_length/clip_ratio": (sum(r.finish_reason == "length" for r in rows) / len(rows)
+                                       if rows else 0.0),
         "train_seconds": train_seconds,
         "step_seconds": step_seconds,
-        "tokens_generated_per_s": generated_per_s,
+        "tokens_generated_per_s": generated_per_s[0],
+        "tokens_generated_per_s_run": generated_per_s[1],
         **{f"trainer/{k}": float(v) for k, v in metrics.items()},
         **{f"custody/{k}": v for k, v in counts.items()},
     }
+
+
+def samples_markdown(samples: Sequence[Mapping[str, Any]]) -> str:
+    """An evaluation's samples as a Markdown table (TensorBoard's text plugin renders it)."""
+
+    def cell(value: Any) -> str:
+        text = "" if value is None else f"{value:.3g}" if isinstance(value, float) else str(value)
+        return text.replace("\\", "\\\\").replace("|", "\\|").replace("\n", "\\n") or " "
+
+    columns = ["prompt", "completion", "reward", "answer"]
+    lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    lines += ["| " + " | ".join(cell(s.get(c)) for c in columns) + " |" for s in samples]
+    return "\n".join(lines)
 
 
 def progress_fields(record: dict[str, Any], last_eval: dict[str, float]) -> dict[str, Any]:

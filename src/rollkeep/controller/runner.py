@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,45 +55,14 @@ from ..tasks import reward_fn
 from ..trace import Trace
 from ..trainers import Trainer
 from ..version import rollkeep_version
-from .metrics import MetricsLog, progress_fields, step_record
+from .metrics import MetricsLog, Throughput, progress_fields, step_record
 from .startup import open_run
-from .summary import restarts_in_trace, summary_lines
+from .summary import RunResult, restarts_in_trace, summary_lines
 
 for _ev in ALL_EVENTS:
     crashpoints.register("ledger." + event_name(_ev))
 crashpoints.register("checkpoint.after_cut")
 _TRACE_FLUSH_S = 0.05  # buffered trace lines reach the file at least this often
-
-
-@dataclass(frozen=True)
-class RunResult:
-    step: int
-    weights_sha256: str
-    reason: str  # "finished", "data exhausted", "signal"
-    signal: str | None = None  # "SIGTERM" / "SIGINT" for a graceful stop
-    checkpoint: str | None = None  # what a rerun resumes from (LATEST when the run ended)
-    phase: str = "rl"  # "warmup" when a signal stopped the warm start
-    details: tuple[str, ...] = ()  # the summary's lines under the first (`summary.summary_lines`)
-
-    @property
-    def exit_code(self) -> int:
-        """0 when the run finished or its data ran out; 128 + signal after a graceful stop,
-        so a scheduler (SLURM --requeue, Kubernetes) requeues it instead of calling it done."""
-        return 128 + signal.Signals[self.signal] if self.signal else 0
-
-    def summary(self) -> str:
-        return "\n".join((self._headline(), *self.details))
-
-    def _headline(self) -> str:
-        if self.signal is None:
-            return f"done: step {self.step} ({self.reason}), weights_sha256 {self.weights_sha256}"
-        if self.phase == "warmup":
-            return (f"stopped at warm-start step {self.step} by {self.signal}; a rerun resumes the warm "
-                    f"start from {self.checkpoint}; run the same command to resume")
-        resume = (f"a rerun resumes from checkpoint {self.checkpoint}" if self.checkpoint
-                  else "no RL checkpoint exists yet, so a rerun starts RL over "
-                  "(after the warm start, which is kept)")
-        return f"stopped at step {self.step} by {self.signal}; {resume}; run the same command to resume"
 
 
 class Runner:
@@ -119,7 +87,8 @@ class Runner:
         self._wake = asyncio.Event()
         self._tasks: dict[tuple[str, int, int], asyncio.Task] = {}
         self._tg: asyncio.TaskGroup | None = None
-        self._t_start = self._last_step = time.perf_counter()
+        self._t_start = self._last_step = 0.0  # the RL clocks: `_start`, after the warm start
+        self._throughput: Throughput | None = None
         self._last_eval: dict[str, float] = {}
         self._last_eval_step: int | None = None
         self._signal: str | None = None  # the signal that stopped the run gracefully
@@ -133,6 +102,9 @@ class Runner:
                           allow_dataset_change=self.allow_dataset_change)
         self.sched, self.trace, self._metrics, self._progress = opened
         self.sched.subscribe(_crash_point)
+        # The RL loop starts now: step 1's `step_seconds` and the throughput count from here.
+        self._t_start = self._last_step = time.perf_counter()
+        self._throughput = Throughput(self._t_start, self.sched.tokens_generated)
 
     # ================================================================== drive
 
@@ -140,7 +112,6 @@ class Runner:
         """Run to the end; `warmup_seconds`, the warm start's time in this process, goes
         into the summary."""
         loop = asyncio.get_running_loop()
-        t0 = time.perf_counter()
         try:
             self._start()
             first_step = self.sched.version
@@ -155,7 +126,7 @@ class Runner:
             counts = self.sched.counts()
             details = summary_lines(
                 step=step, total_steps=self.cfg.train.total_steps, first_step=first_step,
-                rl_seconds=time.perf_counter() - t0, warmup_seconds=warmup_seconds, final_eval=self._last_eval,
+                rl_seconds=time.perf_counter() - self._t_start, warmup_seconds=warmup_seconds, final_eval=self._last_eval,
                 eval_step=self._last_eval_step, trained=counts["trained"], dropped=counts["dropped"],
                 restarts=restarts_in_trace(self.trace.path), now=time.time(), run_dir=str(self.run_dir))
             return RunResult(step, sha, reason.value, signal=self._signal, checkpoint=self.store.latest(),
@@ -239,7 +210,7 @@ class Runner:
         self.sched.on_trained(cmd.step)
         now = time.perf_counter()
         record = step_record(cmd.batch, metrics, train_seconds=now - t0, step_seconds=now - self._last_step,
-                             generated_per_s=self.sched.tokens_generated / max(1e-9, now - self._t_start),
+                             generated_per_s=self._throughput.step(now, self.sched.tokens_generated),
                              counts=self.sched.counts())
         self._last_step = now
         self._metrics.write(cmd.step, record)
@@ -254,11 +225,13 @@ class Runner:
         if self.evaluator is not None and every and version % every == 0:
             t0 = time.perf_counter()
             result = await asyncio.to_thread(self.evaluator.evaluate, self.trainer.weights())
-            self._last_eval, self._last_eval_step = result, version
-            self._metrics.write(version, {**result, "eval/seconds": time.perf_counter() - t0})
-            self.trace.emit(Eval(step=version, accuracy=result["eval/accuracy"],
-                                 reward_mean=result["eval/reward_mean"]))
-            self._progress.note(f"eval at step {version}: " + ", ".join(f"{k} {v:.3f}" for k, v in result.items()))
+            self._last_eval, self._last_eval_step = result.metrics, version
+            self._metrics.write(version, {**result.metrics, "eval/seconds": time.perf_counter() - t0})
+            self._metrics.write_samples(version, result.samples)  # samples.jsonl: text stays out of metrics
+            self.trace.emit(Eval(step=version, accuracy=result.metrics["eval/accuracy"],
+                                 reward_mean=result.metrics["eval/reward_mean"]))
+            self._progress.note(f"eval at step {version}: "
+                                + ", ".join(f"{k} {v:.3f}" for k, v in result.metrics.items()))
         self.sched.on_refit(version)
         self._wake.set()
 

@@ -1,5 +1,7 @@
-"""The end of a run in a few lines: steps, wall time, the final eval, prompts trained and
-dropped, and the restarts of the run directory with what they cost.
+"""The end of a run: what `train` returns (`RunResult`: the step, the weights, why it
+stopped, the exit code a scheduler reads) and its summary in a few lines: steps, wall
+time, the final eval, prompts trained and dropped, and the restarts of the run directory
+with what they cost.
 
 The restarts come from the trace by a byte search for its few `run_started` and
 `restored` lines (`rollkeep.trace.scan_trace`), so the summary costs milliseconds however
@@ -10,6 +12,7 @@ thrown away, generation time lost).
 from __future__ import annotations
 
 import mmap
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +21,37 @@ from ..core.trace_schema import RESTORED, RUN_STARTED
 from ..core.untrusted import loads_json
 from ..progress import duration
 from ..trace import event_lines, scan_trace
+
+
+@dataclass(frozen=True)
+class RunResult:
+    step: int
+    weights_sha256: str
+    reason: str  # "finished", "data exhausted", "signal"
+    signal: str | None = None  # "SIGTERM" / "SIGINT" for a graceful stop
+    checkpoint: str | None = None  # what a rerun resumes from (LATEST when the run ended)
+    phase: str = "rl"  # "warmup" when a signal stopped the warm start
+    details: tuple[str, ...] = ()  # the summary's lines under the first (`summary.summary_lines`)
+
+    @property
+    def exit_code(self) -> int:
+        """0 when the run finished or its data ran out; 128 + signal after a graceful stop,
+        so a scheduler (SLURM --requeue, Kubernetes) requeues it instead of calling it done."""
+        return 128 + signal.Signals[self.signal] if self.signal else 0
+
+    def summary(self) -> str:
+        return "\n".join((self._headline(), *self.details))
+
+    def _headline(self) -> str:
+        if self.signal is None:
+            return f"done: step {self.step} ({self.reason}), weights_sha256 {self.weights_sha256}"
+        if self.phase == "warmup":
+            return (f"stopped at warm-start step {self.step} by {self.signal}; a rerun resumes the warm "
+                    f"start from {self.checkpoint}; run the same command to resume")
+        resume = (f"a rerun resumes from checkpoint {self.checkpoint}" if self.checkpoint
+                  else "no RL checkpoint exists yet, so a rerun starts RL over "
+                  "(after the warm start, which is kept)")
+        return f"stopped at step {self.step} by {self.signal}; {resume}; run the same command to resume"
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,10 @@ atomic publication): a run killed during warmup resumes it; a run killed during 
 its first checkpoint starts RL again from the finished warmup; once RL has a checkpoint
 (which holds the trainer state) warmup is never looked at again. Batches are a pure
 function of (seed, step), so a resumed warmup ends with the same weights.
+
+Every step logs its loss to the run's metrics (`MetricsLog.write_warmup`: `warmup/step`,
+`warmup/loss`, `warmup/seconds`, ...), on lines of their own that no RL reader takes for
+a step.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +28,7 @@ from ..core.configdiff import check_compatible
 from ..core.errors import CheckpointError, ConfigError
 from ..core.source import Dataset
 from ..core.store import CheckpointStore
+from .metrics import MetricsLog
 
 
 @contextlib.contextmanager
@@ -47,10 +52,12 @@ def _graceful_signals() -> Iterator[list[str]]:
             signal.signal(sig, handler)
 
 
-def run_warmup(cfg: Config, *, dataset: Dataset, trainer: Any, tokenizer: Any, log=print) -> tuple[int, str | None]:
+def run_warmup(cfg: Config, *, dataset: Dataset, trainer: Any, tokenizer: Any, log=print,
+               metrics: Callable[[], MetricsLog] | None = None) -> tuple[int, str | None]:
     """Run the warm start (or resume it). Call only before RL has a checkpoint. Returns the
     warm-start step reached and the signal that stopped it (None when it finished); a
-    stopped warm start has checkpointed that step."""
+    stopped warm start has checkpointed that step. `metrics` opens the log its steps are
+    written to (called only when a step is left to take; closed when the warm start ends)."""
     steps = cfg.warmup.sft_steps
     run_dir = Path(cfg.run_dir)
     if steps == 0:
@@ -94,8 +101,11 @@ def run_warmup(cfg: Config, *, dataset: Dataset, trainer: Any, tokenizer: Any, l
                 remedy=f"remove {store.root} to redo the warm start (RL has not started yet)",
             )
         log(f"warmup: resumed from {ck.name}")
-    with _graceful_signals() as stopped_by:
-        step = _train(cfg, store, done, stopped_by, dataset=dataset, trainer=trainer, tokenizer=tokenizer, log=log)
+    opened = metrics() if metrics is not None and done < steps else None
+    with contextlib.closing(opened) if opened is not None else contextlib.nullcontext():
+        with _graceful_signals() as stopped_by:
+            step = _train(cfg, store, done, stopped_by, dataset=dataset, trainer=trainer, tokenizer=tokenizer,
+                          log=log, metrics=opened)
     if stopped_by:
         return step, stopped_by[0]
     trainer.set_reference()
@@ -103,7 +113,7 @@ def run_warmup(cfg: Config, *, dataset: Dataset, trainer: Any, tokenizer: Any, l
 
 
 def _train(cfg: Config, store: CheckpointStore, done: int, stopped_by: list[str], *, dataset: Dataset,
-           trainer: Any, tokenizer: Any, log) -> int:
+           trainer: Any, tokenizer: Any, log, metrics: MetricsLog | None) -> int:
     """Supervised steps `done + 1 ..`, each checkpointed on schedule, the last one and the
     one a signal stopped after always. Returns the last step taken."""
     steps = cfg.warmup.sft_steps
@@ -117,12 +127,15 @@ def _train(cfg: Config, store: CheckpointStore, done: int, stopped_by: list[str]
              tokenizer.encode(str(dataset[int(i)]["answer"]), bos=False) + [tokenizer.eos_id])
             for i in idx
         ]
-        metrics = trainer.sft_step(seqs, lr=cfg.warmup.sft_lr)
+        result = trainer.sft_step(seqs, lr=cfg.warmup.sft_lr)
         if step % cfg.checkpoint.warmup_every_steps == 0 or step == steps or stopped_by:
             files = {f"trainer/{k}": v for k, v in trainer.snapshot().files().items()}
             store.publish(step, files, {"phase": "warmup", "config": semantic(cfg)}, keep_last=1)
-            log(f"warmup: step {step}/{steps}, loss {metrics['loss']:.3f}, "
+            log(f"warmup: step {step}/{steps}, loss {result['loss']:.3f}, "
                 f"{(step - done) / (time.perf_counter() - t0):.1f} steps/s")
+        if metrics is not None:  # seconds: this process's warm start so far, its checkpoint included
+            metrics.write_warmup(step, {"warmup/seconds": time.perf_counter() - t0,
+                                        **{f"warmup/{k}": float(v) for k, v in result.items()}})
         if stopped_by:
             break
     return step

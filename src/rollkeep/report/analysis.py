@@ -353,7 +353,9 @@ def _live_attempts(kept: list[tuple[int, dict[str, Any]]]) -> dict[tuple[str, in
 
 
 def _is_step_line(m: dict[str, Any]) -> bool:
-    return "groups" in m or "reward_mean" in m
+    """A committed step's line: not an eval line, and not a warm-start line (`step` 0 with
+    `warmup/step`, written before RL began)."""
+    return "warmup/step" not in m and ("groups" in m or "reward_mean" in m)
 
 
 def _steps(lin, surviving, lines, metrics) -> list[StepInfo]:
