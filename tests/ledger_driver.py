@@ -31,11 +31,11 @@ from rollkeep.core.events import (
     Sealed,
     StepCommitted,
 )
-from rollkeep.core.handout import drop_event, next_origin, spare_event, take_event
 from rollkeep.core.keys import group_id, parse_group_id
 from rollkeep.core.ledger import AttemptStatus, GroupState, Ledger
 from rollkeep.core.samplers import check_limits, make_sampler
 from rollkeep.core.source import PromptSource, SequenceDataset
+from rollkeep.core.take import drop_event, next_origin, spare_event, take_event
 
 
 def dataset(n_rows: int) -> SequenceDataset:

@@ -40,7 +40,6 @@ from .core.events import (
     Taken,
 )
 from .core.generation import Completion, DataError, GenRequest, InfraError
-from .core.handout import drop_event, spare_event, take_event
 from .core.keys import Key, group_id
 from .core.ledger import AttemptStatus, GroupState, Ledger, LedgerState, Owner
 from .core.restore import Restored, restore_chain
@@ -49,6 +48,7 @@ from .core.samplers import Limits, check_limits, make_sampler
 from .core.schedule import Failure, Generated, Reason, RetryPolicy, Scheduler, Settings, commands
 from .core.source import PromptSource, SequenceDataset, load_dataset
 from .core.store import CheckpointStore
+from .core.take import drop_event, spare_event, take_event
 
 __all__ = [
     "Abandoned",

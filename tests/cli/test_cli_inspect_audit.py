@@ -20,12 +20,12 @@ from rollkeep.cli import main
 from rollkeep.core import errors
 from rollkeep.core.checkpoint import LEDGER_FILE, ROWS_FILE, cut, write_checkpoint
 from rollkeep.core.events import Admitted, Claimed, Dispatched, Finalizing, Ready, Sealed
-from rollkeep.core.handout import drop_event, spare_event, take_event
 from rollkeep.core.ledger import Ledger
 from rollkeep.core.restore import plan
 from rollkeep.core.rows import Row, RowId, RowStore
 from rollkeep.core.source import PromptSource, SequenceDataset
 from rollkeep.core.store import RESERVED_KEYS, CheckpointStore
+from rollkeep.core.take import drop_event, spare_event, take_event
 
 G = 2
 

@@ -27,7 +27,8 @@ from rollkeep.core.events import (
     StepCommitted,
     Taken,
 )
-from rollkeep.core.ledger import ATTEMPT_TABLE, GROUP_TABLE, AttemptStatus, GroupState, Ledger
+from rollkeep.core.ledger import AttemptStatus, GroupState, Ledger
+from rollkeep.core.transitions import ATTEMPT_TABLE, GROUP_TABLE
 
 G = 3
 GID = "e0.0"

@@ -24,12 +24,12 @@ from rollkeep.core.errors import (
     RowsMismatch,
 )
 from rollkeep.core.events import Admitted, Dispatched, Finalizing, Ready, Sealed
-from rollkeep.core.handout import take_event
 from rollkeep.core.ledger import Ledger
 from rollkeep.core.restore import restore_chain
 from rollkeep.core.rows import Row, RowId, RowStore
 from rollkeep.core.source import PromptSource, SequenceDataset
 from rollkeep.core.store import CheckpointStore
+from rollkeep.core.take import take_event
 
 G = 3
 CONFIG = {"seed": 5, "rollout": {"group_size": G}, "train": {"num_prompts_per_step": 2}}

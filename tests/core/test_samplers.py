@@ -1,4 +1,4 @@
-"""Samplers (admission gate and step selection), start-up limits, and the handout events
+"""Samplers (admission gate and step selection), start-up limits, and the take and drop events
 that drop, refill and shrink a step. Ledger-level: driven by `ledger_driver.Driver`, which
 audits custody after every event."""
 
@@ -16,10 +16,10 @@ from ledger_driver import Driver, ordinal
 from rollkeep.core import codec
 from rollkeep.core.errors import ConfigError, IllegalTransition, UserInputError
 from rollkeep.core.events import FROM_SOURCE, FROM_SPARE, INFRA, Admitted, Claimed
-from rollkeep.core.handout import drop_event
 from rollkeep.core.keys import Key
 from rollkeep.core.ledger import AttemptStatus, GroupState, Owner
 from rollkeep.core.samplers import Limits, check_limits, make_sampler
+from rollkeep.core.take import drop_event
 
 
 def g(o: int) -> str:

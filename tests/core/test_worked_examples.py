@@ -24,9 +24,9 @@ from rollkeep.core.events import (
     Finalizing,
     Taken,
 )
-from rollkeep.core.handout import check_step_size
 from rollkeep.core.keys import Key
 from rollkeep.core.ledger import AttemptStatus, GroupState, Owner
+from rollkeep.core.take import check_step_size
 
 
 def g(o: int) -> str:

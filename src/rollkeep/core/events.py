@@ -176,7 +176,7 @@ class Dropped(Event, tag="dropped"):
     one group fewer) or `replacement` (a prompt from the spare pool or the source is taken
     and admitted to the same step). Unstamped groups have neither: the pump keeps taking.
     `prompt` ([epoch, idx]) and `step` (the target step, or the next step if unstamped)
-    are what DROPPED records; build the event with `handout.drop_event`.
+    are what DROPPED records; build the event with `take.drop_event`.
     """
 
     group_id: str

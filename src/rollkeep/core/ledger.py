@@ -34,9 +34,10 @@ Owners of a key (epoch, ordinal):
 
 The only way to change any of it is `Ledger.apply(event)`. Each handler validates the
 whole event first and raises `IllegalTransition` with nothing changed, then mutates, then
-the event goes to the subscribers. Legality comes from two tables, `GROUP_TABLE` (group
-state × event → next group state) and `ATTEMPT_TABLE` (current attempt status × event →
-next status); the few rules that do not fit a table are in `_special_rules_*` functions.
+the event goes to the subscribers. Legality and the next state come from the two tables of
+`rollkeep.core.transitions`, `GROUP_TABLE` (group state × event → next group state) and
+`ATTEMPT_TABLE` (current attempt status × event → next status); the few rules that do not
+fit a table are in `_special_rules_*` functions.
 
 Cheap checkpoints: `capture()` is O(1). It marks every container shared and returns
 references; the first mutation after a capture copies what it touches (copy-on-write),
@@ -57,7 +58,6 @@ from .events import (
     FROM_SPARE,
     GRANULARITIES,
     INFRA,
-    PROMPT_GROUP,
     Abandoned,
     Admitted,
     Claimed,
@@ -88,6 +88,14 @@ from .records import (  # re-exported: what the ledger holds is read through thi
     StepRun,
     _copy_record,
 )
+from .transitions import (  # re-exported: the tables are read through this module too
+    ATTEMPT_NEXT,
+    ATTEMPT_TABLE,
+    GRANULARITY_CODE,
+    GROUP_NEXT,
+    GROUP_TABLE,
+    PROMPT_GROUP_CODE,
+)
 
 __all__ = [
     "ATTEMPT_TABLE",
@@ -110,45 +118,9 @@ __all__ = [
 # Hot-path aliases: enum attribute lookups cost more than module globals.
 _RESERVED, _GENERATING, _READY_TO_FINALIZE, _FINALIZING, _READY, _CLAIMED = (int(s) for s in GroupState)
 _A_RESERVED, _A_DISPATCHED, _A_SEALED = 0, 1, 2
-_GONE = -1  # the record leaves the ledger (TRAINED or DROPPED)
 # The two hot handlers (`_dispatched`, `_sealed`) inline these values as literals.
 assert (_GENERATING, _READY_TO_FINALIZE, _A_RESERVED, _A_DISPATCHED, _A_SEALED) == (1, 2, 0, 1, 2)
 
-#: (group state, event) → next group state. Pairs not listed are illegal.
-GROUP_TABLE: dict[tuple[GroupState, str], int] = {
-    (GroupState.RESERVED, "admitted"): _GENERATING,
-    (GroupState.RESERVED, "dropped"): _GONE,
-    (GroupState.GENERATING, "dispatched"): _GENERATING,
-    (GroupState.GENERATING, "sealed"): _GENERATING,  # READY_TO_FINALIZE when the last seals
-    (GroupState.GENERATING, "failed"): _GENERATING,
-    (GroupState.GENERATING, "abandoned"): _GENERATING,
-    (GroupState.GENERATING, "dropped"): _GONE,
-    (GroupState.READY_TO_FINALIZE, "finalizing"): _FINALIZING,
-    (GroupState.READY_TO_FINALIZE, "dropped"): _GONE,
-    (GroupState.FINALIZING, "ready"): _READY,
-    (GroupState.FINALIZING, "released"): _READY_TO_FINALIZE,
-    (GroupState.FINALIZING, "dropped"): _GONE,
-    (GroupState.READY, "claimed"): _CLAIMED,
-    (GroupState.READY, "evicted"): _RESERVED,
-    (GroupState.READY, "dropped"): _GONE,
-    (GroupState.CLAIMED, "released"): _READY,
-    (GroupState.CLAIMED, "step_committed"): _GONE,
-}
-
-#: (current attempt status, event) → status of the sibling's current attempt afterwards.
-#: "failed" and "abandoned" end the attempt and open a fresh RESERVED one.
-ATTEMPT_TABLE: dict[tuple[AttemptStatus, str], int] = {
-    (AttemptStatus.RESERVED, "dispatched"): _A_DISPATCHED,
-    (AttemptStatus.DISPATCHED, "sealed"): _A_SEALED,
-    (AttemptStatus.DISPATCHED, "failed"): _A_RESERVED,
-    (AttemptStatus.DISPATCHED, "abandoned"): _A_RESERVED,
-    (AttemptStatus.SEALED, "abandoned"): _A_RESERVED,  # PROMPT_GROUP only: _special_rules_abandon
-}
-
-_GROUP_NEXT = {(int(s), e): n for (s, e), n in GROUP_TABLE.items()}
-_ATTEMPT_NEXT = {(int(s), e): n for (s, e), n in ATTEMPT_TABLE.items()}
-_GRANULARITY_CODE = {g: i for i, g in enumerate(GRANULARITIES)}
-PROMPT_GROUP_CODE = _GRANULARITY_CODE[PROMPT_GROUP]
 _PROMPT_GROUP = PROMPT_GROUP_CODE
 _MAX_COUNTER = 255  # failure counters are stored as bytes
 
@@ -500,7 +472,7 @@ class Ledger:
                 expected="a group taken and not yet trained or dropped",
                 found=f"owner {self.owner_of_gid(gid)}",
             )
-        if (rec.state, edge) not in _GROUP_NEXT:
+        if (rec.state, edge) not in GROUP_NEXT:
             raise self._illegal(
                 event,
                 f"group {gid} is {GroupState(rec.state).name}",
@@ -532,7 +504,7 @@ class Ledger:
                     found=str(list(gens)),
                 )
             seen.add(g)
-            if (rec.status[g], edge) not in _ATTEMPT_NEXT:
+            if (rec.status[g], edge) not in ATTEMPT_NEXT:
                 raise self._illegal(
                     event,
                     f"sibling {g} of group {gid} (attempt {rec.attempts[g]}) is "
@@ -612,7 +584,7 @@ class Ledger:
             raise self._illegal(event, "idx out of range", expected=f"[0, {self.n_rows})", found=str(t.idx))
         if not (1 <= t.group_size <= 4096):
             raise self._illegal(event, "group size", expected="1..4096", found=str(t.group_size))
-        if t.granularity not in _GRANULARITY_CODE:
+        if t.granularity not in GRANULARITY_CODE:
             raise self._illegal(event, "granularity", expected=str(GRANULARITIES), found=t.granularity)
 
     def _do_take(self, t: Taken, state: int, target_step: int | None, start_version: int | None) -> str:
@@ -632,7 +604,7 @@ class Ledger:
             t.idx,
             t.task,
             t.row_fingerprint,
-            _GRANULARITY_CODE[t.granularity],
+            GRANULARITY_CODE[t.granularity],
             state,
             target_step,
             start_version,
@@ -940,7 +912,7 @@ class Ledger:
 
     def _released(self, ev: Released) -> FreedRows:
         rec = self._require_group(ev, ev.group_id, "released")
-        nxt = _GROUP_NEXT[(rec.state, "released")]
+        nxt = GROUP_NEXT[(rec.state, "released")]
         rec = self._writable(ev.group_id)
         rec.state = nxt
         if nxt == _READY:

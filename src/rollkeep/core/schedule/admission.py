@@ -9,11 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..events import Admitted, Event
-from ..handout import spare_event, take_event
 from ..keys import group_id
 from ..ledger import Ledger
 from ..samplers import Sampler
 from ..source import PromptSource
+from ..take import spare_event, take_event
 
 
 def top_up_spare(ledger: Ledger, spare_prompts: int, apply: Callable[[Event], object]) -> None:

@@ -57,12 +57,12 @@ from ..events import (
     Sealed,
 )
 from ..generation import GenRequest, sampling_seed
-from ..handout import check_step_size, drop_event
 from ..ledger import AttemptStatus, GroupState, Ledger
 from ..restore import Restored
 from ..rows import Row, RowId, RowStore
 from ..samplers import Sampler
 from ..source import PromptSource
+from ..take import check_step_size, drop_event
 from ..trace_schema import CheckpointSkipped
 from . import admission, restart
 from .commands import (
