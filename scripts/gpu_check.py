@@ -156,7 +156,7 @@ class Reference:
     def __call__(self, prompt_ids, completion_ids, temperature: float = TEMPERATURE):
         import torch
 
-        from rollkeep.trainers.grpo import token_logprobs
+        from rollkeep.trainers.grpo_loss import token_logprobs
 
         ids = torch.tensor([list(prompt_ids) + list(completion_ids)], device=DEVICE)
         with torch.no_grad():
@@ -345,7 +345,7 @@ def _hf_on_cuda(ctx: Context) -> str:
     completions = asyncio.run(body())
     worst = 0.0
     trainer.model.eval()
-    from rollkeep.trainers.grpo import token_logprobs
+    from rollkeep.trainers.grpo_loss import token_logprobs
 
     for c in completions:
         ids = torch.tensor([c.prompt_ids.tolist() + c.completion_ids.tolist()], device=DEVICE)

@@ -19,7 +19,9 @@ from rollkeep.core.rows import Row
 from rollkeep.models.gpt import GPT, GPTConfig
 from rollkeep.models.tokenizer import EOS, PAD, CharTokenizer
 from rollkeep.trainers import Batch, TrainGroup, make_trainer
-from rollkeep.trainers.grpo import GRPOTrainer, TorchTrainer, collate, grpo_loss, token_logprobs
+from rollkeep.trainers.batching import collate
+from rollkeep.trainers.grpo import GRPOTrainer, TorchTrainer
+from rollkeep.trainers.grpo_loss import grpo_loss, token_logprobs
 
 TOK = CharTokenizer()
 LN = math.log
@@ -469,7 +471,7 @@ def test_torch_trainer_from_config():
 
 # ---------------------------------------------------------------------------------------
 # loss_type, dual_clip, metrics: against the formulas, written out here independently
-# (module docstring of rollkeep.trainers.grpo), on random ragged batches in float64
+# (module docstring of rollkeep.trainers.grpo_loss), on random ragged batches in float64
 # ---------------------------------------------------------------------------------------
 
 LOSS_TYPES = ["dapo", "grpo", "dr_grpo", "bnpo"]

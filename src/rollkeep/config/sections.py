@@ -213,7 +213,8 @@ class TorchModelConfig(_Section):
 
 class _GRPOSection(_TrainerSection):
     """GRPO and AdamW settings shared by the real trainers (torch, hf). The formulas of
-    every option are in `rollkeep.trainers.grpo`."""
+    the loss options are in `rollkeep.trainers.grpo_loss`, the learning-rate schedule in
+    `rollkeep.trainers.grpo` (`GRPOTrainer.step_lr`)."""
 
     lr: float = Field(3e-4, gt=0.0)
     """AdamW learning rate."""

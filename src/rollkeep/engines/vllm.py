@@ -52,8 +52,8 @@ Nine ways the results would be silently wrong, and what this module does about e
    over the nucleus (vllm/v1/sample/sampler.py, ops/topk_topp_sampler.py for the V1
    runner; vllm/v1/worker/gpu/sample/sampler.py for the V2 runner), while the trainer's
    GRPO ratio uses the full-vocabulary `log_softmax(logits / T)`
-   (`trainers.grpo.token_logprobs`). The two agree only at `top_p = 1`, so the vllm engine
-   refuses `top_p < 1` (config validator and constructor). top_k, min_p and the penalties
+   (`trainers.grpo_loss.token_logprobs`). The two agree only at `top_p = 1`, so the vllm
+   engine refuses `top_p < 1` (config validator and constructor). top_k, min_p and the penalties
    are left at vLLM's neutral defaults; generation_config.json only adds stop tokens
    (`SamplingParams.update_from_generation_config`).
 4. Finish reasons. vLLM reports "stop", "length", "abort", "error" and "repetition"

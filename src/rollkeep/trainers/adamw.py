@@ -5,10 +5,10 @@ Why: every method of a `torch.optim.Optimizer` (its constructor included) import
 every start and restart, for a compiler this trainer never uses. This class is the same
 arithmetic as `torch.optim.AdamW` on the CPU (torch picks its single-tensor path there:
 `foreach` and `fused` default to off for CPU tensors), operation for operation, so its
-updates and state are bit-identical to torch's (`tests/test_grpo.py` checks that against
-`torch.optim.AdamW` itself). Its state has torch's layout and names (per parameter a 0-d
-float32 `step` on the CPU, `exp_avg`, `exp_avg_sq`), so checkpoints written with either
-load into the other.
+updates and state are bit-identical to torch's (`tests/trainers/test_adamw.py` checks
+that against `torch.optim.AdamW` itself). Its state has torch's layout and names (per
+parameter a 0-d float32 `step` on the CPU, `exp_avg`, `exp_avg_sq`), so checkpoints
+written with either load into the other.
 
 Parameters on another device (a GPU) get `torch.optim.AdamW` itself (`make_adamw`): there
 torch runs its foreach or fused kernels, which this loop would not reproduce bit for bit.

@@ -1,0 +1,321 @@
+"""The GRPO trainer's checkpoint: `GRPOSnapshot` (what `GRPOTrainer.snapshot` copies), the
+files it writes, and the checks `GRPOTrainer.load` runs on reading them back before it
+changes anything.
+
+Checkpoint files (`snapshot().files()`; docs/design.md §4: no pickle)
+---------------------------------------------------------------------
+    model.safetensors      the model's state dict, each storage once: a tied tensor (GPT's
+                           `head.weight` is `wte.weight`) is saved under its first name in
+                           state-dict order only; `trainer.json` lists the ties and `load`
+                           checks them against the model
+    optimizer.safetensors  every optimizer state tensor as `{opt}.state.{param_index}.{name}`
+                           with opt `rl` (the GRPO AdamW) or `sft` (the warm-start AdamW)
+    trainer.json           format, step counters, ties, and per optimizer its param_group
+                           hyper-parameters (recorded; the config, not the file, sets them
+                           on load: the restore chain's config check guards changes) and
+                           any non-tensor state
+    rng.safetensors        `cpu`: the torch CPU generator state (uint8); it drives dropout.
+                           (CUDA generators are not captured: this trainer's models run
+                           on CPU; a GPU subclass must add them.)
+    reference.safetensors  the KL reference's weights, when one exists
+
+Every file declares the step its state is of (`rollkeep_step`: in trainer.json, and in
+each safetensors file's metadata), which is `rl_steps`, the weight version; `load(files,
+step=N)` refuses a file of another step, so trainer files copied from another checkpoint
+never load under a ledger of a different version.
+
+`load` checks every file and tensor (presence, parse, names, dtypes, shapes, ties) before
+it changes anything, then restores model, optimizers (moments and step counts), RNG,
+counters and reference bit-exactly. Any problem raises CheckpointError naming the file
+and the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+from torch import Tensor
+
+from ..core.checkpoint import STEP_KEY, declared_step, step_metadata
+from ..core.errors import CheckpointError
+from ..core.untrusted import loads_json
+from .base import check_step
+
+__all__ = ["GRPOSnapshot", "OptimizerState"]
+
+
+# ---------------------------------------------------------------------------------------
+# 1. The snapshot and its files
+# ---------------------------------------------------------------------------------------
+
+FORMAT = "rollkeep.grpo/1"
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+STATE_FILE = "trainer.json"
+RNG_FILE = "rng.safetensors"
+REFERENCE_FILE = "reference.safetensors"
+ALL_FILES = (MODEL_FILE, OPTIMIZER_FILE, STATE_FILE, RNG_FILE, REFERENCE_FILE)
+OPTIMIZER_NAMES = ("rl", "sft")
+
+
+@dataclass(frozen=True)
+class OptimizerState:
+    """One optimizer's state: tensors keyed `state.{param_index}.{name}`, the non-tensor
+    state values under the same keys, and the hyper-parameters of its param groups."""
+
+    tensors: dict[str, Tensor]
+    scalars: dict[str, float | int | bool]
+    param_groups: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class GRPOSnapshot:
+    model: dict[str, Tensor]  # unique tensors only (see ties)
+    ties: dict[str, str]  # tied name -> the saved name it shares storage with
+    optimizers: dict[str, OptimizerState]  # "rl", and "sft" once the warm start ran
+    rl_steps: int
+    sft_steps: int
+    rng: Tensor  # torch.get_rng_state(), uint8
+    reference: dict[str, Tensor] | None
+
+    @property
+    def step(self) -> int:
+        """The weight version this state is of: RL steps taken (the warm start is step 0)."""
+        return self.rl_steps
+
+    def files(self) -> dict[str, bytes]:
+        """Serialise (on the checkpoint writer's thread): safetensors and JSON only."""
+        optimizer_tensors = {
+            f"{opt}.{key}": t for opt, s in self.optimizers.items() for key, t in s.tensors.items()
+        }
+        meta = {
+            "format": FORMAT,
+            STEP_KEY: self.rl_steps,
+            "rl_steps": self.rl_steps,
+            "sft_steps": self.sft_steps,
+            "ties": self.ties,
+            "reference": self.reference is not None,
+            "optimizers": {
+                opt: {"param_groups": s.param_groups, "scalars": s.scalars}
+                for opt, s in self.optimizers.items()
+            },
+        }
+        bound = step_metadata(self.rl_steps)  # each file says which step it is of
+        out = {
+            MODEL_FILE: st_save(self.model, metadata=bound),
+            OPTIMIZER_FILE: st_save(optimizer_tensors, metadata=bound),
+            STATE_FILE: json.dumps(meta, indent=1, sort_keys=True).encode(),
+            RNG_FILE: st_save({"cpu": self.rng}, metadata=bound),
+        }
+        if self.reference is not None:
+            out[REFERENCE_FILE] = st_save(self.reference, metadata=bound)
+        return out
+
+
+def _unique_state(state: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """Split a state dict into its unique tensors and ties (name -> earlier name that is the
+    same tensor view: same storage, offset, shape, stride and dtype)."""
+    unique: dict[str, Tensor] = {}
+    ties: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for name, t in state.items():
+        ident = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(),
+                 tuple(t.shape), t.stride(), t.dtype)
+        if t.numel() and ident in seen:
+            ties[name] = seen[ident]
+        else:
+            seen[ident] = name
+            unique[name] = t
+    return unique, ties
+
+
+def _clone(t: Tensor) -> Tensor:
+    return t.detach().clone(memory_format=torch.contiguous_format)
+
+
+
+def _optimizer_state(opt: Any) -> OptimizerState:
+    """Copies of an optimizer's state, params numbered as `Optimizer.state_dict` does."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    tensors: dict[str, Tensor] = {}
+    scalars: dict[str, float | int | bool] = {}
+    for i, p in enumerate(params):
+        for name, value in opt.state.get(p, {}).items():
+            if torch.is_tensor(value):
+                tensors[f"state.{i}.{name}"] = _clone(value)
+            else:
+                scalars[f"state.{i}.{name}"] = value
+    groups = [
+        json.loads(json.dumps({k: v for k, v in g.items() if k != "params"}))
+        for g in opt.param_groups
+    ]
+    return OptimizerState(tensors, scalars, groups)
+
+
+# ---------------------------------------------------------------------------------------
+# 2. Reading the files back: check everything, name the file and the tensor
+# ---------------------------------------------------------------------------------------
+
+_REMEDY_CORRUPT = (
+    "the trainer files of this checkpoint are damaged or were not written by this rollkeep; "
+    "restore from an older checkpoint, or start the run fresh."
+)
+_REMEDY_SHAPE = (
+    "the checkpoint was written for a different model or optimizer; resume with the model "
+    "config of the run that wrote it (trainer.model), or start the run fresh."
+)
+
+
+def _bad(file: str, what: str, *, field: str | None = None, expected: str | None = None,
+         found: str | None = None, remedy: str = _REMEDY_CORRUPT) -> CheckpointError:
+    return CheckpointError(what, path=f"trainer/{file}", field=field, expected=expected,
+                           found=found, remedy=remedy)
+
+
+def _read_tensors(files: Mapping[str, bytes], name: str) -> dict[str, Tensor]:
+    if name not in files:
+        raise _bad(name, f"The trainer file {name} is missing", expected=f"a file {name}",
+                   found=f"only {sorted(files)}")
+    try:
+        return st_load(bytes(files[name]))
+    except Exception as err:  # SafetensorError, or whatever a malformed header provokes
+        raise _bad(name, f"{name} is not a readable safetensors file",
+                   expected="a complete safetensors file", found=f"{type(err).__name__}: {err}"
+                   ) from None
+
+
+def _check_tensors(found: Mapping[str, Tensor], expected: Mapping[str, Tensor], file: str) -> None:
+    """`found` must have exactly `expected`'s names, each with its dtype and shape."""
+    for name, want in expected.items():
+        if name not in found:
+            raise _bad(file, f"Tensor {name!r} is missing", field=name,
+                       expected=f"{want.dtype} {list(want.shape)}",
+                       found=f"{len(found)} other tensors", remedy=_REMEDY_SHAPE)
+        got = found[name]
+        if got.dtype != want.dtype or got.shape != want.shape:
+            raise _bad(file, f"Tensor {name!r} has the wrong dtype or shape", field=name,
+                       expected=f"{want.dtype} {list(want.shape)}",
+                       found=f"{got.dtype} {list(got.shape)}", remedy=_REMEDY_SHAPE)
+    for name in found:
+        if name not in expected:
+            raise _bad(file, f"Unexpected tensor {name!r}", field=name,
+                       expected=f"only the {len(expected)} tensors of this model", found=name,
+                       remedy=_REMEDY_SHAPE)
+
+
+def _read_meta(files: Mapping[str, bytes]) -> dict[str, Any]:
+    if STATE_FILE not in files:
+        raise _bad(STATE_FILE, f"The trainer file {STATE_FILE} is missing",
+                   found=f"only {sorted(files)}")
+    try:
+        meta = loads_json(files[STATE_FILE])
+    except ValueError as err:
+        raise _bad(STATE_FILE, f"{STATE_FILE} is not valid JSON", found=str(err)) from None
+    shape = {"format": str, "rl_steps": int, "sft_steps": int, "ties": dict,
+             "reference": bool, "optimizers": dict}
+    if isinstance(meta, dict) and STEP_KEY in meta:  # absent in files written before the binding
+        shape[STEP_KEY] = int
+    if not isinstance(meta, dict):
+        raise _bad(STATE_FILE, f"{STATE_FILE} is not a JSON object", found=type(meta).__name__)
+    for key, typ in shape.items():
+        value = meta.get(key)
+        if not isinstance(value, typ) or (typ is int and (isinstance(value, bool) or value < 0)):
+            raise _bad(STATE_FILE, f"Field {key!r} is missing or of the wrong type", field=key,
+                       expected=typ.__name__ + (" >= 0" if typ is int else ""),
+                       found=repr(value)[:80])
+    if meta["format"] != FORMAT:
+        raise _bad(STATE_FILE, "Unsupported trainer checkpoint format", field="format",
+                   expected=FORMAT, found=repr(meta["format"]))
+    if set(meta) != set(shape):
+        raise _bad(STATE_FILE, "Unknown fields", expected=str(sorted(shape)),
+                   found=str(sorted(set(meta) - set(shape))))
+    opts = meta["optimizers"]
+    if "rl" not in opts or not set(opts) <= set(OPTIMIZER_NAMES):
+        raise _bad(STATE_FILE, "Wrong optimizer list", field="optimizers",
+                   expected='"rl", optionally "sft"', found=str(sorted(opts)))
+    for opt, entry in opts.items():
+        groups = entry.get("param_groups") if isinstance(entry, dict) else None
+        if not (isinstance(groups, list) and len(groups) == 1 and isinstance(groups[0], dict)
+                and isinstance(groups[0].get("lr"), float | int)
+                and isinstance(entry.get("scalars"), dict)):
+            raise _bad(STATE_FILE, f"Optimizer {opt!r} is malformed", field=f"optimizers.{opt}",
+                       expected='{"param_groups": [{"lr": <float>, ...}], "scalars": {...}}',
+                       found=repr(entry)[:120])
+    return meta
+
+
+def _check_steps(files: Mapping[str, bytes], meta: Mapping[str, Any], step: int | None) -> None:
+    """Every file declares the same step: `rl_steps` (trainer.json's `rollkeep_step`, and
+    each safetensors file's metadata). A file copied from another checkpoint is refused."""
+    bound = STEP_KEY in meta
+    if bound and meta[STEP_KEY] != meta["rl_steps"]:
+        raise _bad(STATE_FILE, f"{STEP_KEY} and rl_steps disagree", field=STEP_KEY,
+                   expected=str(meta["rl_steps"]), found=str(meta[STEP_KEY]))
+    check_step(STATE_FILE, meta["rl_steps"], step)
+    for name, data in sorted(files.items()):
+        if not name.endswith(".safetensors"):
+            continue
+        try:
+            declared = declared_step(name, data)
+        except ValueError as err:
+            raise _bad(name, f"{name} is not a readable safetensors file", found=str(err)) from None
+        if bound or declared is not None:
+            check_step(name, declared, meta["rl_steps"])
+
+
+def _read_optimizers(
+    files: Mapping[str, bytes], meta: Mapping[str, Any], params: Sequence[Tensor]
+) -> dict[str, dict[int, dict[str, Any]]]:
+    """optimizer.safetensors (+ scalars) -> {opt: {param_index: {name: value}}}, checked:
+    known optimizers, indices in range, moments shaped like their parameter, 0-d steps."""
+    tensors = _read_tensors(files, OPTIMIZER_FILE)
+    out: dict[str, dict[int, dict[str, Any]]] = {opt: {} for opt in meta["optimizers"]}
+    values = list(tensors.items())
+    for opt, entry in meta["optimizers"].items():
+        values += [(f"{opt}.{k}", v) for k, v in entry["scalars"].items()]
+    for key, value in values:
+        opt, _, rest = key.partition(".")
+        parts = rest.split(".")
+        field = key
+        if opt not in out or len(parts) != 3 or parts[0] != "state" or not parts[1].isdigit():
+            raise _bad(OPTIMIZER_FILE, f"Unexpected optimizer state {key!r}", field=field,
+                       expected=f"{{opt}}.state.{{param_index}}.{{name}}, opt in {sorted(out)}",
+                       found=key)
+        index, name = int(parts[1]), parts[2]
+        if index >= len(params):
+            raise _bad(OPTIMIZER_FILE, f"Optimizer state {key!r} names no parameter", field=field,
+                       expected=f"param_index < {len(params)}", found=str(index),
+                       remedy=_REMEDY_SHAPE)
+        p = params[index]
+        if torch.is_tensor(value):
+            want = (torch.Size([]), None) if name == "step" else (p.shape, p.dtype)
+            if value.shape != want[0] or (want[1] is not None and value.dtype != want[1]):
+                raise _bad(OPTIMIZER_FILE, f"Optimizer state {key!r} does not fit parameter "
+                           f"{index}", field=field,
+                           expected=f"shape {list(want[0])}" + (f" {want[1]}" if want[1] else ""),
+                           found=f"shape {list(value.shape)} {value.dtype}",
+                           remedy=_REMEDY_SHAPE)
+            value = value.clone()  # the optimizer updates it in place
+        elif isinstance(value, bool) or not isinstance(value, int | float):
+            raise _bad(STATE_FILE, f"Optimizer scalar {key!r} is not a number", field=field,
+                       found=repr(value)[:80])
+        out[opt].setdefault(index, {})[name] = value
+    return out
+
+
+def _torch_optimizer_state(opt: Any, state: dict[int, dict[str, Any]]) -> dict:
+    """`Optimizer.load_state_dict` input: the checkpoint's state with this optimizer's own
+    param groups (hyper-parameters come from the config)."""
+    groups, start = [], 0
+    for g in opt.param_groups:
+        n = len(g["params"])
+        groups.append({**{k: v for k, v in g.items() if k != "params"},
+                       "params": list(range(start, start + n))})
+        start += n
+    return {"state": state, "param_groups": groups}
