@@ -256,11 +256,9 @@ class Runner:
 
         def work():  # on a worker thread, while the loop keeps going
             t0 = time.perf_counter()
-            # A checkpoint never covers a commit the durable trace lacks (docs/design.md §8):
-            # `_cut` flushed every line up to the cut, and this makes them durable before the
-            # commit point, so after a power cut the trace has every step this checkpoint
-            # holds. One fsync per checkpoint. It only fsyncs the open file (no access to the
-            # trace's buffer), so the loop thread may go on emitting and flushing meanwhile.
+            # No checkpoint covers a commit the durable trace lacks (docs/design.md §8): fsync
+            # what `_cut` flushed before the commit point, one fsync per checkpoint. It touches
+            # the open file only, not the trace's buffer, so the loop may go on emitting.
             self.trace.sync_flushed()
             published = write_checkpoint(self.store, c, trainer_files=snapshot.files(), meta=meta,
                                          keep_last=self.cfg.checkpoint.keep_last, trainer_step=snapshot.step)
