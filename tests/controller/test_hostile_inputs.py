@@ -467,24 +467,17 @@ def test_enospc_while_publishing_is_exit_5_and_the_previous_checkpoint_stands(tm
 
 
 def test_enospc_while_writing_the_trace_is_exit_5(tmp_path, monkeypatch, capsys):
-    from rollkeep import trace as trace_module
+    from rollkeep.core.fs import OSAppendFile  # the trace's handle on the filesystem seam
 
-    real_open = trace_module.open_append
+    real_write, written = OSAppendFile.write, [0]
 
-    class FillingFile:
-        def __init__(self, f):
-            self.f, self.written = f, 0
+    def filling(self, data):
+        written[0] += len(data)
+        if written[0] > 20_000:
+            raise OSError(28, "No space left on device")
+        real_write(self, data)
 
-        def write(self, data):
-            self.written += len(data)
-            if self.written > 20_000:
-                raise OSError(28, "No space left on device")
-            return self.f.write(data)
-
-        def __getattr__(self, name):
-            return getattr(self.f, name)
-
-    monkeypatch.setattr(trace_module, "open_append", lambda path: FillingFile(real_open(path)))
+    monkeypatch.setattr(OSAppendFile, "write", filling)
     run = tmp_path / "run"
     err = refused(capsys, 0, train_args(run), 5)
     assert "writing the trace" in err and "trace.jsonl" in err

@@ -4,16 +4,21 @@ find (a test that could not fail would prove nothing)."""
 
 from __future__ import annotations
 
+import errno
 import random
 from pathlib import Path
 
 import pytest
 
 from rollkeep.cli import main
+from rollkeep.controller.rundir import published_in_trace
+from rollkeep.core.events import StepCommitted
 from rollkeep.core.fs import DIR, FILE
+from rollkeep.core.trace_schema import CheckpointPublished
 from rollkeep.simulate import check, plan, simulate
 from rollkeep.simulate.memfs import MemFS, SimCrash
 from rollkeep.simulate.schedules import crash_points, schedule_seed
+from rollkeep.trace import Trace, read_trace
 
 # `released` undoes a claim or a running finalization found in a checkpoint: a cut is taken
 # at a step boundary with no claim open and never inside a finalization, so no run reaches it.
@@ -129,3 +134,118 @@ def test_an_unsynced_file_is_torn_to_a_prefix_and_a_killed_process_touches_nothi
     assert b"0123456789".startswith(m.read(Path("/r/f")))
     assert dict(m.listdir(Path("/r"))) == {"f": FILE}
     assert dict(m.listdir(Path("/"))) == {"r": DIR}
+
+
+def test_appended_bytes_survive_a_kill_and_a_power_cut_keeps_the_synced_ones_and_a_prefix():
+    kept = set()
+    for seed in range(30):
+        m = MemFS(random.Random(seed))
+        m.makedirs_durable(Path("/r"))
+        f = m.open_append(Path("/r/log"))
+        f.write(b"synced;")
+        f.fsync()
+        m.fsync(Path("/r"))  # the name is durable too
+        f.write(b"flushed only")
+        m.kill()  # the page cache lives on
+        assert m.read(Path("/r/log")) == b"synced;flushed only"
+        m.power_cut()
+        after = m.read(Path("/r/log"))
+        assert after.startswith(b"synced;") and b"synced;flushed only".startswith(after)
+        kept.add(len(after))
+    assert len(kept) > 2  # sometimes all, sometimes none, often a torn part of the rest
+
+
+def test_an_appended_file_whose_name_was_never_synced_is_gone_after_a_power_cut():
+    m = fs()
+    f = m.open_append(Path("/r/log"))
+    f.write(b"data")
+    f.fsync()  # the bytes are durable, the directory entry is not
+    m.power_cut()
+    assert m.kind_of(Path("/r/log")) is None
+
+
+def test_a_failed_append_raises_enospc_after_at_most_a_prefix():
+    for seed in range(10):
+        m = MemFS(random.Random(seed), fault_rate=1.0, max_faults=1)
+        m.makedirs_durable(Path("/r"))
+        f = m.open_append(Path("/r/log"))
+        with pytest.raises(OSError) as e:
+            f.write(b"0123456789")
+        assert e.value.errno == errno.ENOSPC
+        assert b"0123456789".startswith(m.read(Path("/r/log")))
+        f.write(b"!")  # the fault budget is spent
+        assert m.read(Path("/r/log")).endswith(b"!")
+
+
+def test_an_append_fsync_that_fails_makes_nothing_more_durable():
+    m = MemFS(random.Random(0), fault_rate=1.0, max_faults=0)
+    m.makedirs_durable(Path("/r"))
+    f = m.open_append(Path("/r/log"))
+    f.write(b"abc")
+    m.fsync(Path("/r"))
+    m.faults_left = 1  # the next fsync fails
+    with pytest.raises(OSError) as e:
+        f.fsync()
+    assert e.value.errno == errno.EIO
+    m.power_cut()
+    assert b"abc".startswith(m.read(Path("/r/log")))  # only ever a torn prefix: nothing was durable
+
+
+def test_a_frozen_disk_refuses_every_append_call():
+    m = fs()
+    f = m.open_append(Path("/r/log"))
+    m.freeze(SimCrash("dead"))
+    for call in (lambda: f.write(b"x"), f.fsync, lambda: f.tail(1), f.close,
+                 lambda: m.open_append(Path("/r/other"))):
+        with pytest.raises(SimCrash):
+            call()
+
+
+# -- the real trace writer on the simulated disk -----------------------------------------
+
+
+def _committed(step: int) -> StepCommitted:
+    return StepCommitted(step=step, weight_version=step, group_ids=(f"e0.{step}",), prompts=((0, step),))
+
+
+def test_trace_sync_makes_its_lines_survive_a_power_cut_and_unsynced_ones_may_not():
+    lost_some = kept_some = False
+    for seed in range(20):
+        m = MemFS(random.Random(seed))
+        m.makedirs_durable(Path("/r"))
+        trace = Trace(Path("/r/trace.jsonl"), "a", fs=m, clock=lambda: 1.0)
+        for step in (1, 2):
+            trace.emit(_committed(step))  # flushed at once: a kill keeps them
+        trace.sync()
+        for step in (3, 4, 5):
+            trace.emit(_committed(step))  # flushed, never synced
+        m.power_cut()
+        lines, torn = read_trace(Path("/r/trace.jsonl"), fs=m)
+        steps = [x["step"] for x in lines]
+        assert steps == [1, 2, 3, 4, 5][: len(steps)] and len(steps) >= 2 and torn <= 1
+        lost_some, kept_some = lost_some or len(steps) < 5, kept_some or len(steps) > 2
+        # the next process ends a torn line before it appends
+        after = Trace(Path("/r/trace.jsonl"), "b", fs=m)
+        after.emit(_committed(9))
+        assert read_trace(Path("/r/trace.jsonl"), fs=m)[0][-1]["step"] == 9
+    assert lost_some and kept_some  # an unsynced line may go, or stay
+
+
+def test_published_in_trace_reads_through_the_seam():
+    m = fs()
+    assert published_in_trace(Path("/r/trace.jsonl"), fs=m) is None
+    trace = Trace(Path("/r/trace.jsonl"), "a", fs=m)
+    assert published_in_trace(Path("/r/trace.jsonl"), fs=m) == 0
+    trace.emit(CheckpointPublished(step=2, name="step_000002", cut_time=1.0))
+    assert published_in_trace(Path("/r/trace.jsonl"), fs=m) == 1
+
+
+def test_a_publication_that_does_not_sync_the_trace_first_is_caught_by_a_power_cut(monkeypatch):
+    # The durability rule (docs/design.md §8): without the trace's fsync before the commit
+    # point, a power cut after it can leave a checkpoint whose steps the trace lost.
+    monkeypatch.setattr(Trace, "sync_flushed", lambda self: None)
+    found = simulate(300, seed=0)
+    assert found.violations
+    plan_, outcome = found.violations[0]
+    assert any(c.power for c in plan_.crashes)
+    assert any("lineage" in p for p in outcome.problems)

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..core.errors import CheckpointNotFound, FilesystemError, UserInputError
+from ..core.fs import FS
 from ..core.store import CheckpointStore
 from ..core.trace_schema import CHECKPOINT_PUBLISHED, STEP_COMMITTED
 from ..trace import event_lines, scan_trace
@@ -145,18 +146,19 @@ def start_point(
     return None
 
 
-def published_in_trace(trace_path: Path) -> int | None:
+def published_in_trace(trace_path: Path, *, fs: FS | None = None) -> int | None:
     """How many `checkpoint_published` lines the trace holds (None without a trace). A byte
-    search, not a parse: only a run directory without LATEST pays for it."""
+    search, not a parse: only a run directory without LATEST pays for it. `fs`: read
+    through that filesystem seam (the simulation's disk) instead of the real one."""
 
-    def count(m: mmap.mmap | None) -> int:
+    def count(m: mmap.mmap | bytes | None) -> int:
         n, at = 0, -1 if m is None else m.find(_PUBLISHED)
         while at >= 0:
             n += 1
             at = m.find(_PUBLISHED, at + 1)
         return n
 
-    return scan_trace(trace_path, count)
+    return scan_trace(trace_path, count, fs=fs)
 
 
 def last_committed_in_trace(trace_path: Path) -> int | None:

@@ -256,6 +256,10 @@ class Runner:
 
         def work():  # on a worker thread, while the loop keeps going
             t0 = time.perf_counter()
+            # No checkpoint covers a commit the durable trace lacks (docs/design.md §8): fsync
+            # what `_cut` flushed before the commit point, one fsync per checkpoint. It touches
+            # the open file only, not the trace's buffer, so the loop may go on emitting.
+            self.trace.sync_flushed()
             published = write_checkpoint(self.store, c, trainer_files=snapshot.files(), meta=meta,
                                          keep_last=self.cfg.checkpoint.keep_last, trainer_step=snapshot.step)
             return published, time.perf_counter() - t0

@@ -1,4 +1,5 @@
-"""The filesystem seam: every call the checkpoint store makes, reading and writing.
+"""The filesystem seam: every call the checkpoint store and the trace make, reading and
+writing.
 
 `FS` does the real system calls. Tests substitute a subclass that fails the n-th call of a
 kind, and `rollkeep simulate` substitutes an in-memory filesystem (`rollkeep.simulate.memfs`)
@@ -6,21 +7,73 @@ that can fail or tear any write, fsync or rename and forgets what was never fsyn
 the simulated machine loses power. Reads go through the same seam so a simulated restore
 sees exactly the simulated disk.
 
+Files written whole (the store's) are `write` + `fsync` by path; a file that only grows
+(the trace, later the journal) is an `AppendFile` from `open_append`, kept open by its
+writer. The handle has no buffer of its own: `write` hands the bytes to the OS (its page
+cache, which survives the death of the process), `fsync` makes them durable (they survive
+the machine's). A writer that batches its records keeps its own buffer (`rollkeep.trace`).
+
 Reading never blocks and never follows a symlink where a file is expected (see
-`rollkeep.core.untrusted`): a FIFO or a device is refused with OSError.
+`rollkeep.core.untrusted`): a FIFO or a device is refused with OSError; so is opening one
+to append to.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import stat
 from pathlib import Path
+from typing import Protocol
 
-from .untrusted import hash_regular, read_prefix, read_regular
+from .untrusted import hash_regular, open_append_fd, read_prefix, read_regular
 
 # What `kind_of` reports for a path.
 FILE, DIR, SYMLINK, OTHER = "file", "dir", "symlink", "other"
+
+
+class AppendFile(Protocol):
+    """An open file that only grows, from `FS.open_append`. Every call raises OSError on
+    failure (ENOSPC, EIO, ...); a failed `write` may have appended a prefix of its bytes."""
+
+    def write(self, data: bytes) -> None:
+        """Append all of `data` (to the OS: it survives a killed process, not a power cut)."""
+
+    def fsync(self) -> None:
+        """Make every byte written so far durable. Touches nothing but the open file, so it
+        may run on another thread than the writes (those that returned before it count)."""
+
+    def tail(self, n: int) -> bytes:
+        """The last `n` bytes of the file (fewer if it is shorter)."""
+
+    def close(self) -> None:
+        """Close the file (again: nothing)."""
+
+
+class OSAppendFile:
+    """`AppendFile` over a descriptor opened O_APPEND (`untrusted.open_append_fd`)."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+
+    def write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._fd, view) :]
+
+    def fsync(self) -> None:
+        os.fsync(self._fd)
+
+    def tail(self, n: int) -> bytes:
+        size = os.fstat(self._fd).st_size
+        n = min(n, size)
+        return os.pread(self._fd, n, size - n) if n > 0 else b""
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, -1  # a later call fails with EBADF, never on a reused number's file
+        if fd >= 0:
+            os.close(fd)
 
 
 class FS:
@@ -28,6 +81,23 @@ class FS:
 
     def mkdir(self, path: Path) -> None:
         os.mkdir(path, 0o755)
+
+    def makedirs(self, path: Path) -> None:
+        """Create the directory `path` and any missing parents; nothing if it exists (a
+        symlink to a directory counts). Built on `kind_of` and `mkdir`, so a subclass gets
+        it right for free."""
+        path = Path(path)
+        if self.kind_of(path) is None:
+            if path.parent != path:
+                self.makedirs(path.parent)
+            with contextlib.suppress(FileExistsError):  # made meanwhile by someone else
+                self.mkdir(path)
+
+    def open_append(self, path: Path) -> AppendFile:
+        """The regular file at `path`, created if missing, open for appending. A FIFO is
+        refused at once (never waited on), and so is a symlink (a planted link cannot
+        redirect the writes) and anything else that is not a regular file: OSError."""
+        return OSAppendFile(open_append_fd(path))
 
     def write(self, path: Path, data: bytes | bytearray | memoryview) -> None:
         """Create `path` (it must not exist) and write all of `data`; no fsync."""

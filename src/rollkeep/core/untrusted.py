@@ -33,6 +33,7 @@ __all__ = [
     "loads_json",
     "end_torn_line",
     "open_append",
+    "open_append_fd",
     "open_regular",
     "read_prefix",
     "read_regular",
@@ -176,11 +177,16 @@ def end_torn_line(f: Any) -> None:
         f.write(b"\n")
 
 
+def open_append_fd(path: str | Path) -> int:
+    """A descriptor of the regular file at `path` (created if missing) open for appending,
+    also readable with `os.pread` (to check for a torn last line). Never blocks on a FIFO
+    and refuses a symlink, so a planted link cannot redirect our writes."""
+    return _open_checked(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW)
+
+
 def open_append(path: str | Path) -> Any:
-    """A binary append-mode file object for the regular file at `path` (created if
-    missing), also readable with `os.pread` (to check for a torn last line). Never blocks
-    on a FIFO and refuses a symlink, so a planted link cannot redirect our writes."""
-    fd = _open_checked(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW)
+    """A binary append-mode file object over `open_append_fd(path)`."""
+    fd = open_append_fd(path)
     try:
         return os.fdopen(fd, "ab")
     except BaseException:

@@ -7,10 +7,12 @@ last made durable by an fsync of it, beside what the page cache holds now:
 - `kill()` (SIGKILL, preemption): the page cache survives; nothing changes.
 - `power_cut(rng)`: what was never fsynced is lost. Every directory goes back to its
   durable entries (a rename is in the old name or the new one, never both, never neither,
-  as assumption A1 of the store says); every file goes back to its durable bytes, and a
-  file never fsynced keeps a random prefix of what was written to it (a torn write).
-- faults: with `fault_rate`, a write, fsync or rename raises OSError (ENOSPC or EIO); a
-  failed write may have written a prefix first.
+  as assumption A1 of the store says); every file goes back to its durable bytes plus a
+  random prefix of what was written after them (a torn write; for a file appended to, such
+  as the trace, a torn last line).
+- faults: with `fault_rate`, a write, fsync or rename raises OSError (ENOSPC or EIO), and
+  so does an append or an fsync through an open file (`open_append`); a failed write may
+  have written a prefix first.
 - `freeze()`: the simulated process is dead. Every later call raises `SimCrash`, so the
   `except BaseException` clean-up paths of the store cannot run, exactly as under SIGKILL.
 """
@@ -23,7 +25,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..core.fs import DIR, FILE, FS
+from ..core.fs import DIR, FILE, FS, AppendFile
 
 
 class SimCrash(BaseException):
@@ -64,10 +66,13 @@ class MemFS(FS):
         for node in self._inodes.values():
             if node.kind == DIR:
                 node.entries = dict(node.synced_entries)
-            elif node.synced is not None:
-                node.data = bytearray(node.synced)
-            else:  # never fsynced: a torn write, possibly empty
-                node.data = node.data[: self.rng.randint(0, len(node.data))]
+                continue
+            durable = node.synced or b""
+            if len(node.data) > len(durable) and node.data.startswith(durable):
+                # what came after the durable bytes is torn to a random prefix, possibly empty
+                node.data = node.data[: self.rng.randint(len(durable), len(node.data))]
+            else:
+                node.data = bytearray(durable)
 
     def makedirs_durable(self, path: Path) -> None:
         """Create `path` and its parents, durably (what existed before the simulation)."""
@@ -155,6 +160,16 @@ class MemFS(FS):
         else:
             node.synced = bytes(node.data)
 
+    def open_append(self, path: Path) -> AppendFile:
+        self._alive()
+        parent, name = self._parent(path)
+        if name not in parent.entries:
+            parent.entries[name] = self._new(FILE)
+        node = self._inodes[parent.entries[name]]
+        if node.kind != FILE:
+            raise OSError(errno.EISDIR, "is a directory, not a regular file", str(path))
+        return _MemAppendFile(self, node, Path(path))
+
     def rename(self, src: Path, dst: Path) -> None:
         self._alive()
         sp, sname = self._parent(src)
@@ -210,3 +225,39 @@ class MemFS(FS):
     def hash(self, path: Path) -> tuple[int, str]:
         data = self.read(path)
         return len(data), hashlib.sha256(data).hexdigest()
+
+
+class _MemAppendFile:
+    """`AppendFile` over an inode (like a descriptor: a rename or unlink does not move it).
+    A write lands in the page cache (it survives `kill`), an fsync makes it durable."""
+
+    def __init__(self, fs: MemFS, node: _Inode, path: Path) -> None:
+        self._fs, self._node, self._path = fs, node, path
+        self._closed = False
+
+    def _open(self) -> None:
+        self._fs._alive()
+        if self._closed:
+            raise OSError(errno.EBADF, "Bad file descriptor", str(self._path))
+
+    def write(self, data: bytes) -> None:
+        self._open()
+        try:
+            self._fs._fault("write", self._path)
+        except OSError:
+            self._node.data += data[: self._fs.rng.randint(0, len(data))]
+            raise
+        self._node.data += data
+
+    def fsync(self) -> None:
+        self._open()
+        self._fs._fault("fsync", self._path)  # as `MemFS.fsync`: nothing more is durable
+        self._node.synced = bytes(self._node.data)
+
+    def tail(self, n: int) -> bytes:
+        self._open()
+        return bytes(self._node.data[-n:]) if n > 0 else b""
+
+    def close(self) -> None:
+        self._fs._alive()
+        self._closed = True

@@ -17,16 +17,21 @@ simulated time:
 A segment ends when the scheduler says Stop (the run is over), when an injected crash
 fires (a ledger event count or the n-th hit of a named crash point: the disk then keeps
 its page cache, or loses what was never fsynced), or when a simulated disk fault fails a
-checkpoint write (the process exits, as `rollkeep train` does with exit 5). The run is
-restarted until it finishes.
+checkpoint or trace write (the process exits, as `rollkeep train` does with exit 5). The
+run is restarted until it finishes.
 
-The trace is kept in memory as the real one is written: lines of the events that must
-survive (`trace.FLUSH_NOW`) at once, the others at the next flush (every 50 ms of
-simulated time), so a crash loses what a real crash loses.
+The trace is the real writer (`rollkeep.trace.Trace`, one per process with its run id, on
+the fake clock) on the simulated disk, used as the runner uses it: the events that must
+survive (`trace.FLUSH_NOW`) flushed at once, the others every 50 ms of simulated time, all
+of them at the cut, and fsynced before each checkpoint publication. A kill keeps every
+flushed line; a power cut keeps the synced ones and may tear the next. Everything read
+back -- the publications `start_point` counts, the lineage checked at the end -- is read
+from that disk, torn lines skipped as `read_trace` skips them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import random
@@ -35,14 +40,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import numpy as np
 import xxhash
 
-from ..controller.rundir import start_point
+from ..controller.rundir import published_in_trace, start_point
 from ..core import crashpoints
 from ..core.checkpoint import write_checkpoint
-from ..core.errors import ExternalError
+from ..core.errors import ExternalError, FilesystemError
 from ..core.events import DATA, INFRA, Event
 from ..core.generation import Completion, GenRequest
 from ..core.ledger import Ledger
@@ -65,20 +69,14 @@ from ..core.schedule import (
 )
 from ..core.source import PromptSource, SequenceDataset
 from ..core.store import CheckpointStore
-from ..core.trace_schema import (
-    CHECKPOINT_PUBLISHED,
-    FLUSH_NOW,
-    CheckpointPublished,
-    Restored,
-    RunEvent,
-    RunFinished,
-    RunStarted,
-)
-from ..lineage import exactly_once, lineage
+from ..core.trace_schema import CheckpointPublished, Restored, RunFailed, RunFinished, RunStarted
+from ..lineage import EVENTS, exactly_once, lineage
+from ..trace import Trace, parse_trace
 from ..trainers.toy import ToyTrainer
 from .memfs import MemFS, SimCrash
 
 RUN_DIR = Path("/sim/run")
+TRACE = RUN_DIR / "trace.jsonl"
 MAX_ACTIONS = 200_000  # per segment: a run that never ends is a violation, not a hang
 _FLUSH_S = 0.05
 
@@ -147,7 +145,12 @@ class Outcome:
     segments: int = 0
     digest: str | None = None  # final trainer digest of a finished run
     failed_by_design: str | None = None  # the run stopped with a user-facing error
-    trace_tail: list[dict[str, Any]] = field(default_factory=list)
+    trace: bytes = b""  # the simulated disk's trace at the end
+
+    @property
+    def trace_tail(self) -> list[dict[str, Any]]:
+        """The trace's last readable lines (for a violation's report)."""
+        return parse_trace(b"\n".join(self.trace.split(b"\n")[-41:]))[0]
 
 
 def _unit(*parts: object) -> float:
@@ -168,8 +171,7 @@ class World:
         self.store = CheckpointStore(RUN_DIR / "checkpoints", fs=self.fs)
         rows = [{"prompt": f"{i}+{i % 7}=", "answer": str(i + i % 7)} for i in range(plan.n_rows)]
         self.source = PromptSource(SequenceDataset(rows), seed=plan.seed % 2**31, epochs=plan.epochs)
-        self.lines: list[dict[str, Any]] = []  # the durable trace
-        self._buffer: list[dict[str, Any]] = []  # trace lines not flushed yet
+        self.trace: Trace | None = None  # the trace writer of the process running now
         self._pending = sorted(plan.crashes, key=lambda c: (c.point or "", c.at))
         self._events = 0  # ledger events of the whole run (crash injection counts them)
         self._hits: dict[str, int] = {}
@@ -192,11 +194,11 @@ class World:
                 except SimCrash as crash:
                     out.crashes += 1
                     out.fired.append(getattr(crash, "where", "?"))
-                    self._buffer.clear()  # unflushed trace lines die with the process
+                    self.trace = None  # its unflushed lines die with the process
                     self.fs.power_cut() if getattr(crash, "power", False) else self.fs.kill()
                     continue
-                except OSError:  # a simulated disk fault: `rollkeep train` exits 5
-                    self._flush()
+                except (OSError, FilesystemError) as e:  # a simulated disk fault: `rollkeep train` exits 5
+                    self._exit_failed(e)
                     continue
                 except ExternalError as e:  # e.g. a step shrank below its minimum
                     out.failed_by_design = str(e)
@@ -207,14 +209,26 @@ class World:
             out.problems.append(f"{type(e).__name__}: {e}")
         finally:
             crashpoints.set_handler(None)
+        self.fs.kill()  # the last process is over, however it ended
         out.faults = self.fs.faults
+        if self.fs.kind_of(TRACE) is not None:
+            out.trace = self.fs.read(TRACE)
         if not out.problems and out.failed_by_design is None:
             self._check(out)
-        out.trace_tail = (self.lines + self._buffer)[-40:]
         return out
 
+    def _exit_failed(self, e: BaseException) -> None:
+        """The process stops with an error, as the runner does: the failure traced if the
+        trace still takes writes, and the trace closed (flushed)."""
+        if self.trace is not None:
+            with contextlib.suppress(FilesystemError):
+                self.trace.emit(RunFailed(step=None, error=f"{type(e).__name__}: {e}"))
+            with contextlib.suppress(FilesystemError):
+                self.trace.close()
+        self.trace = None
+
     def _check(self, out: Outcome) -> None:
-        lin = lineage(self.lines)
+        lin = lineage(parse_trace(out.trace, events=EVENTS)[0])  # torn lines skipped, as `read_trace` does
         try:
             restored = restore_chain(self.store, source=self.source, config=None)
         except Exception as e:
@@ -245,38 +259,24 @@ class World:
         else:
             ledger = Ledger(n_rows=self.source.n_rows, seed=self.source.seed, epochs=self.source.epochs)
         self.store.cleanup_tmp()
+        self.trace = Trace(TRACE, self.run_id, fs=self.fs, clock=lambda: self.now)
         sched = Scheduler(ledger=ledger, rows=rows, source=self.source,
                           sampler=make_sampler(plan.sampler, plan.limits), settings=s)
-        sched.subscribe(self._trace_event)
+        sched.subscribe(self.trace.ledger_event)
         sched.subscribe(self._count_event)
         sched.subscribe(lambda ev: crashpoints.hit("ledger." + ev.__struct_config__.tag))
-        self._emit(RunStarted(resumed_from_step=None if restored is None else ledger.version,
-                              checkpoint=None if restored is None else restored.name))
+        self.trace.emit(RunStarted(resumed_from_step=None if restored is None else ledger.version,
+                                   checkpoint=None if restored is None else restored.name))
         counts = sched.start(restored, epochs=self.source.epochs)
         if restored is not None:
-            self._emit(Restored(checkpoint=restored.name, step=ledger.version,
-                                cut_time=restored.manifest.get("cut_time"), **counts))
+            self.trace.emit(Restored(checkpoint=restored.name, step=ledger.version,
+                                     cut_time=restored.manifest.get("cut_time"), **counts))
         return _Process(self, sched, trainer).drive()
 
     def _published(self) -> int | None:
-        return sum(line["event"] == CHECKPOINT_PUBLISHED for line in self.lines) if self.lines else None
+        return published_in_trace(TRACE, fs=self.fs)
 
-    # ================================================================== trace and crashes
-
-    def _emit(self, ev: RunEvent | Event) -> None:
-        self._line(msgspec.to_builtins(ev))
-
-    _trace_event = _emit
-
-    def _line(self, body: dict[str, Any]) -> None:
-        line = {"t": self.now, "run_id": self.run_id, **body}
-        self._buffer.append(line)
-        if line["event"] in FLUSH_NOW:
-            self._flush()
-
-    def _flush(self) -> None:
-        self.lines.extend(self._buffer)
-        self._buffer.clear()
+    # ================================================================== crashes
 
     def _count_event(self, ev: Event) -> None:
         self._events += 1
@@ -324,6 +324,7 @@ class _Process:
                 elif isinstance(cmd, Cut):
                     captured = self.sched.capture(now=w.now)
                     snapshot = self.trainer.snapshot()
+                    w.trace.flush()  # as the runner's `_cut`: every commit it covers is in the trace
                     crashpoints.hit("checkpoint.after_cut")
                     self.later(_between(script.write_s, w.plan.seed, "write", cmd.step, w.now),
                                lambda c=cmd, cap=captured, snap=snapshot: self._write(c, cap, snap))
@@ -331,21 +332,21 @@ class _Process:
                     self.later(_between(script.refit_s, w.plan.seed, "refit", cmd.version),
                                lambda v=cmd.version: self._refit(v))
                 elif isinstance(cmd, Note):
-                    w._emit(cmd.event)
+                    w.trace.emit(cmd.event)
                 elif isinstance(cmd, WakeAt):
                     if cmd.time > w.now:
                         heapq.heappush(self.queue, (cmd.time, next(self.seq), lambda: None))
                 elif isinstance(cmd, Stop):
-                    w._emit(RunFinished(step=self.sched.version, weights_sha256=self.trainer.weights_sha256(),
-                                        reason=cmd.reason.value))
-                    w._flush()
+                    w.trace.emit(RunFinished(step=self.sched.version, weights_sha256=self.trainer.weights_sha256(),
+                                             reason=cmd.reason.value))
+                    w.trace.close()
                     return "finished"
             if not self.queue:
                 raise RuntimeError(f"the scheduler waits for nothing (phase {self.sched.phase.value})")
             t, _, fn = heapq.heappop(self.queue)
             w.now = max(w.now, t)
             if w.now >= self.next_flush:
-                w._flush()
+                w.trace.flush()
                 self.next_flush = w.now + _FLUSH_S
             fn()
         raise RuntimeError(f"the run did not stop within {MAX_ACTIONS} simulated actions")
@@ -389,7 +390,8 @@ class _Process:
         w = self.w
         meta = {"dataset": {"n_rows": w.source.n_rows, "seed": w.source.seed, "epochs": w.source.epochs,
                             "fingerprint": w.source.fingerprint()}, "config": {}}
+        w.trace.sync_flushed()  # as the runner's `_write`: the durable trace has every commit first
         published = write_checkpoint(w.store, captured, trainer_files=snapshot.files(), meta=meta,
                                      keep_last=w.plan.keep_last, trainer_step=snapshot.step)
-        w._emit(CheckpointPublished(step=cmd.step, name=published.name, cut_time=captured.time))
+        w.trace.emit(CheckpointPublished(step=cmd.step, name=published.name, cut_time=captured.time))
         self.sched.on_cut_written(cmd.step)
