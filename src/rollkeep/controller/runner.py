@@ -29,7 +29,6 @@ from typing import Any
 from ..config import Config, semantic
 from ..core import crashpoints
 from ..core.checkpoint import write_checkpoint
-from ..core.configdiff import fingerprint
 from ..core.errors import FilesystemError
 from ..core.events import ALL_EVENTS, DATA, INFRA, Event, event_name
 from ..core.samplers import check_limits
@@ -54,9 +53,8 @@ from ..progress import RunProgress
 from ..tasks import reward_fn
 from ..trace import Trace
 from ..trainers import Trainer
-from ..version import rollkeep_version
 from .metrics import MetricsLog, Throughput, progress_fields, step_record
-from .startup import open_run
+from .startup import checkpoint_meta, open_run
 from .summary import RunResult, restarts_in_trace, summary_lines
 
 for _ev in ALL_EVENTS:
@@ -248,11 +246,7 @@ class Runner:
         self._tg.create_task(self._write(cmd, captured, snapshot, snapshot_seconds))
 
     async def _write(self, cmd: Cut, c: Any, snapshot: Any, snapshot_seconds: float) -> None:
-        src = self.source
-        meta = {"dataset": {"n_rows": src.n_rows, "seed": src.seed, "epochs": src.epochs,
-                            "fingerprint": src.fingerprint()},
-                "config": self.semantic, "config_fingerprint": fingerprint(self.semantic),
-                "rollkeep_version": rollkeep_version(), "run_id": self.trace.run_id}
+        meta = checkpoint_meta(self.source, self.semantic, self.trace.run_id)
 
         def work():  # on a worker thread, while the loop keeps going
             t0 = time.perf_counter()

@@ -30,6 +30,7 @@ from ..core.trace_schema import Restored, RunStarted
 from ..progress import RunProgress
 from ..trace import Trace
 from ..trainers import Trainer
+from ..version import rollkeep_version
 from .metrics import MetricsLog
 from .rundir import last_committed_in_trace
 
@@ -106,6 +107,15 @@ def open_run(
                             config_changes=[list(c) for c in restored.config_changes]))
         progress.note(restore_banner(restored.name, counts, redone))
     return sched, trace, metrics, progress
+
+
+def checkpoint_meta(source: PromptSource, semantic: dict[str, Any], run_id: str) -> dict[str, Any]:
+    """What every checkpoint of the run records besides custody and the trainer: the
+    dataset and the semantic config a restore checks (restore steps 7 and 8), the writer."""
+    return {"dataset": {"n_rows": source.n_rows, "seed": source.seed, "epochs": source.epochs,
+                        "fingerprint": source.fingerprint()},
+            "config": semantic, "config_fingerprint": fingerprint(semantic),
+            "rollkeep_version": rollkeep_version(), "run_id": run_id}
 
 
 def restore_banner(name: str, counts: dict[str, Any], steps_redone: list[int]) -> str:
