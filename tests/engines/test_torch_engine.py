@@ -1,6 +1,7 @@
 """The built-in torch engine and its sampling: counter-based randomness, nucleus sampling,
 reproducibility of a request whatever shares its batch, KV-cache correctness, stopping,
-cancellation, failure isolation, and weight updates when idle and in flight.
+cancellation, failure isolation, weight updates when idle and in flight (a newer one
+superseding a queued one), and close().
 
 No test sleeps: ordering comes from a forward hook that blocks the worker thread on a
 `threading.Event` (`Gate`), from `asyncio.to_thread(event.wait)`, and from asyncio's
@@ -512,3 +513,154 @@ def test_update_weights_while_a_batch_runs(in_flight):
         assert c.logprobs[3:].tobytes() != baseline.logprobs[3:].tobytes()
     else:
         assert same(c, baseline)  # the whole batch ran under version 0
+
+
+def test_newer_updates_queued_during_a_batch_supersede_older_ones():
+    model = make_model()
+    w1, w2 = perturbed_state(model, 1), perturbed_state(model, 2)
+    reference_model = make_model()
+    reference_model.load_state_dict(w2)
+
+    async def main():
+        engine = make_engine(model)
+        reference = make_engine(reference_model)
+        gate = Gate(engine)
+        try:
+            p = gate.pause(lambda idx, start: idx.size(1) == len(BLOCKER) + 1)
+            blocker = asyncio.create_task(engine.generate(req(BLOCKER, 999)))
+            await asyncio.to_thread(p.entered.wait)
+            u1 = asyncio.create_task(engine.update_weights(w1, 1))  # busy worker: both queue
+            u2 = asyncio.create_task(engine.update_weights(w2, 2))
+            asyncio.get_running_loop().call_soon(p.release.set)  # after both queued
+            await u1
+            version_when_the_older_returned = engine.version
+            await u2
+            await blocker
+            after = await engine.generate(req("12+34=", 5))
+            expected = await reference.generate(req("12+34=", 5))
+            return version_when_the_older_returned, after, expected
+        finally:
+            await engine.close()
+            await reference.close()
+
+    version_when_the_older_returned, after, expected = asyncio.run(main())
+    assert version_when_the_older_returned == 2  # it returned once the newer was loaded
+    assert after.versions.tolist() == [2] * len(after.versions)
+    assert np.array_equal(after.completion_ids, expected.completion_ids)  # the newer weights
+    assert after.logprobs.tobytes() == expected.logprobs.tobytes()
+
+
+def test_an_update_cancelled_while_queued_is_not_loaded():
+    model = make_model()
+
+    async def main():
+        engine = make_engine(model)
+        gate = Gate(engine)
+        loop = asyncio.get_running_loop()
+        try:
+            p = gate.pause(lambda idx, start: idx.size(1) == len(BLOCKER) + 1)
+            blocker = asyncio.create_task(engine.generate(req(BLOCKER, 999)))
+            await asyncio.to_thread(p.entered.wait)
+            update = asyncio.create_task(engine.update_weights(perturbed_state(model), 1))
+            loop.call_soon(update.cancel)  # after it queued its refit
+            with pytest.raises(asyncio.CancelledError):
+                await update  # done: its future was cancelled before the task finished
+            p.release.set()
+            await blocker
+            c = await engine.generate(req("12+34=", 5))
+            return engine.version, c, engine.model.ln_f.weight.clone()
+        finally:
+            await engine.close()
+
+    version, c, w = asyncio.run(main())
+    assert version == 0 and c.versions.tolist() == [0] * len(c.versions)
+    assert torch.equal(w, model.ln_f.weight)
+
+
+def test_a_weight_load_that_fails_is_an_infra_error_idle_or_busy():
+    model = make_model()
+    bad = dict(model.state_dict())
+    bad["ln_f.weight"] = torch.empty(bad["ln_f.weight"].shape, device="meta")  # fits, but has no data
+
+    async def main():
+        engine = make_engine(model)
+        gate = Gate(engine)
+        try:
+            with pytest.raises(InfraError, match="loading weights of version 1 failed") as idle:
+                await engine.update_weights(bad, 1)  # idle worker: loaded on the loop
+            p = gate.pause(lambda idx, start: idx.size(1) == len(BLOCKER) + 1)
+            blocker = asyncio.create_task(engine.generate(req(BLOCKER, 999)))
+            await asyncio.to_thread(p.entered.wait)
+            busy = asyncio.create_task(engine.update_weights(bad, 2))  # busy: the worker loads it
+            asyncio.get_running_loop().call_soon(p.release.set)
+            busy_error = (await asyncio.gather(busy, return_exceptions=True))[0]
+            await blocker
+            ok = await engine.generate(req("1+2=", 1))  # the worker lives on
+            return idle.value, busy_error, engine.version, ok
+        finally:
+            await engine.close()
+
+    idle, busy, version, ok = asyncio.run(main())
+    assert isinstance(idle.__cause__, NotImplementedError)
+    assert isinstance(busy, InfraError) and "version 2" in str(busy) and isinstance(busy.__cause__, NotImplementedError)
+    assert version == 0 and ok.versions.tolist() == [0] * len(ok.versions)
+
+
+# ====================================================================== queue and close
+
+
+def test_a_request_cancelled_while_queued_is_never_run():
+    doomed_prompt = "1234567+1="  # 11 tokens with BOS: no other prompt here has that length
+
+    async def main():
+        engine = make_engine(max_new_tokens=4)
+        gate = Gate(engine)
+        lengths = []
+        gate.pause(lambda idx, start: lengths.append(idx.size(1)) and False)  # records, never blocks
+        loop = asyncio.get_running_loop()
+        try:
+            p = gate.pause(lambda idx, start: idx.size(1) == len(BLOCKER) + 1)
+            blocker = asyncio.create_task(engine.generate(req(BLOCKER, 999)))
+            await asyncio.to_thread(p.entered.wait)
+            doomed = asyncio.create_task(engine.generate(req(doomed_prompt, 2)))
+            loop.call_soon(doomed.cancel)  # after it queued its request
+            with pytest.raises(asyncio.CancelledError):
+                await doomed
+            p.release.set()
+            await blocker
+            ok = await engine.generate(req("1+1=", 3))  # the worker still serves
+            return lengths, ok
+        finally:
+            await engine.close()
+
+    lengths, ok = asyncio.run(main())
+    assert len(doomed_prompt) + 1 not in lengths  # never prefilled
+    assert len("1+1=") + 1 in lengths and len(ok.completion_ids) >= 1
+
+
+def test_close_fails_what_is_queued_lets_the_running_batch_finish_and_joins_the_worker():
+    model = make_model()
+
+    async def main():
+        engine = make_engine(model, max_new_tokens=4)
+        gate = Gate(engine)
+        try:
+            p = gate.pause(lambda idx, start: idx.size(1) == len(BLOCKER) + 1)
+            running = asyncio.create_task(engine.generate(req(BLOCKER, 999)))
+            await asyncio.to_thread(p.entered.wait)
+            queued = asyncio.create_task(engine.generate(req("12+34=", 1)))
+            update = asyncio.create_task(engine.update_weights(perturbed_state(model), 1))
+            closing = asyncio.create_task(engine.close())
+            asyncio.get_running_loop().call_soon(p.release.set)  # after close() shut the inbox
+            out = await asyncio.gather(running, queued, update, closing, return_exceptions=True)
+            with pytest.raises(InfraError, match="used after close"):
+                await engine.generate(req("1+2=", 2))
+            return out, engine._thread.is_alive(), engine.version
+        finally:
+            await engine.close()  # a second close is harmless
+
+    (running, queued, update, closed), alive, version = asyncio.run(main())
+    assert isinstance(running, Completion) and len(running.completion_ids) >= 1
+    assert isinstance(queued, InfraError) and "closed before generating" in str(queued)
+    assert isinstance(update, InfraError) and "closed before loading pending weights" in str(update)
+    assert closed is None and not alive and version == 0

@@ -31,7 +31,7 @@ import numpy as np
 from ..core.errors import CustodyError, UserInputError
 from ..models.hf import load_pretrained
 from .base import Completion, DataError, GenRequest, InfraError
-from .inbox import Inbox, Refit, settle
+from .inbox import Inbox, Refit, settle, take_batch
 
 
 @dataclass(eq=False)
@@ -127,29 +127,17 @@ class HFEngine:
     def _work(self) -> None:
         while True:
             with self._inbox.cv:
-                self._inbox.cv.wait_for(lambda: self._jobs or self._refits or self._inbox.closing)
+                self._inbox.wait(lambda: self._jobs or self._refits)
                 if self._refits:
                     refit, batch = self._refits.popleft(), []
                 elif self._jobs:
-                    refit, batch = None, self._take_batch()
+                    refit, batch = None, take_batch(self._jobs, self.max_batch_size)
                 else:
                     return  # closing, and nothing is left
             if refit is not None:
                 self._refit(refit)
             elif batch:
                 self._run(batch)
-
-    def _take_batch(self) -> list[_Job]:
-        """The oldest live request and the next ones of its prompt length (queue order).
-        Requests cancelled while queued are dropped here. Called with the lock held."""
-        live = [j for j in self._jobs if not j.future.cancelled()]
-        if not live:
-            self._jobs.clear()
-            return []
-        n = len(live[0].prompt_ids)
-        batch = [j for j in live if len(j.prompt_ids) == n][: self.max_batch_size]
-        self._jobs = deque(j for j in live if j not in batch)
-        return batch
 
     def _refit(self, refit: Refit) -> None:
         if refit.future.cancelled():

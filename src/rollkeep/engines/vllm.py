@@ -499,7 +499,7 @@ class VLLMEngine:
         live = self._live
         while True:
             with self._inbox.cv:
-                self._inbox.cv.wait_for(lambda: live or self._adds or self._aborts or self._refits or self._inbox.closing)
+                self._inbox.wait(lambda: live or self._adds or self._aborts or self._refits)
                 closing = self._inbox.closing
                 adds, aborts, refits = list(self._adds), list(self._aborts), list(self._refits)
                 self._adds.clear()
