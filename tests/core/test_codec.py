@@ -18,6 +18,7 @@ from rollkeep.core.ledger import Ledger
 SCHEMA_LOCK = {
     1: "1e677cca9635033f08255aeb77e10df9a8ef2857c16899b23eb9469ac6858afb",
     2: "1a8c5c1f1069cc2a1245bbb76c1683ad6ec9187e9ec651cb62181dd867de5f29",
+    3: "31f42f1e44f9dd1b9d023a508199a9d88c706d8761694b9d6c2a8b5de395a53a",
 }
 
 

@@ -150,10 +150,37 @@ def test_step_records_account_for_every_trained_key(counts):
 
 def _as_schema_1(led: Ledger) -> bytes:
     doc = msgspec.msgpack.decode(codec.encode(led.capture()))
-    for key in ("steps", "max_prompts_per_step", "max_window"):
+    for key in ("steps", "max_prompts_per_step", "max_window", "max_version"):
         del doc[key]
     doc["schema"] = 1
     return msgspec.msgpack.encode(doc)
+
+
+def test_a_schema_2_ledger_is_read_through_its_migration():
+    led = Ledger(n_rows=40, seed=0, epochs=1)
+    led.apply(Configured(num_prompts_per_step=2, window=1, epochs=1))
+    for _ in range(2):
+        gids = [take(led, led.version + 1) for _ in range(2)]
+        for gid in gids:
+            ready(led, gid)
+        commit(led, gids)
+    doc = msgspec.msgpack.decode(codec.encode(led.capture()))
+    del doc["max_version"]
+    doc["schema"] = 2
+    state = codec.decode(msgspec.msgpack.encode(doc))
+    assert state.max_version == state.version == 2  # a schema-2 ledger never went back
+    assert codec.encode(state) == codec.encode(led.capture())
+
+
+def test_a_max_version_below_the_version_is_refused():
+    led = Ledger(n_rows=40, seed=0, epochs=1)
+    gids = [take(led, 1)]
+    ready(led, gids[0])
+    commit(led, gids)
+    doc = msgspec.msgpack.decode(codec.encode(led.capture()))
+    doc["max_version"] = 0
+    with pytest.raises(LedgerDecodeError, match="max_version 0 below the version 1"):
+        codec.decode(msgspec.msgpack.encode(doc))
 
 
 def test_a_schema_1_ledger_is_read_through_its_migration():

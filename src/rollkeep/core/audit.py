@@ -74,6 +74,11 @@ def check_records(state: LedgerState) -> list[str]:
         bad.append(f"cursor {tuple(c)} past the last epoch {state.epochs}")
     if version < 0:
         bad.append(f"version {version} < 0")
+    # What was recorded at the newest version reached counts against it (LedgerState.max_version).
+    top = state.max_version
+    if top < version:
+        bad.append(f"max_version {top} below the version {version}")
+        top = version
     window = state.max_window
     zeros: dict[int, bytes] = {}
     for gid, r in state.groups.items():
@@ -113,8 +118,8 @@ def check_records(state: LedgerState) -> list[str]:
                 bad.append(f"group {gid}: RESERVED but some attempt was dispatched")
             if r.target_step is not None or r.start_version is not None:
                 bad.append(f"group {gid}: RESERVED but carries a target step or start version")
-        elif r.start_version is None or not (0 <= r.start_version <= version):
-            bad.append(f"group {gid}: admitted with start version {r.start_version} (version {version})")
+        elif r.start_version is None or not (0 <= r.start_version <= top):
+            bad.append(f"group {gid}: admitted with start version {r.start_version} (newest version {top})")
         if s == _S_GENERATING and sealed == n:
             bad.append(f"group {gid}: GENERATING with every sibling sealed")
         if s >= _S_RTF and sealed != n:
@@ -140,7 +145,7 @@ def check_records(state: LedgerState) -> list[str]:
             )
         if r.advantages is not None and not all(abs(a) <= MAX_ADVANTAGE for a in r.advantages):
             bad.append(f"I6 group {gid}: advantages not finite or beyond {MAX_ADVANTAGE:g}: {r.advantages[:4]}")
-    horizon = None if window is None else version + 1 + window
+    horizon = None if window is None else top + 1 + window
     limit = state.max_prompts_per_step
     for step, n in state.shortfall.items():
         if step <= version or n < 1:

@@ -28,8 +28,8 @@ from .errors import LedgerDecodeError, SchemaUnsupported
 from .keys import Key, group_id
 from .ledger import GroupRecord, LedgerState, StepRun
 
-LEDGER_SCHEMA = 2
-SUPPORTED_LEDGER_SCHEMAS = frozenset({1, 2})
+LEDGER_SCHEMA = 3
+SUPPORTED_LEDGER_SCHEMAS = frozenset({1, 2, 3})
 
 
 def _from_schema_1(doc: dict) -> dict:
@@ -42,8 +42,14 @@ def _from_schema_1(doc: dict) -> dict:
     return {**doc, "schema": 2, "steps": steps, "max_prompts_per_step": None, "max_window": None}
 
 
+def _from_schema_2(doc: dict) -> dict:
+    """Schema 2 → 3: schema 3 records the newest version the ledger reached
+    (`max_version`); a schema-2 ledger never went back, so it is its version."""
+    return {**doc, "schema": 3, "max_version": doc.get("version")}
+
+
 #: schema version → function upgrading a decoded msgpack document by one version.
-MIGRATIONS: dict[int, Callable[[dict], dict]] = {1: _from_schema_1}
+MIGRATIONS: dict[int, Callable[[dict], dict]] = {1: _from_schema_1, 2: _from_schema_2}
 
 
 class DroppedEntry(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -68,6 +74,7 @@ class LedgerWire(msgspec.Struct, forbid_unknown_fields=True):
     steps: list[StepRun]  # committed steps 1..version, as runs of equal counts
     max_prompts_per_step: int | None
     max_window: int | None
+    max_version: int  # the newest version reached (LedgerState.max_version)
 
 
 class _Header(msgspec.Struct):
@@ -95,6 +102,7 @@ def encode(state: LedgerState) -> bytes:
         steps=list(state.steps),
         max_prompts_per_step=state.max_prompts_per_step,
         max_window=state.max_window,
+        max_version=max(state.max_version, state.version),
     )
     return _encoder.encode(wire)
 
@@ -218,6 +226,7 @@ def _to_state(w: LedgerWire, path: str) -> LedgerState:
         steps=tuple(w.steps),
         max_prompts_per_step=w.max_prompts_per_step,
         max_window=w.max_window,
+        max_version=w.max_version,
     )
     if w.n_rows < 1:
         raise _fail(path, "$.n_rows", "the dataset size must be at least 1", str(w.n_rows))

@@ -166,6 +166,7 @@ class Ledger:
         self._steps: list[StepRun] = []
         self._max_prompts_per_step: int | None = None
         self._max_window: int | None = None
+        self._max_version = 0  # see LedgerState.max_version
         # Copy-on-write bookkeeping (see module docstring).
         self._shared = False  # containers above are referenced by a captured state
         self._owned: set[str] = set()  # records created or copied since the last capture
@@ -240,6 +241,7 @@ class Ledger:
             steps=self._steps,
             max_prompts_per_step=self._max_prompts_per_step,
             max_window=self._max_window,
+            max_version=self._max_version,
         )
 
     @classmethod
@@ -256,6 +258,7 @@ class Ledger:
         ledger._steps = list(state.steps)
         ledger._max_prompts_per_step = state.max_prompts_per_step
         ledger._max_window = state.max_window
+        ledger._max_version = max(state.max_version, state.version)
         ledger._shared = True  # records and bitmaps are still the state's
         for gid in sorted(ledger._groups, key=lambda g: ledger._groups[g].key):
             ledger._index_add(gid, ledger._groups[gid])
@@ -900,6 +903,7 @@ class Ledger:
                 bm = self._trained[rec.epoch] = BitMap()
             bm.add(rec.ordinal)
         self._version = ev.step
+        self._max_version = max(self._max_version, ev.step)
         self._record_step(ev.step, len(ev.group_ids), self._shortfall.pop(ev.step, 0))
         return tuple(freed)
 

@@ -173,5 +173,10 @@ class LedgerState(msgspec.Struct, frozen=True):
     steps: Sequence[StepRun] = ()  # committed steps 1..version (I5)
     max_prompts_per_step: int | None = None  # widest ever configured; None = not yet
     max_window: int | None = None
+    # The newest weight version this ledger has reached. A restore that replays the journal
+    # past its checkpoint and then takes back the steps whose trainer state is gone (`replay`)
+    # lowers `version` but not this: the bounds of I6 on what those steps left (start
+    # versions, stamps, drops) are honest against the version they were recorded at.
+    max_version: int = 0
 
 
