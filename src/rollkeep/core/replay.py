@@ -1,0 +1,120 @@
+"""Restore = a checkpoint + the journal's tail after it (docs/design.md §9).
+
+`replay(base, rows, tail)` applies the events a killed process made durable after its
+checkpoint, each through the same `Ledger.apply` that validated it the first time, so a
+tail that does not continue this checkpoint's ledger is refused event by event. It then
+**takes back the steps committed after the checkpoint**: their trainer state died with
+the process (the checkpoint's trainer is at the checkpoint's step), so those steps are
+trained again, from the same groups and rows, not generated again:
+
+    version         back to the checkpoint's step; `max_version` keeps the newest reached
+    their groups    back in REPLAY as READY, with their advantages, stamps and rows
+    TRAINED         their keys leave it; the step records end at the checkpoint's step
+    shortfalls      a taken-back step is short again by what it was short when committed
+    a claim         (of the step in progress at the kill) is released: READY again
+
+Everything else the tail did stays done: takes, admissions, dispatches, seals (their rows
+come with the tail), failures, drops and their reasons. Rows a taken-back step freed are
+kept for its groups; rows the tail freed otherwise are gone from the result.
+
+Pure: no IO. The caller reads the tail (`rollkeep.core.journal`) and the rows its seals
+reference (`rollkeep.core.rowlog`), and hands `replay` the events with each seal's row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import msgspec
+from pyroaring import BitMap
+
+from .errors import IllegalTransition
+from .events import Event, Sealed, StepCommitted
+from .ledger import GroupRecord, GroupState, Ledger, LedgerState, StepRun
+from .records import _copy_record
+from .rows import Row, RowId
+
+__all__ = ["Replayed", "replay", "take_back"]
+
+
+@dataclass(frozen=True)
+class Replayed:
+    state: LedgerState  # the ledger as of the tail's last event, its later steps taken back
+    rows: dict[RowId, Row]  # every row the state references
+    events: int  # tail events applied
+    steps_taken_back: list[int]  # [first, last] committed after the checkpoint, or []
+    groups_returned: int  # their groups, READY again: trained again, not regenerated
+
+
+def replay(base: LedgerState, rows: Mapping[RowId, Row], tail: Iterable[tuple[Event, Row | None]]) -> Replayed:
+    """`tail`: the events after the checkpoint whose state is `base`, in order, each
+    `Sealed` with its row (None for every other event). Raises `IllegalTransition` naming
+    the first event that does not continue the ledger."""
+    ledger = Ledger.from_state(base)
+    live = dict(rows)
+    returned: dict[str, GroupRecord] = {}  # groups of the steps to take back, as claimed
+    n = 0
+    for ev, row in tail:
+        if isinstance(ev, Sealed):
+            if row is None:
+                raise ValueError(f"tail event {n + 1}: a seal without its row ({ev.group_id} sibling {ev.generation})")
+            live[RowId(ev.group_id, ev.generation, ev.attempt)] = row
+        elif isinstance(ev, StepCommitted):
+            returned.update((gid, _copy_record(ledger.group(gid))) for gid in ev.group_ids if gid in ledger)
+        try:
+            freed = ledger.apply(ev)
+        except IllegalTransition as e:
+            raise IllegalTransition(
+                f"journal event {n + 1} after the checkpoint does not continue its ledger: {e.what}",
+                expected=e.expected, found=e.found,
+                remedy="the journal belongs to another lineage or is damaged; resume from the checkpoint "
+                "alone with journal.enabled=false, or start over in a new run_dir",
+            ) from None
+        n += 1
+        for gid, gen, att in freed:
+            if gid not in returned:  # a taken-back step's groups keep their rows
+                live.pop(RowId(gid, gen, att), None)
+    killed = ledger.capture()
+    state = take_back(killed, base.version, returned)
+    steps = [base.version + 1, killed.version] if killed.version > base.version else []
+    referenced = {RowId(gid, g, rec.attempts[g]) for gid, rec in state.groups.items()
+                  for g, s in enumerate(rec.status) if s == 2}  # AttemptStatus.SEALED
+    return Replayed(state, {rid: r for rid, r in live.items() if rid in referenced}, n, steps, len(returned))
+
+
+def take_back(state: LedgerState, step: int, committed: Mapping[str, GroupRecord]) -> LedgerState:
+    """`state` with the steps after `step` taken back (see the module docstring).
+    `committed`: each group those steps trained, as it was when claimed."""
+    if state.version < step:
+        raise ValueError(f"cannot take back to step {step}: the ledger is at step {state.version}")
+    groups = dict(state.groups)
+    for gid, rec in list(groups.items()):  # the claim of the step in progress is released
+        if rec.state == GroupState.CLAIMED:
+            groups[gid] = _as_ready(rec)
+    trained = {e: BitMap(b) for e, b in state.trained.items()}
+    for gid, rec in committed.items():
+        if rec.claim_step is None or rec.claim_step <= step:
+            continue  # trained before the checkpoint: not in the tail's commits
+        groups[gid] = _as_ready(rec)
+        trained[rec.epoch].discard(rec.ordinal)
+    kept, shortfall = [], dict(state.shortfall)
+    for run in state.steps:
+        if run.last <= step:
+            kept.append(run)
+            continue
+        if run.first <= step:
+            kept.append(StepRun(run.first, step, run.groups, run.shortfall))
+        if run.shortfall:
+            for s in range(max(run.first, step + 1), run.last + 1):
+                shortfall[s] = shortfall.get(s, 0) + run.shortfall
+    return msgspec.structs.replace(
+        state, version=step, groups=groups, trained={e: b for e, b in trained.items() if b},
+        shortfall=shortfall, steps=tuple(kept), max_version=max(state.max_version, state.version))
+
+
+def _as_ready(rec: GroupRecord) -> GroupRecord:
+    out = _copy_record(rec)
+    out.state = int(GroupState.READY)
+    out.claim_step = None
+    return out
