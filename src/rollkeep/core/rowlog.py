@@ -196,7 +196,14 @@ def _encode_row(row_id: RowId, row: Row) -> bytes:
 def _row_of(payload: bytes | memoryview) -> tuple[RowId, Row]:
     """Decode one row payload strictly; ValueError (msgspec.ValidationError is one) says
     what is wrong."""
-    w = _decode_row(payload)
+    try:
+        w = _decode_row(payload)
+    except msgspec.ValidationError as e:  # "... - at `$[4]`": name the field
+        m = re.search(r"`\$\[(\d+)\]", str(e))
+        fields = _RowWire.__struct_fields__
+        if m and int(m.group(1)) < len(fields):
+            raise ValueError(f"{fields[int(m.group(1))]}: {e}") from None
+        raise
     arrays = []
     for name, dtype in (
         ("prompt_ids", _I32),
