@@ -27,7 +27,7 @@ import stat
 from pathlib import Path
 from typing import Protocol
 
-from .untrusted import hash_regular, open_append_fd, read_prefix, read_regular
+from .untrusted import hash_regular, open_append_fd, open_regular, read_prefix, read_regular
 
 # What `kind_of` reports for a path.
 FILE, DIR, SYMLINK, OTHER = "file", "dir", "symlink", "other"
@@ -170,6 +170,22 @@ class FS:
     def read_prefix(self, path: Path, n: int) -> bytes:
         """At most the first `n` bytes of the regular file at `path`."""
         return read_prefix(path, n)
+
+    def read_range(self, path: Path, offset: int, n: int) -> bytes:
+        """The `n` bytes of the regular file at `path` from `offset` (fewer only at the end
+        of the file). Like `read`: no symlink, never blocks on a FIFO."""
+        if offset < 0 or n < 0:
+            raise ValueError(f"read_range needs offset >= 0 and n >= 0, got {offset}, {n}")
+        fd = open_regular(path)
+        try:
+            chunks, pos, left = [], offset, n
+            while left > 0 and (chunk := os.pread(fd, left, pos)):
+                chunks.append(chunk)
+                pos += len(chunk)
+                left -= len(chunk)
+            return b"".join(chunks)
+        finally:
+            os.close(fd)
 
     def hash(self, path: Path) -> tuple[int, str]:
         """(size, sha256 hex) of the regular file at `path`, streaming."""

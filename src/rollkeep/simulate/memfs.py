@@ -222,6 +222,12 @@ class MemFS(FS):
     def read_prefix(self, path: Path, n: int) -> bytes:
         return self.read(path)[:n]
 
+    def read_range(self, path: Path, offset: int, n: int) -> bytes:
+        self._alive()
+        if offset < 0 or n < 0:
+            raise ValueError(f"read_range needs offset >= 0 and n >= 0, got {offset}, {n}")
+        return bytes(self._get(path, FILE).data[offset : offset + n])
+
     def hash(self, path: Path) -> tuple[int, str]:
         data = self.read(path)
         return len(data), hashlib.sha256(data).hexdigest()
