@@ -85,6 +85,7 @@ once a published checkpoint covers P.
 
 from __future__ import annotations
 
+import errno
 import re
 import struct
 import threading
@@ -254,7 +255,8 @@ def _check_header(raw: bytes, seg: _Segment, *, last: bool) -> bool:
     if last and len(raw) < HEADER_SIZE and want.startswith(raw):
         return False
     raise JournalError(
-        "a journal segment header is wrong" + ("" if last or len(raw) >= HEADER_SIZE else " (torn, and segments follow it)"),
+        "a journal segment header is wrong"
+        + ("" if last or len(raw) >= HEADER_SIZE else " (torn, and segments follow it)"),
         path=str(seg.path), offset=0,
         expected=f"magic {MAGIC!r}, version {FORMAT_VERSION}, first_seq {seg.first_seq} "
         "(from the file name), a matching checksum",
@@ -303,8 +305,8 @@ def _scan(data: bytes, seg: _Segment, *, last: bool) -> tuple[list[tuple[int, in
         # A bad frame: the torn tail, unless a valid frame follows it in this segment.
         j = data.find(FRAME_MARKER, off + 1)
         while j != -1:
-            if _frame_at(data, j)[0] is None:
-                later = _frame_at(data, j)[2]
+            later_problem, _, later = _frame_at(data, j)
+            if later_problem is None:
                 raise JournalError(
                     f"a damaged journal record in the middle of a segment, not a torn tail: a valid "
                     f"record (seq {later}) follows it at byte {j}",
@@ -347,7 +349,8 @@ class JournalReader:
                 "the journal does not reach back to the first record it must replay "
                 "(older segments were deleted or lost)",
                 path=str(segs[0].path), offset=0,
-                expected=f"a segment holding seq {after + 1} (the first record after the checkpoint's position {after})",
+                expected=f"a segment holding seq {after + 1} (the first record after the "
+                f"checkpoint's position {after})",
                 found=f"the oldest segment starts at seq {segs[0].first_seq}",
             )
         for seg in segs[:start]:
@@ -361,7 +364,8 @@ class JournalReader:
                     "a journal segment does not start right after the one before it",
                     path=str(seg.path), offset=0,
                     expected=f"first_seq {prev_last + 1} (the previous segment ends at seq {prev_last})",
-                    found=f"first_seq {seg.first_seq} ({'a gap' if seg.first_seq > prev_last + 1 else 'an overlap'})",
+                    found=f"first_seq {seg.first_seq} "
+                    f"({'a gap' if seg.first_seq > prev_last + 1 else 'an overlap'})",
                 )
             data = fs.read_prefix(seg.path, _MAX_FILE + 1)
             if len(data) > _MAX_FILE:
@@ -417,7 +421,7 @@ def delete_covered(directory: Path | str, seq: int, *, fs: FS = DEFAULT_FS) -> l
     directory = Path(directory)
     segs = _list_segments(directory, fs, strict=False)
     deleted = []
-    for seg, nxt in zip(segs, segs[1:]):
+    for seg, nxt in zip(segs, segs[1:], strict=False):
         if nxt.first_seq > seq + 1:
             break
         fs.unlink(seg.path)
@@ -444,7 +448,8 @@ class JournalWriter:
         if next_seq < 1:
             raise ValueError(f"next_seq must be >= 1, got {next_seq}")
         if not HEADER_SIZE + FRAME_OVERHEAD < segment_bytes <= MAX_SEGMENT_BYTES:
-            raise ValueError(f"segment_bytes must be in ({HEADER_SIZE + FRAME_OVERHEAD}, {MAX_SEGMENT_BYTES}], got {segment_bytes}")
+            raise ValueError(f"segment_bytes must be in ({HEADER_SIZE + FRAME_OVERHEAD}, "
+                             f"{MAX_SEGMENT_BYTES}], got {segment_bytes}")
         self.directory, self.segment_bytes, self._fs = Path(directory), segment_bytes, fs
         self._lock = threading.Lock()  # guards _pending, _next_seq, _failed, _closed; never held over IO
         self._io_lock = threading.Lock()  # one flush (or close) at a time
@@ -485,14 +490,15 @@ class JournalWriter:
 
     def _usable(self) -> None:
         if self._failed is not None:
-            raise OSError(f"the journal writer failed earlier and is unusable: {self._failed!r}")
+            raise OSError(errno.EIO, f"the journal writer failed earlier and is unusable: {self._failed!r}")
         if self._closed:
             raise ValueError("the journal writer is closed")
 
     def append(self, payload: bytes) -> int:
         """Buffer one record; returns its seq. No IO: it is durable once a flush returns."""
         if len(payload) > MAX_RECORD_BYTES:
-            raise ValueError(f"a journal record of {len(payload)} bytes is above the limit of {MAX_RECORD_BYTES}")
+            raise ValueError(f"a journal record of {len(payload)} bytes is above the limit "
+                             f"of {MAX_RECORD_BYTES}")
         with self._lock:
             self._usable()
             seq = self._next_seq
@@ -531,7 +537,10 @@ class JournalWriter:
                 self._size, self._records = HEADER_SIZE, 0
             assert self._file is not None
             start = i
-            while i < len(frames) and (self._records == 0 or self._size + len(frames[i]) <= self.segment_bytes):
+            # a frame goes in if the segment is empty or it still fits
+            while i < len(frames) and (
+                self._records == 0 or self._size + len(frames[i]) <= self.segment_bytes
+            ):
                 chunk.append(frames[i])
                 self._size += len(frames[i])
                 self._records += 1
