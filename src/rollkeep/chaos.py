@@ -40,7 +40,7 @@ from .core.source import PromptSource
 from .core.store import CheckpointStore
 from .core.trace_schema import CHECKPOINT_PUBLISHED, RUN_FINISHED, RUN_STARTED
 from .lineage import exactly_once, lineage
-from .trace import read_trace
+from .trace import last_committed_in_trace, read_trace
 
 # Where a crash-point kill lands: mid-publication (the retention step needs old checkpoints
 # to delete, so it is left out) or right after the cut, and the ledger's transitions.
@@ -190,10 +190,14 @@ def run_chaos(
         # one to two checkpoint intervals (so each kill moves the run forward) or ½ to 1½
         # times the work left divided among the kills left, whichever is more, and always
         # short of the end (so it lands).
-        left = 1 - _last_checkpoint(trace) / total_steps
-        if left <= 0:  # the last kill landed after the final checkpoint: nothing is left to kill
+        checkpointed = _last_checkpoint(trace)
+        if checkpointed >= total_steps:  # the last kill landed after the final checkpoint: nothing is left to kill
             report.unspent = kills - i
             break
+        # With the journal a resumed run starts where the killed one was (its generation is
+        # kept; only its training since the checkpoint is redone, from rows already there).
+        done = max(checkpointed, (last_committed_in_trace(trace) or 0) if cfg.journaled else 0)
+        left = max(1 - done / total_steps, 1 / total_steps)
         share = min(0.5 * left, max(interval * rng.uniform(1, 2), left / (kills - i + 1) * rng.uniform(0.5, 1.5)))
         crash_at = None
         if i % 2 == 1:  # every other kill is a named crash point
@@ -203,10 +207,11 @@ def run_chaos(
             else:
                 point = rng.choice(common)
                 # A resumed run meets a transition fewer times than its share of the run:
-                # the groups admitted ahead of the checkpoint (up to the sampler's window
-                # plus the step in training) went through the early ones before the kill.
+                # the groups admitted ahead of its restore (up to the sampler's window plus
+                # the step in training) went through the early ones before the kill.
                 fresh = min(share, 0.5 * (left - (cfg.sampler.window + 1) / total_steps))
-                crash_at = f"ledger.{point}:{max(1, round(fresh * counts[point]))}"
+                if fresh > 0:
+                    crash_at = f"ledger.{point}:{max(1, round(fresh * counts[point]))}"
         mark = _trace_mark(trace)
         proc = subprocess.Popen(cmd, env=_env(crash_at), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         if crash_at is None:

@@ -8,7 +8,8 @@ property of that lineage.
 
 Drops survive the same way, by time rather than by step (a drop in a group stamped for
 step N+1 can already be in checkpoint N): a resumed run forgets the drops earlier runs
-traced after its checkpoint's cut (`restored.cut_time`), a fresh run forgets them all.
+traced after its checkpoint's cut (`restored.cut_time`) except those its journal's tail
+replayed (`restored.journal_dropped`), a fresh run forgets them all.
 """
 
 from __future__ import annotations
@@ -54,10 +55,15 @@ def lineage(lines: Iterable[dict[str, Any]]) -> Lineage:
             if line.get("resumed_from_step") is None:
                 out.dropped.clear()
         elif ev == RESTORED and line.get("run_id") == current_run and line.get("cut_time") is not None:
-            # Earlier runs' drops after the cut are undone; this run's own (a restore that
-            # drops, like cursor_only's losses) stand.
+            # Earlier runs' drops after the cut are undone, but those the journal's tail kept
+            # (`journal_dropped`) and this run's own (a restore that drops, like cursor_only's
+            # losses) stand.
             cut = float(line["cut_time"])
-            out.dropped = {p: (t, r) for p, (t, r) in out.dropped.items() if t <= cut or r == current_run}
+            kept = {tuple(p) for p in line.get("journal_dropped") or ()}
+            out.dropped = {p: (t, r) for p, (t, r) in out.dropped.items()
+                           if t <= cut or r == current_run or p in kept}
+            for p in kept - out.dropped.keys():  # its trace line was lost with the process
+                out.dropped[p] = (float(line["t"]), current_run)
         elif ev == DROPPED and line.get("run_id") == current_run and "prompt" in line:
             out.dropped[tuple(line["prompt"])] = (float(line["t"]), current_run)
         elif ev == STEP_COMMITTED and line.get("run_id") == current_run:

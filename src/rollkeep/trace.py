@@ -35,10 +35,10 @@ import msgspec
 from .core.errors import FilesystemError
 from .core.events import Event
 from .core.fs import DEFAULT_FS, FILE, FS, AppendFile
-from .core.trace_schema import FLUSH_NOW, RunEvent
+from .core.trace_schema import FLUSH_NOW, STEP_COMMITTED, RunEvent
 from .core.untrusted import loads_json, read_regular
 
-__all__ = ["FLUSH_NOW", "Trace", "event_lines", "parse_trace", "read_trace", "scan_trace"]
+__all__ = ["FLUSH_NOW", "Trace", "event_lines", "last_committed_in_trace", "parse_trace", "read_trace", "scan_trace"]
 
 _json = msgspec.json.Encoder()
 _SPILL_LINES = 1024  # a writer that never flushes still hands its lines over in batches
@@ -73,6 +73,10 @@ class Trace:
         self._lines: list[bytes] = []  # emitted, not flushed yet
         self._torn = False  # a failed write may have left part of a line in the file
         self._dir_synced = False
+        # Called after every `flush` the run loop asks for (the journal: what it makes
+        # durable is then never ahead of the trace, and ends between two whole transitions).
+        # Not after the flushes the trace does by itself mid-transition (FLUSH_NOW, spills).
+        self.on_flush: Callable[[], None] | None = None
 
     def emit(self, ev: RunEvent | Event) -> None:
         """One event of the schema (`rollkeep.core.trace_schema`) becomes a line. Also the
@@ -81,13 +85,18 @@ class Trace:
         # The event encodes as b'{...}': splice the common fields in front of its own.
         self._lines.append(b"".join((b'{"t":', _json.encode(self._clock()), self._run, _json.encode(ev)[1:], b"\n")))
         if ev.__struct_config__.tag in FLUSH_NOW or len(self._lines) >= _SPILL_LINES:  # type: ignore[attr-defined]
-            self.flush()
+            self._write_lines()
 
     ledger_event = emit
 
     def flush(self) -> None:
         """Hand the buffered lines to the OS: a killed process loses none of them after
-        this (a power cut may: `sync`)."""
+        this (a power cut may: `sync`). Then `on_flush`."""
+        self._write_lines()
+        if self.on_flush is not None:
+            self.on_flush()
+
+    def _write_lines(self) -> None:
         if not self._lines:
             return
         data = b"".join(self._lines)
@@ -217,3 +226,12 @@ def event_lines(m: mmap.mmap | bytes | None, event: str, *, reverse: bool = Fals
         if isinstance(obj, dict) and obj.get("event") == event:
             yield start, obj
         at = m.rfind(tag, 0, start) if reverse else m.find(tag, stop)
+
+
+def last_committed_in_trace(trace_path: Path) -> int | None:
+    """The step of the trace's last readable `step_committed` line (None if it has none):
+    the newest step an earlier process trained. Searched backwards from the end, so a long
+    trace costs the bytes after its last commit, not its size."""
+    return scan_trace(trace_path, lambda m: next(
+        (line["step"] for _, line in event_lines(m, STEP_COMMITTED, reverse=True)
+         if type(line.get("step")) is int), None))

@@ -9,11 +9,13 @@ from pathlib import Path
 import pytest
 from run_harness import config, killed, run_child, run_to_end, trace_lines
 
-from rollkeep.controller.rundir import last_committed_in_trace
 from rollkeep.controller.startup import restore_banner
-from rollkeep.core import codec
+from rollkeep.core.durable import read_tail
 from rollkeep.core.ledger import AttemptStatus, GroupState
+from rollkeep.core.replay import replay
+from rollkeep.core.restore import restore_chain
 from rollkeep.core.store import CheckpointStore
+from rollkeep.trace import last_committed_in_trace
 
 pytestmark = pytest.mark.slow
 
@@ -23,10 +25,15 @@ SCRIPT = ["engine.latency_ms=20", "engine.latency_jitter_ms=0", "engine.infra_fa
           "engine.data_fail_rate=0", "data.generated.n_rows=60", "train.total_steps=12"]
 
 
-def planned_at_latest_cut(cfg) -> tuple[set[tuple[str, int]], set[tuple[str, int]]]:
-    """(siblings sent out before, siblings never sent) of the unfinished groups of the
-    checkpoint LATEST names, read from its ledger."""
-    state = codec.decode(CheckpointStore(Path(cfg.run_dir) / "checkpoints").open().read("ledger.msgpack"))
+def planned_at_latest_cut(cfg, *, journal: bool = False) -> tuple[set[tuple[str, int]], set[tuple[str, int]]]:
+    """(siblings sent out before, siblings never sent) of the unfinished groups the restore
+    of LATEST will hold: its checkpoint's ledger, with the journal's tail replayed."""
+    store = CheckpointStore(Path(cfg.run_dir) / "checkpoints")
+    restored = restore_chain(store, source=None, config=None)
+    state = restored.ledger
+    if journal:
+        tail = read_tail(Path(cfg.run_dir), after=restored.manifest["journal"]["seq"])
+        state = replay(state, restored.rows, tail.events).state
     again, fresh = set(), set()
     for gid, rec in state.groups.items():
         if rec.state >= GroupState.READY_TO_FINALIZE:
@@ -63,7 +70,7 @@ def test_after_a_graceful_stop_the_counts_are_the_dispatches_and_no_step_is_redo
 
 
 def test_a_kill_after_the_checkpoint_names_the_steps_to_redo(tmp_path) -> None:
-    cfg = config(tmp_path / "run", *SCRIPT, "checkpoint.every_steps=3")
+    cfg = config(tmp_path / "run", *SCRIPT, "checkpoint.every_steps=3", "journal.enabled=false")
     # Killed at the step-6 cut: a cut waits for the previous write, so step 3 is published
     # and steps 4-6 are committed in the trace.
     assert killed(run_child(cfg, "checkpoint.after_cut:2"))
@@ -72,7 +79,24 @@ def test_a_kill_after_the_checkpoint_names_the_steps_to_redo(tmp_path) -> None:
 
     lines = trace_lines(cfg)
     restored = next(x for x in lines if x["event"] == "restored")
-    assert (restored["step"], restored["steps_redone"]) == (3, [4, 6])
+    assert (restored["step"], restored["steps_redone"], restored["journal_events_replayed"]) == (3, [4, 6], 0)
+    assert (restored["siblings_regenerated"], restored["siblings_pending"]) == (len(again), len(fresh))
+    groups = {gid for gid, _ in again | fresh}
+    assert dispatched_by(lines, restored["run_id"], groups) == again | fresh
+
+
+def test_with_the_journal_the_counts_are_those_of_the_replayed_ledger(tmp_path) -> None:
+    # A stop with no final checkpoint: the journal holds everything after step 4's.
+    cfg = config(tmp_path / "run", *SCRIPT, "checkpoint.every_steps=4", "checkpoint.on_shutdown=false")
+    assert run_child(cfg, "ledger.step_committed:6", crash_signal="TERM") == 143
+    again, fresh = planned_at_latest_cut(cfg, journal=True)
+    run_to_end(cfg)
+
+    lines = trace_lines(cfg)
+    restored = next(x for x in lines if x["event"] == "restored")
+    stopped = max(x["step"] for x in lines if x["event"] == "step_committed" and x["run_id"] == lines[0]["run_id"])
+    assert (restored["step"], restored["steps_redone"]) == (4, [5, stopped])
+    assert restored["journal_events_replayed"] > 0
     assert (restored["siblings_regenerated"], restored["siblings_pending"]) == (len(again), len(fresh))
     groups = {gid for gid, _ in again | fresh}
     assert dispatched_by(lines, restored["run_id"], groups) == again | fresh

@@ -25,6 +25,7 @@ from run_harness import config, killed, run_child, run_to_end
 from rollkeep.cli import main
 from rollkeep.core.errors import UserInputError
 from rollkeep.report import PLOTS, analyse, render_markdown, write_report
+from rollkeep.trace import read_trace
 
 CUT = 105.0
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -293,7 +294,7 @@ def test_write_report(run_dir: Path) -> None:
         assert len(data) > 10_000, name
     md = (out / "report.md").read_text()
     assert "## Restarts" in md
-    assert "| 1 | runB | step_000001 | 1 | 0 | 1 | 3 | 2 | - | 11 | 72 (59 + 13) | 1.900 | 3 | 5.500 (until step 2 committed again) |" in md
+    assert "| 1 | runB | step_000001 | 1 | 0 | 1 | 3 | 2 | - | 11 | - | 72 (59 + 13) | 1.900 | 3 | 5.500 (until step 2 committed again) |" in md
     for term in ("tokens thrown away", "thrown-away generation time", "lost progress",
                  "group completion time", "batch age"):
         assert f"**{term}**" in md
@@ -332,8 +333,25 @@ def test_cli(run_dir: Path, tmp_path: Path, capsys) -> None:
     assert "has no trace" in capsys.readouterr().err
 
 
+def test_end_to_end_killed_and_resumed_with_the_journal_keeps_generation(tmp_path: Path) -> None:
+    # A stop with no final checkpoint: the journal holds everything after the last one.
+    cfg = config(tmp_path / "run", "checkpoint.on_shutdown=false")
+    assert run_child(cfg, "ledger.step_committed:5", crash_signal="TERM") == 143
+    run_to_end(cfg)
+    [r] = analyse(Path(cfg.run_dir)).restarts
+    lines = read_trace(Path(cfg.run_dir) / "trace.jsonl")[0]
+    restored = next(x for x in lines if x["event"] == "restored")
+    assert r.journal_events_replayed == restored["journal_events_replayed"] > 0
+    assert r.seals_kept_by_journal > 0 and r.tokens_kept_by_journal > 0
+    # Every seal the stopped run made after the cut is kept: none is thrown away.
+    after = [x for x in lines if x["event"] == "sealed" and x["run_id"] != restored["run_id"]
+             and x["t"] > restored["cut_time"]]
+    assert (r.seals_kept_by_journal, r.seals_after_cut) == (len(after), 0)
+    assert r.tokens_kept_by_journal == sum(x["tokens"] for x in after) > 0
+
+
 def test_end_to_end_killed_and_resumed(tmp_path: Path) -> None:
-    cfg = config(tmp_path / "run")
+    cfg = config(tmp_path / "run", "journal.enabled=false")
     assert killed(run_child(cfg, "ledger.step_committed:5"))
     run_to_end(cfg)
     run_dir = Path(cfg.run_dir)

@@ -352,6 +352,20 @@ class CheckpointConfig(_Section):
     """Checkpoint the supervised warm start every this many of its steps."""
 
 
+class JournalConfig(_Section):
+    """The custody journal (docs/design.md §9): every ledger event and every finished
+    generation is made durable every few milliseconds, so a kill loses only the last
+    flush instead of everything since the last checkpoint."""
+
+    enabled: bool = True
+    """Journal the run in RUN_DIR/journal and RUN_DIR/rows; false: a restart resumes from
+    the last checkpoint alone (and regenerates what was generated after it)."""
+    flush_ms: float = Field(10.0, gt=0, le=10_000)
+    """Group commit: one fsync of what was appended at most this often, in milliseconds."""
+    flush_events: int = Field(4096, ge=1)
+    """... or as soon as this many events are waiting."""
+
+
 class SamplerConfig(_Section):
     """Admission gate and step selection policy (docs/design.md §2)."""
 
@@ -494,6 +508,8 @@ class Config(_Section):
     """Steps."""
     checkpoint: CheckpointConfig = CheckpointConfig()
     """Checkpoint cadence and retention."""
+    journal: JournalConfig = JournalConfig()
+    """Continuous durability between checkpoints."""
     sampler: SamplerConfig = SamplerConfig()
     """Admission and selection policy."""
     max_inflight_prompts: int | None = None
@@ -525,6 +541,12 @@ class Config(_Section):
             if problems:
                 raise _config_error(problems, path=None, overrides=(), source="the config")
         return self
+
+    @property
+    def journaled(self) -> bool:
+        """`journal.enabled`, except under `recovery.mode: cursor_only`, which stands for a
+        system that keeps no custody between checkpoints (it is there to compare with)."""
+        return self.journal.enabled and self.recovery.mode != "cursor_only"
 
     def to_dict(self) -> dict[str, Any]:
         """The full resolved config as plain JSON-able data (tuples become lists), with

@@ -62,6 +62,7 @@ _NOT_SEMANTIC = (
     "train.total_steps",
     "recovery",
     "checkpoint",
+    "journal",
     "max_inflight_prompts",
     "max_buffered_rollouts",
     "eval",

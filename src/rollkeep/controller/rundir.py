@@ -26,8 +26,8 @@ from pathlib import Path
 from ..core.errors import CheckpointNotFound, FilesystemError, UserInputError
 from ..core.fs import FS
 from ..core.store import CheckpointStore
-from ..core.trace_schema import CHECKPOINT_PUBLISHED, STEP_COMMITTED
-from ..trace import event_lines, scan_trace
+from ..core.trace_schema import CHECKPOINT_PUBLISHED
+from ..trace import scan_trace
 
 _PUBLISHED = b'"event":"%s"' % CHECKPOINT_PUBLISHED.encode()
 
@@ -159,12 +159,3 @@ def published_in_trace(trace_path: Path, *, fs: FS | None = None) -> int | None:
         return n
 
     return scan_trace(trace_path, count, fs=fs)
-
-
-def last_committed_in_trace(trace_path: Path) -> int | None:
-    """The step of the trace's last readable `step_committed` line (None if it has none):
-    the newest step an earlier process trained. Searched backwards from the end, so a long
-    trace costs the bytes after its last commit, not its size."""
-    return scan_trace(trace_path, lambda m: next(
-        (line["step"] for _, line in event_lines(m, STEP_COMMITTED, reverse=True)
-         if type(line.get("step")) is int), None))

@@ -53,6 +53,7 @@ from ..progress import RunProgress
 from ..tasks import reward_fn
 from ..trace import Trace
 from ..trainers import Trainer
+from .journaling import JournalThread
 from .metrics import MetricsLog, Throughput, progress_fields, step_record
 from .startup import checkpoint_meta, open_run
 from .summary import RunResult, restarts_in_trace, summary_lines
@@ -81,6 +82,7 @@ class Runner:
         self.sched: Scheduler | None = None
         self.trace: Trace | None = None  # opened once the restore chain has passed
         self._metrics: MetricsLog | None = None
+        self._journal: JournalThread | None = None  # journal.enabled: the events between checkpoints
         self._progress: RunProgress | None = None
         self._wake = asyncio.Event()
         self._tasks: dict[tuple[str, int, int], asyncio.Task] = {}
@@ -98,7 +100,7 @@ class Runner:
                           limits=self.limits, semantic=self.semantic, resume=self.resume,
                           allow_config_change=self.allow_config_change,
                           allow_dataset_change=self.allow_dataset_change)
-        self.sched, self.trace, self._metrics, self._progress = opened
+        self.sched, self.trace, self._metrics, self._progress, self._journal = opened
         self.sched.subscribe(_crash_point)
         # The RL loop starts now: step 1's `step_seconds` and the throughput count from here.
         self._t_start = self._last_step = time.perf_counter()
@@ -238,15 +240,18 @@ class Runner:
         trains in between): custody (O(1)) and the trainer's snapshot; the write goes on in
         the background."""
         captured = self.sched.capture()
+        position = None if self._journal is None else self._journal.position()
         t0 = time.perf_counter()
         snapshot = self.trainer.snapshot()
         snapshot_seconds = time.perf_counter() - t0
         self.trace.flush()  # every commit this checkpoint covers is in the trace first
         crashpoints.hit("checkpoint.after_cut")
-        self._tg.create_task(self._write(cmd, captured, snapshot, snapshot_seconds))
+        self._tg.create_task(self._write(cmd, captured, snapshot, snapshot_seconds, position))
 
-    async def _write(self, cmd: Cut, c: Any, snapshot: Any, snapshot_seconds: float) -> None:
+    async def _write(self, cmd: Cut, c: Any, snapshot: Any, snapshot_seconds: float, position: Any) -> None:
         meta = checkpoint_meta(self.source, self.semantic, self.trace.run_id)
+        if position is not None:  # the journal's tail after this checkpoint starts past `seq`
+            meta["journal"] = {"seq": position[0], "rows_segment": position[1]}
 
         def work():  # on a worker thread, while the loop keeps going
             t0 = time.perf_counter()
@@ -254,8 +259,12 @@ class Runner:
             # what `_cut` flushed before the commit point, one fsync per checkpoint. It touches
             # the open file only, not the trace's buffer, so the loop may go on emitting.
             self.trace.sync_flushed()
+            if position is not None:
+                self._journal.sync()  # the journal reaches what the checkpoint covers
             published = write_checkpoint(self.store, c, trainer_files=snapshot.files(), meta=meta,
                                          keep_last=self.cfg.checkpoint.keep_last, trainer_step=snapshot.step)
+            if position is not None:
+                self._journal.covered(*position)
             return published, time.perf_counter() - t0
 
         try:
@@ -288,7 +297,7 @@ class Runner:
         """Release everything the run holds, each even if another fails (LIFO order)."""
         async with contextlib.AsyncExitStack() as stack:
             stack.push_async_callback(self.engine.close)
-            for closable in (self._metrics, self.trace, self._progress):
+            for closable in (self._metrics, self.trace, self._progress, self._journal):
                 if closable is not None:
                     stack.callback(closable.close)
 

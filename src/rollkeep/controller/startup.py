@@ -14,25 +14,30 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import ADDED_KEYS, Config, dump_yaml
-from ..core.configdiff import fingerprint, is_allowed
-from ..core.ledger import Ledger
-from ..core.restore import restore_chain
-from ..core.rows import RowStore
+from ..config import ADDED_KEYS, Config, dump_yaml, load_config
+from ..config import semantic as semantic_of
+from ..core import restore
+from ..core.configdiff import check_compatible, fingerprint, is_allowed
+from ..core.durable import JOURNAL_DIR, ROWS_DIR, read_tail
+from ..core.ledger import Ledger, LedgerState
+from ..core.replay import Restart, replay
+from ..core.restore import RestorePlan, plan, restore_chain
+from ..core.rows import Row, RowId, RowStore
 from ..core.samplers import Limits, make_sampler
 from ..core.schedule import RetryPolicy, Scheduler, Settings
 from ..core.source import PromptSource
 from ..core.store import CheckpointStore, checkpoint_order
 from ..core.trace_schema import Restored, RunStarted
 from ..progress import RunProgress
-from ..trace import Trace
+from ..trace import Trace, last_committed_in_trace
 from ..trainers import Trainer
 from ..version import rollkeep_version
+from .journaling import JournalThread
 from .metrics import MetricsLog
-from .rundir import last_committed_in_trace
 
 
 def settings(cfg: Config) -> Settings:
@@ -60,29 +65,37 @@ def open_run(
     resume: str | None,
     allow_config_change: tuple[str, ...],
     allow_dataset_change: bool,
-) -> tuple[Scheduler, Trace, MetricsLog, RunProgress]:
+) -> tuple[Scheduler, Trace, MetricsLog, RunProgress, JournalThread | None]:
     """Restore (or start fresh) and open the run; see the module docstring."""
     run_dir = Path(cfg.run_dir)
     restored = None
-    rows = RowStore()
     if resume is not None:
         restored = restore_chain(
             store, name=resume, source=source, config=semantic,
             allow_config_change=allow_config_change, allow_dataset_change=allow_dataset_change,
             extend_epochs=is_allowed("data.epochs", allow_config_change), config_added=ADDED_KEYS)
         trainer.load({n: restored.trainer_file(n) for n in restored.trainer_files()}, step=restored.ledger.version)
-        ledger = Ledger.from_state(restored.ledger)
-        for rid, row in restored.rows.items():
-            rows.put(rid, row)
-    else:
-        ledger = Ledger(n_rows=source.n_rows, seed=source.seed, epochs=source.epochs)
-    # Only now that the restore chain passed does anything on disk change.
+    newest = restored is None or not any(checkpoint_order(n) > checkpoint_order(restored.name) for n in store.list())
+    tail, next_seq, stale = _journal_tail(cfg, run_dir, restored, newest=newest, source=source,
+                                          semantic=semantic, allow_config_change=allow_config_change)
+    resumed = restored is not None or tail is not None
+    base = restored.ledger if restored is not None else Ledger(
+        n_rows=source.n_rows, seed=source.seed, epochs=source.epochs).capture()
+    state, restored_rows = (tail.state, tail.rows) if tail is not None else (
+        base, restored.rows if restored is not None else {})
+    ledger = Ledger.from_state(state)
+    rows = RowStore()
+    for rid, row in restored_rows.items():
+        rows.put(rid, row)
+    # Only now that the restore chain (and the journal's tail) passed does anything on disk change.
     abandoned = _resume_here(store, restored)
-    if restored is None:
+    if stale:
+        _set_journal_aside(run_dir)
+    if not resumed:
         run_dir.mkdir(parents=True, exist_ok=True)  # `train` made it; a direct caller may not
         (run_dir / "config.yaml").write_text(dump_yaml(cfg))
     leftovers = store.cleanup_tmp()
-    redone = [] if restored is None else _steps_redone(ledger.version, run_dir / "trace.jsonl")
+    redone = [] if not resumed else _steps_redone(ledger.version, run_dir / "trace.jsonl")
     trace = Trace(run_dir / "trace.jsonl")
     metrics = MetricsLog(run_dir, trace.run_id, tensorboard=cfg.logger.tensorboard)
     with open(run_dir / "config-history.jsonl", "a") as f:
@@ -90,23 +103,83 @@ def open_run(
     sched = Scheduler(ledger=ledger, rows=rows, source=source, sampler=make_sampler(cfg.sampler.name, limits),
                       settings=settings(cfg))
     sched.subscribe(trace.ledger_event)
-    trace.emit(RunStarted(resumed_from_step=None if restored is None else ledger.version,
+    journal = None
+    if cfg.journaled:
+        journal = JournalThread(run_dir, next_seq=next_seq, rows=rows, flush_ms=cfg.journal.flush_ms,
+                                flush_events=cfg.journal.flush_events)
+        journal.restart(ledger.version)
+        sched.subscribe(journal.sink)
+        trace.on_flush = journal.release
+    trace.emit(RunStarted(resumed_from_step=ledger.version if resumed else None,
                           checkpoint=None if restored is None else restored.name, pid=os.getpid(),
                           config_fingerprint=fingerprint(semantic), cleaned_tmp=leftovers,
                           abandoned_checkpoints=abandoned))
-    counts = sched.start(restored, epochs=source.epochs)
+    counts = sched.start(_Resumed(plan(state)) if resumed else None, epochs=source.epochs)
     progress = RunProgress(cfg.logger.progress, total_steps=cfg.train.total_steps, start_step=ledger.version)
     if leftovers:
         progress.note(f"removed {len(leftovers)} leftover temporary file(s): {', '.join(leftovers)}")
     if abandoned:
         progress.note(f"resuming from {restored.name}: moved the newer checkpoint(s) "
                       f"{', '.join(abandoned['names'])} aside into {abandoned['into']}/")
-    if restored is not None:
-        trace.emit(Restored(checkpoint=restored.name, step=ledger.version,
-                            cut_time=restored.manifest.get("cut_time"), **counts, steps_redone=redone,
-                            config_changes=[list(c) for c in restored.config_changes]))
-        progress.note(restore_banner(restored.name, counts, redone))
-    return sched, trace, metrics, progress
+    if resumed:
+        cut_time = restored.manifest.get("cut_time") if restored is not None else 0.0
+        journal_fields = {} if tail is None else {"journal_events_replayed": tail.events,
+                                                  "journal_dropped": tail.dropped}
+        trace.emit(Restored(checkpoint=None if restored is None else restored.name, step=ledger.version,
+                            cut_time=cut_time, **counts, steps_redone=redone, **journal_fields,
+                            config_changes=[] if restored is None else [list(c) for c in restored.config_changes]))
+        progress.note(restore_banner(restored.name if restored is not None else "the journal", counts, redone,
+                                     journal=None if tail is None else tail.events))
+    return sched, trace, metrics, progress, journal
+
+
+@dataclass(frozen=True)
+class _Resumed:
+    plan: RestorePlan  # what `Scheduler.start` reads of a restore
+
+
+@dataclass(frozen=True)
+class _Tail:
+    state: LedgerState  # the checkpoint's ledger with the journal's tail replayed
+    rows: dict[RowId, Row]
+    events: int
+    dropped: list[list[int]]
+
+
+def _journal_tail(cfg: Config, run_dir: Path, restored: restore.Restored | None, *, newest: bool, source: PromptSource,
+                  semantic: dict[str, Any], allow_config_change: tuple[str, ...]) -> tuple[_Tail | None, int, bool]:
+    """(the checkpoint with the journal's tail replayed, or None if there is none; the seq the
+    journal goes on at; whether the journal on disk belongs to another lineage and is set
+    aside). Only LATEST's tail is replayed; a run that never checkpointed replays from the
+    empty ledger (docs/design.md §9)."""
+    if not cfg.journaled:
+        return None, 1, False
+    position = {"seq": 0} if restored is None else restored.manifest.get("journal")
+    if position is None or not newest:  # written with the journal off, or an older one resumed on purpose
+        return None, 1 + (0 if position is None else position["seq"]), True
+    tail = read_tail(run_dir, after=position["seq"])
+    if not any(not isinstance(ev, Restart) for ev, _ in tail.events):
+        return None, tail.last_seq + 1, False
+    if restored is None:  # no checkpoint checked the config: the journaled run's own config.yaml does
+        check_compatible(semantic_of(load_config(str(run_dir / "config.yaml"), [])), semantic,
+                         allow=allow_config_change, path=str(run_dir / "config.yaml"), added=ADDED_KEYS)
+        base, rows = Ledger(n_rows=source.n_rows, seed=source.seed, epochs=source.epochs).capture(), {}
+    else:
+        base, rows = restored.ledger, restored.rows
+    r = replay(base, rows, tail.events)
+    return _Tail(r.state, r.rows, r.events, tail.dropped), tail.last_seq + 1, False
+
+
+def _set_journal_aside(run_dir: Path) -> None:
+    """Move the journal and the row log out of the way (nothing is deleted)."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    for name in (JOURNAL_DIR, ROWS_DIR):
+        if (run_dir / name).exists():
+            aside, n = run_dir / f"{name}-abandoned-{stamp}", 1
+            while aside.exists():
+                n += 1
+                aside = run_dir / f"{name}-abandoned-{stamp}-{n}"
+            os.rename(run_dir / name, aside)
 
 
 def checkpoint_meta(source: PromptSource, semantic: dict[str, Any], run_id: str) -> dict[str, Any]:
@@ -118,7 +191,7 @@ def checkpoint_meta(source: PromptSource, semantic: dict[str, Any], run_id: str)
             "rollkeep_version": rollkeep_version(), "run_id": run_id}
 
 
-def restore_banner(name: str, counts: dict[str, Any], steps_redone: list[int]) -> str:
+def restore_banner(name: str, counts: dict[str, Any], steps_redone: list[int], *, journal: int | None = None) -> str:
     """The line a resumed run prints: what it reuses, which steps it trains again, and how
     many siblings it sends out (`siblings_regenerated + siblings_pending`: the dispatches
     the restored groups get)."""
@@ -130,7 +203,8 @@ def restore_banner(name: str, counts: dict[str, Any], steps_redone: list[int]) -
             " (trained after the checkpoint, lost with the process)"
     why = [f"{again - resent} in flight at the cut"] if again - resent else []
     why += [f"{resent} waiting after an abandoned or failed attempt"] if resent else []
-    line = (f"restored {name}: {redo}; reuse {counts['groups_reused']} finished group(s) and "
+    kept = "" if journal is None else f"; replayed {journal} journal event(s) after it"
+    line = (f"restored {name}{kept}: {redo}; reuse {counts['groups_reused']} finished group(s) and "
             f"{counts['siblings_reused']} sealed sibling(s); dispatch {again + fresh} sibling(s): "
             f"{again} again" + (f" ({', '.join(why)})" if why else "") + f" and {fresh} for the first time; "
             f"re-admit {counts['groups_readmitted']} group(s); {counts['spare_prompts']} spare")

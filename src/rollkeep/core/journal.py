@@ -77,6 +77,10 @@ order, and whatever follows them in the files is a torn tail. It cannot prove th
 is all that was flushed: an absent or empty journal is an empty tail, and it is the caller
 who knows whether records were expected (the checkpoint's journal position is `after`).
 
+A new writer fsyncs the segments before `next_seq` first: what the read before it found
+may have been in the page cache only (a killed writer's unsynced tail), and the records it
+writes next count on them.
+
 Caller contracts: `next_seq` of a new writer is `summary.last_seq + 1` of the read that
 preceded it; a checkpoint whose journal position is P is published only after a flush
 returned `>= P` (so the journal always reaches `after`); `delete_covered(P)` is called only
@@ -470,6 +474,10 @@ class JournalWriter:
             fs.fsync(self.directory.parent)
         for seg in _list_segments(self.directory, fs, strict=False):
             if seg.first_seq < next_seq:
+                # A killed writer's last records may be in the page cache only, and the
+                # restore that chose `next_seq` read (and replayed) them: make them durable
+                # before records that follow them are, or a power cut opens a gap.
+                fs.fsync(seg.path)
                 continue
             if seg.first_seq == next_seq:
                 frames, _ = _scan(fs.read_prefix(seg.path, _MAX_FILE + 1), seg, last=True)

@@ -984,5 +984,10 @@ class Ledger:
         if ev.shrink:
             self._shortfall[step] = self._shortfall.get(step, 0) + 1
         if ev.replacement is not None:
-            self._do_take(ev.replacement, _GENERATING, step, self._version)
+            # The replacement takes over the dropped group's step. Admitted now, at `version`,
+            # unless that step lies past this version's window (a journal replay took back the
+            # steps the group was admitted under): then at the oldest version whose window
+            # reaches it, so its stamp stays within I6's bound.
+            start = self._version if self._max_window is None else max(self._version, step - 1 - self._max_window)
+            self._do_take(ev.replacement, _GENERATING, step, start)
         return freed

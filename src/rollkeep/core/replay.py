@@ -17,8 +17,13 @@ Everything else the tail did stays done: takes, admissions, dispatches, seals (t
 come with the tail), failures, drops and their reasons. Rows a taken-back step freed are
 kept for its groups; rows the tail freed otherwise are gone from the result.
 
-Pure: no IO. The caller reads the tail (`rollkeep.core.journal`) and the rows its seals
-reference (`rollkeep.core.rowlog`), and hands `replay` the events with each seal's row.
+A tail can span several processes: each one that restored this checkpoint (and replayed
+what it found) wrote a `Restart` marker before its own events, at the step it took back
+to. `replay` takes back there too, so the events after the marker apply to the ledger that
+process had, and once more at the end.
+
+Pure: no IO. The caller reads the tail (`rollkeep.core.durable.read_tail`) and hands
+`replay` the events with each seal's row.
 """
 
 from __future__ import annotations
@@ -35,7 +40,13 @@ from .ledger import GroupRecord, GroupState, Ledger, LedgerState, StepRun
 from .records import _copy_record
 from .rows import Row, RowId
 
-__all__ = ["Replayed", "replay", "take_back"]
+__all__ = ["Replayed", "Restart", "replay", "take_back"]
+
+
+class Restart(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
+    """A process started here with its ledger at `step` (steps after it taken back)."""
+
+    step: int
 
 
 @dataclass(frozen=True)
@@ -47,15 +58,26 @@ class Replayed:
     groups_returned: int  # their groups, READY again: trained again, not regenerated
 
 
-def replay(base: LedgerState, rows: Mapping[RowId, Row], tail: Iterable[tuple[Event, Row | None]]) -> Replayed:
+def replay(base: LedgerState, rows: Mapping[RowId, Row],
+           tail: Iterable[tuple[Event | Restart, Row | None]]) -> Replayed:
     """`tail`: the events after the checkpoint whose state is `base`, in order, each
-    `Sealed` with its row (None for every other event). Raises `IllegalTransition` naming
-    the first event that does not continue the ledger."""
+    `Sealed` with its row (None for every other event), and the `Restart` markers of the
+    processes that wrote them. Raises `IllegalTransition` naming the first event that does
+    not continue the ledger."""
     ledger = Ledger.from_state(base)
     live = dict(rows)
     returned: dict[str, GroupRecord] = {}  # groups of the steps to take back, as claimed
     n = 0
     for ev, row in tail:
+        if isinstance(ev, Restart):
+            if not base.version <= ev.step <= ledger.version:
+                raise IllegalTransition(
+                    f"a restart marker after journal event {n} takes back to step {ev.step}",
+                    expected=f"a step in [{base.version}, {ledger.version}]", found=str(ev.step),
+                    remedy="the journal is damaged; resume from the checkpoint alone with journal.enabled=false")
+            ledger = Ledger.from_state(take_back(ledger.capture(), ev.step, returned))
+            returned = {gid: rec for gid, rec in returned.items() if rec.claim_step <= ev.step}
+            continue
         if isinstance(ev, Sealed):
             if row is None:
                 raise ValueError(f"tail event {n + 1}: a seal without its row ({ev.group_id} sibling {ev.generation})")

@@ -274,6 +274,11 @@ class RowLogWriter:
                 fs.makedirs(self.directory)
                 fs.fsync(self.directory.parent)  # the new directory's entry is durable
             existing = _numbers(self.directory, fs)
+            # A killed writer's last rows may be in the page cache only, and a restore may
+            # have read them (a replayed seal's row): durable before anything that follows.
+            for n, kind in sorted(existing.items()):
+                if kind == FILE:  # anything else is refused when read, never opened here
+                    fs.fsync(segment_path(self.directory, n))
         except OSError as e:
             raise FilesystemError.of(e, "opening the row segments", self.directory) from None
         # -- touched only by append (loop thread) --

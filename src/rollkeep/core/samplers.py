@@ -260,7 +260,9 @@ class WeightFifo:
         picked = set(chosen)
         for gid, rec in ledger.groups():
             s = rec.start_version
-            if s is None or s < oldest or rec.state == _CLAIMED:
+            # Started after `v`: a journal replay took back the steps it was admitted under;
+            # it is due after this window, so nothing here must make room for it yet.
+            if s is None or s < oldest or s > v or rec.state == _CLAIMED:
                 continue
             alive[s - oldest] += 1
             taken[s - oldest] += gid in picked

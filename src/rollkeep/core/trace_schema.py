@@ -44,7 +44,7 @@ class RunStarted(RunEvent, tag="run_started"):
 class Restored(RunEvent, tag="restored"):
     """What a restart reuses, regenerates and re-admits (`restart.restored_fields`)."""
 
-    checkpoint: str
+    checkpoint: str | None  # None: a run that never checkpointed, resumed from its journal
     step: int
     cut_time: float | None
     groups_reused: int
@@ -59,6 +59,8 @@ class Restored(RunEvent, tag="restored"):
     config_changes: list[list[Any]] = []
     siblings_resent: int = 0  # of siblings_regenerated: waiting after an abandoned/failed attempt
     steps_redone: list[int] = []  # [first, last] step trained after the checkpoint, to train again
+    journal_events_replayed: int = 0  # the journal's tail after the checkpoint (docs/design.md §9)
+    journal_dropped: list[list[int]] = []  # [epoch, idx] of the drops that tail kept
 
 
 class CheckpointPublished(RunEvent, tag="checkpoint_published"):
@@ -110,8 +112,9 @@ STEP_COMMITTED, DROPPED, SEALED, DISPATCHED, TAKEN, ADMITTED, FAILED, EVICTED, A
     name(t) for t in (StepCommitted, Dropped, Sealed, Dispatched, Taken, Admitted, Failed, Evicted, Abandoned)
 )
 
-#: Every event name a trace may hold.
-NAMES: frozenset[str] = frozenset(name(t) for t in RUN_EVENTS) | frozenset(map(event_name, ALL_EVENTS))
+#: The ledger's events (the ones the journal records too), and every event name a trace may hold.
+LEDGER_EVENTS: frozenset[str] = frozenset(map(event_name, ALL_EVENTS))
+NAMES: frozenset[str] = frozenset(name(t) for t in RUN_EVENTS) | LEDGER_EVENTS
 
 #: Events a resume, an audit or the lineage depend on: written through at once.
 FLUSH_NOW: frozenset[str] = frozenset(

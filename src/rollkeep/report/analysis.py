@@ -18,6 +18,7 @@ from ..core.trace_schema import (
     EVAL,
     EVICTED,
     FAILED,
+    LEDGER_EVENTS,
     RESTORED,
     RUN_FINISHED,
     RUN_STARTED,
@@ -242,6 +243,16 @@ def _restart(
         kept: list[tuple[int, dict[str, Any]]] = []  # a fresh start keeps nothing
     elif cut_time is not None:
         kept = [(i, x) for i, x in surviving if x["t"] <= cut_time]
+        # The journal's tail: the first events the killed runs traced after the cut (the
+        # journal is never ahead of the trace, and both see the ledger's events in order).
+        r.journal_events_replayed = int((restored or {}).get("journal_events_replayed") or 0)
+        if r.journal_events_replayed:
+            tail = [(i, x) for i, x in surviving if x["t"] > cut_time and x["event"] in LEDGER_EVENTS]
+            tail = tail[: r.journal_events_replayed]
+            kept = sorted(kept + tail, key=lambda ix: ix[0])
+            seals = [x for _, x in tail if x["event"] == SEALED]
+            r.seals_kept_by_journal = len(seals)
+            r.tokens_kept_by_journal = sum(int(x.get("tokens", 0)) for x in seals)
     else:  # cut time unknown: keep up to the first commit after the restored step
         end = next(
             (k for k, (_, x) in enumerate(surviving)

@@ -58,7 +58,11 @@ RESTORED_COUNTS = (
 
 DEFINITIONS: dict[str, str] = {
     "surviving history": "the trace lines the final state descends from: a restart from a "
-    "checkpoint cut at time T forgets every earlier line after T; a fresh restart forgets all.",
+    "checkpoint cut at time T forgets every earlier line after T, except the first "
+    "`journal_events_replayed` ledger events after it (the journal's tail, which it replayed); "
+    "a fresh restart forgets all.",
+    "tokens kept by the journal": "tokens of the seals in the journal's tail a restart replayed: "
+    "generated after the checkpoint, not thrown away.",
     "tokens thrown away": "tokens of seals an earlier run made after the restored checkpoint's "
     "cut (the checkpoint does not hold them), plus tokens of sealed siblings the checkpoint "
     "holds but the resumed run abandoned with reason 'restart' (all-or-nothing groups) or "
@@ -132,6 +136,10 @@ class Restart:
     siblings_discarded: int | None = None
     thrown_away_generation_seconds: float | None = None
     attempts_abandoned: int = 0
+    # journal.enabled: the events after the cut the restart replayed, and the seals among them
+    journal_events_replayed: int = 0
+    seals_kept_by_journal: int | None = None
+    tokens_kept_by_journal: int | None = None
     attempts_without_dispatch: int = 0  # abandoned, but no live dispatch found before the cut
     kill_t: float | None = None  # the previous run's last trace line
     lost_progress_seconds: float | None = None

@@ -1,0 +1,149 @@
+"""The journal thread: every ledger event of the run goes to the journal, every sealed row to
+the row log, and a thread of its own makes them durable by group commit, so the loop never
+waits on the disk (docs/design.md §9).
+
+    on the loop   `sink(event)`, subscribed to the scheduler: a seal's row to the row log's
+                  buffer, then the encoded record to ours (no IO); `release()`, after each
+                  flush of the trace, passes the records on to the thread, so the journal
+                  is never ahead of the trace (which then witnesses every row a restore
+                  keeps: its seal line is in the trace)
+    the thread    every `journal.flush_ms`, or once `journal.flush_events` are waiting: take
+                  the records waiting, fsync the row log (every row they name was buffered
+                  before them), then hand them to the journal and fsync it: a durable seal
+                  always has a durable row
+    a checkpoint  `position()` at the cut; `sync()` on the writer's thread before the commit
+                  point (the journal reaches what the checkpoint covers); `covered(...)` once
+                  it is published deletes the segments it makes redundant
+
+A failed write or fsync stops the thread; the loop sees it at its next `check()` and the run
+stops as on any disk error (exit 5): what was flushed before stays durable.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from ..core.durable import JOURNAL_DIR, ROWS_DIR, encode_entry, encode_restart
+from ..core.errors import FilesystemError
+from ..core.events import Event, Sealed
+from ..core.fs import DEFAULT_FS, FS
+from ..core.journal import JournalWriter, delete_covered
+from ..core.rowlog import RowLogWriter, delete_unreferenced
+from ..core.rows import RowId, RowStore
+
+
+class JournalThread:
+    def __init__(self, run_dir: Path, *, next_seq: int, rows: RowStore, flush_ms: float, flush_events: int,
+                 fs: FS = DEFAULT_FS) -> None:
+        self.run_dir = Path(run_dir)
+        self._rows, self._fs = rows, fs
+        self._flush_s, self._flush_events = flush_ms / 1000, flush_events
+        self.journal = JournalWriter(self.run_dir / JOURNAL_DIR, next_seq, fs=fs)
+        self.rowlog = RowLogWriter(self.run_dir / ROWS_DIR, fs=fs)
+        self._seq = next_seq - 1  # the seq of the last record queued (the journal numbers them in order)
+        self._staged: list[bytes] = []  # records the trace has not flushed yet (loop thread only)
+        self._queued: list[bytes] = []  # records not yet handed to the journal
+        self._lock = threading.Lock()  # guards `_queued`: held to add one or to take them all
+        self._sync_lock = threading.Lock()  # one sync at a time (this thread, the checkpoint writer)
+        self._kick = threading.Event()
+        self._stop = False
+        self._error: BaseException | None = None
+        self.flush_seconds: deque[float] = deque(maxlen=1 << 16)  # the latest flushes that wrote
+        self._thread = threading.Thread(target=self._run, name="rollkeep-journal", daemon=True)
+        self._thread.start()
+
+    # -- the loop's side
+
+    def restart(self, step: int) -> None:
+        """The first record of the process: its ledger starts at `step` (see `replay`)."""
+        self._queue(encode_restart(step))
+
+    def sink(self, ev: Event) -> None:
+        if self._error is not None:  # the thread stopped on a disk error: stop the run (exit 5)
+            self.check()
+        loc = None
+        if isinstance(ev, Sealed):
+            rid = RowId(ev.group_id, ev.generation, ev.attempt)
+            loc = self.rowlog.append(rid, self._rows.get(rid))
+        self._queue(encode_entry(ev, loc))
+
+    def _queue(self, record: bytes) -> None:
+        self._staged.append(record)
+        self._seq += 1
+
+    def release(self) -> None:
+        """The trace has flushed: the records staged so far may become durable."""
+        if not self._staged:
+            return
+        with self._lock:
+            self._queued.extend(self._staged)
+            waiting = len(self._queued)
+        self._staged = []
+        if waiting >= self._flush_events:
+            self._kick.set()
+
+    def position(self) -> tuple[int, int]:
+        """(the last seq appended, the row segment open now): what a cut now covers."""
+        return self._seq, self.rowlog.segment
+
+    def check(self) -> None:
+        """Raise the thread's disk error, if it had one, on the loop (the run stops: exit 5)."""
+        if self._error is not None:
+            raise FilesystemError.of(self._error, "writing the journal", self.run_dir / JOURNAL_DIR) \
+                if isinstance(self._error, OSError) else self._error
+
+    # -- the checkpoint writer's side (its own thread)
+
+    def sync(self) -> None:
+        """Every record queued before the call is durable on return, its row first."""
+        with self._sync_lock:
+            with self._lock:
+                records, self._queued = self._queued, []
+            self.rowlog.flush()  # holds every row `records` name: they were buffered before them
+            for record in records:
+                self.journal.append(record)
+            self.journal.flush()
+
+    def covered(self, seq: int, rows_segment: int) -> None:
+        """A published checkpoint covers the journal through `seq` and holds its own copy of
+        every row sealed before its cut: delete the segments only it made redundant."""
+        delete_covered(self.run_dir / JOURNAL_DIR, seq, fs=self._fs)
+        delete_unreferenced(self.run_dir / ROWS_DIR, set(), keep_from=rows_segment, fs=self._fs)
+
+    # -- the thread
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._kick.wait(self._flush_s)
+            self._kick.clear()
+            try:
+                t0 = time.perf_counter()
+                before = self.journal.durable_seq
+                self.sync()
+                if self.journal.durable_seq != before:
+                    self.flush_seconds.append(time.perf_counter() - t0)
+            except BaseException as e:  # the loop raises it (check); nothing more is written
+                self._error = e
+                return
+
+    def close(self) -> None:
+        """Stop the thread after a last flush (a graceful end keeps everything)."""
+        self.release()  # the trace closes right after: what it holds is what it gets
+        self._stop = True
+        self._kick.set()
+        self._thread.join()
+        try:
+            if self._error is None:
+                self.sync()
+        finally:
+            self.journal.close()
+            self.rowlog.close()
+
+    def stats(self) -> dict[str, Any]:
+        s = sorted(self.flush_seconds)
+        pick = (lambda q: s[min(len(s) - 1, int(q * len(s)))]) if s else (lambda q: None)
+        return {"flushes": len(s), "flush_p50_s": pick(0.5), "flush_p99_s": pick(0.99)}

@@ -1,0 +1,109 @@
+"""What a run keeps between checkpoints (docs/design.md §9): one journal record per ledger
+event, the record of a seal naming its row's place in the row log; read back as the tail a
+restore replays.
+
+    RUN_DIR/journal/   `rollkeep.core.journal`: the records, in seq order
+    RUN_DIR/rows/      `rollkeep.core.rowlog`: the rows the seals name
+
+A record's payload is `JournalEntry` in msgpack: the event as the ledger applied it, and for
+a `sealed` event its row's `RowLocation`; or, as the first record of every process, a
+`restart` marker: the step its ledger was at when it started (`replay.Restart`). The writer (the runner's journal thread) flushes
+the row log before the journal in every cycle, so a seal that is durable has a durable row.
+`read_tail` gives every event after a checkpoint's journal position with the row of each
+seal read back and checked (`rowlog.RowLogReader.read`: length, checksum, row id).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Union
+
+import msgspec
+
+from .events import ALL_EVENTS, Dropped, Event, Sealed
+from .fs import DEFAULT_FS, FS
+from .journal import JournalError, JournalReader, JournalSummary
+from .replay import Restart
+from .rowlog import RowLocation, RowLogReader
+from .rows import Row, RowId
+
+__all__ = ["JOURNAL_DIR", "ROWS_DIR", "JournalEntry", "Tail", "decode_entry", "encode_entry", "encode_restart",
+           "read_tail"]
+
+JOURNAL_DIR, ROWS_DIR = "journal", "rows"
+
+AnyEvent = Union[ALL_EVENTS]  # noqa: UP007  (a tuple of types: the tagged union of every event)
+
+
+class JournalEntry(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    event: AnyEvent | None  # type: ignore[valid-type]
+    row: RowLocation | None = None  # a seal's row in the row log
+    restart: int | None = None  # a process started here at this step (no event)
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(JournalEntry)
+
+
+def encode_entry(event: Event, row: RowLocation | None = None) -> bytes:
+    return _encoder.encode(JournalEntry(event, row))
+
+
+def encode_restart(step: int) -> bytes:
+    return _encoder.encode(JournalEntry(None, None, step))
+
+
+def decode_entry(payload: bytes, *, seq: int, path: str) -> JournalEntry:
+    try:
+        entry = _decoder.decode(payload)
+    except msgspec.DecodeError as e:
+        raise JournalError(f"journal record {seq} is not a rollkeep journal entry", path=path,
+                           expected="a ledger event (and a seal's row location)", found=str(e)) from None
+    if (entry.event is None) == (entry.restart is None) or (entry.restart is not None and entry.restart < 0):
+        raise JournalError(f"journal record {seq} is neither one event nor one restart marker", path=path,
+                           expected="an event, or a restart step >= 0", found=f"{entry}")
+    if isinstance(entry.event, Sealed) != (entry.row is not None):
+        raise JournalError(f"journal record {seq}: a seal must name its row, and only a seal does", path=path,
+                           expected="a row location exactly with a sealed event",
+                           found=f"{type(entry.event).__name__} with row {entry.row}")
+    return entry
+
+
+@dataclass
+class Tail:
+    """The events after a checkpoint's journal position, each seal with its row."""
+
+    events: list[tuple[Event | Restart, Row | None]] = field(default_factory=list)
+    summary: JournalSummary | None = None
+    dropped: list[list[int]] = field(default_factory=list)  # [epoch, idx] of the tail's drops
+
+    @property
+    def last_seq(self) -> int:
+        return 0 if self.summary is None else self.summary.last_seq
+
+
+def read_tail(run_dir: Path, *, after: int, fs: FS = DEFAULT_FS) -> Tail:
+    """Every journal event with seq > `after` (the checkpoint's position; 0 for a run that
+    never checkpointed), with the rows of its seals. Raises `JournalError` (exit 3) for a
+    journal that is damaged or does not extend `after`, and the row log's errors for a seal
+    whose row is missing or damaged."""
+    journal, rows = Path(run_dir) / JOURNAL_DIR, Path(run_dir) / ROWS_DIR
+    tail = Tail()
+    if fs.kind_of(journal) is None:
+        if after:
+            raise JournalError("the journal is missing but the checkpoint counts on it", path=str(journal),
+                               expected=f"records through seq {after}", found="no journal directory")
+        return tail
+    reader = JournalReader(journal, after=after, fs=fs)
+    row_reader = RowLogReader(rows, fs=fs)
+    for seq, payload in reader:
+        entry = decode_entry(payload, seq=seq, path=str(journal))
+        ev, row = entry.event if entry.event is not None else Restart(entry.restart), None
+        if isinstance(ev, Sealed):
+            row = row_reader.read(RowId(ev.group_id, ev.generation, ev.attempt), entry.row)
+        elif isinstance(ev, Dropped):
+            tail.dropped.append(list(ev.prompt))
+        tail.events.append((ev, row))
+    tail.summary = reader.summary
+    return tail
