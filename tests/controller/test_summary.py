@@ -29,8 +29,8 @@ def test_durations_read_as_a_person_would() -> None:
 
 def test_the_summary_lines_name_every_fact() -> None:
     common = dict(step=300, total_steps=300, first_step=120, rl_seconds=134.0, warmup_seconds=31.0,
-                  final_eval={"eval/accuracy": 0.994, "eval/reward_mean": 0.99}, eval_step=300, trained=2400,
-                  dropped=3, now=1000.0, run_dir="runs/arith")
+                  final_eval=(300, {"eval/accuracy": 0.994, "eval/reward_mean": 0.99}),
+                  counts={"trained": 2400, "dropped": 3}, now=1000.0, run_dir="runs/arith")
     lines = summary_lines(**common, restarts=Restarts(count=2, steps_redone=5, siblings_regenerated=96,
                                                       down_seconds=4.0, first_t=700.0))
     text = "\n".join(lines)
@@ -39,7 +39,7 @@ def test_the_summary_lines_name_every_fact() -> None:
     assert "2400 trained, 3 dropped" in text
     assert "restarts    2: 5 step(s) trained again, 96 sibling(s) generated again, 4.0 s down" in text
     assert "5m00s since the first start" in text
-    text = "\n".join(summary_lines(**{**common, "final_eval": {}}, restarts=Restarts()))
+    text = "\n".join(summary_lines(**{**common, "final_eval": (None, {})}, restarts=Restarts()))
     assert "restarts    none" in text and "final eval" not in text
 
 

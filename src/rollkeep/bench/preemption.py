@@ -1,4 +1,6 @@
-"""Goodput under preemption: the same job killed at the same instants, once per recovery mode.
+"""Goodput under preemption: the same job killed at the same instants, once per variant:
+`journal` (the default: recovery.mode=sibling with the journal), and each `recovery.mode`
+restoring from its checkpoint alone (`journal.enabled=false`).
 
     run_preempted(config, overrides, kill_delays=..., workdir=..., timeout=...)
         `rollkeep train` as a subprocess in WORKDIR/run (WORKDIR wiped first); segment i is
@@ -7,7 +9,7 @@
     goodput(workload, kills=..., repeats=..., seed=..., quick=..., log=...)
         one uninterrupted reference run, then per repeat r one kill schedule (drawn once
         from a `random.Random` seeded with (seed, r): K instants uniform in the first 70%
-        of the reference's run time) applied to every `recovery.mode`.
+        of the reference's run time) applied to every variant.
 
 The measures of one killed-and-resumed job:
 
@@ -18,7 +20,8 @@ The measures of one killed-and-resumed job:
                       run's last trace line
   tokens_generated    sum of `sealed.tokens` over every run in the trace (a SIGKILL can
                       lose the last ~50 ms of buffered `sealed` lines of a killed run, whose
-                      rows never reached a checkpoint either)
+                      rows no checkpoint and no journal kept either: the journal is never
+                      ahead of the trace)
   tokens_trained      sum of `tokens` of the metrics.jsonl step lines of the surviving
                       lineage: the steps the final weights were trained on
   goodput             tokens_trained / tokens_generated
@@ -49,7 +52,15 @@ from ..core.trace_schema import DROPPED, SEALED, STEP_COMMITTED
 from ..lineage import lineage
 from ..trace import read_trace
 
-MODES = ("sibling", "prompt_group", "cursor_only")
+#: What each variant runs with: `journal` keeps the work since the last checkpoint (the
+#: default of `rollkeep train`), the others restore from the checkpoint alone, per mode.
+VARIANTS: dict[str, tuple[str, ...]] = {
+    "journal": ("recovery.mode=sibling", "journal.enabled=true"),
+    "sibling": ("recovery.mode=sibling", "journal.enabled=false"),
+    "prompt_group": ("recovery.mode=prompt_group", "journal.enabled=false"),
+    "cursor_only": ("recovery.mode=cursor_only",),
+}
+MODES = tuple(VARIANTS)
 WORKLOADS = ("toy", "model")
 KILL_WINDOW = 0.7  # kill instants are uniform in [0, KILL_WINDOW x the reference run time]
 MEASURES = (
@@ -317,7 +328,7 @@ def goodput(
             for mode in MODES:
                 res = run_preempted(
                     w.config,
-                    [*w.overrides, f"recovery.mode={mode}"],
+                    [*w.overrides, *VARIANTS[mode]],
                     kill_delays=delays,
                     workdir=root / w.name / f"r{r}-{mode}",
                     timeout=timeout,

@@ -18,8 +18,9 @@ Run the benchmark suite and print what it measured, side by side, in one invocat
               control-plane ceiling (next to the targets of docs/design.md §9)
   preemption  goodput under preemption: the same job (toy engine with uneven latency, and
               the built-in GPT) SIGKILLed K times at the same random instants for each
-              recovery.mode (sibling, prompt_group, cursor_only): fraction of generated
-              tokens that end up trained, prompts lost, prompts duplicated, wall time
+              variant (journal; sibling, prompt_group, cursor_only from the checkpoint
+              alone): fraction of generated tokens that end up trained, prompts lost,
+              prompts duplicated, wall time
   speedup     async speedup: the same jobs uninterrupted with sampler.max_lookahead_versions
               0 vs 1 (and 2)
   waste       wasted generation: the same uneven toy job, uninterrupted and without

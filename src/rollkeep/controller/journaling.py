@@ -11,9 +11,9 @@ waits on the disk (docs/design.md §9).
                   the records waiting, fsync the row log (every row they name was buffered
                   before them), then hand them to the journal and fsync it: a durable seal
                   always has a durable row
-    a checkpoint  `position()` at the cut; `sync()` on the writer's thread before the commit
-                  point (the journal reaches what the checkpoint covers); `covered(...)` once
-                  it is published deletes the segments it makes redundant
+    a checkpoint  `position()` at the cut; `covering(position)` around its publication on
+                  the writer's thread: the journal reaches what the checkpoint covers before
+                  the commit point, and what it makes redundant is deleted after
 
 A failed write or fsync stops the thread; the loop sees it at its next `check()` and the run
 stops as on any disk error (exit 5): what was flushed before stays durable.
@@ -21,9 +21,11 @@ stops as on any disk error (exit 5): what was flushed before stays durable.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -108,9 +110,15 @@ class JournalThread:
                 self.journal.append(record)
             self.journal.flush()
 
-    def covered(self, seq: int, rows_segment: int) -> None:
-        """A published checkpoint covers the journal through `seq` and holds its own copy of
-        every row sealed before its cut: delete the segments only it made redundant."""
+    @contextlib.contextmanager
+    def covering(self, position: tuple[int, int]) -> Iterator[None]:
+        """Around the publication of a checkpoint cut at `position`: before it, the journal
+        reaches what the checkpoint covers (`sync`); once it is published (it covers the
+        journal through `seq` and holds its own copy of every row sealed before its cut),
+        the segments only it made redundant are deleted."""
+        self.sync()
+        yield
+        seq, rows_segment = position
         delete_covered(self.run_dir / JOURNAL_DIR, seq, fs=self._fs)
         delete_unreferenced(self.run_dir / ROWS_DIR, set(), keep_from=rows_segment, fs=self._fs)
 
@@ -144,6 +152,7 @@ class JournalThread:
             self.rowlog.close()
 
     def stats(self) -> dict[str, Any]:
+        """The `run_finished` fields: the flushes that wrote, and their p50 / p99 seconds."""
         s = sorted(self.flush_seconds)
         pick = (lambda q: s[min(len(s) - 1, int(q * len(s)))]) if s else (lambda q: None)
-        return {"flushes": len(s), "flush_p50_s": pick(0.5), "flush_p99_s": pick(0.99)}
+        return {"journal_flushes": len(s), "journal_flush_p50_s": pick(0.5), "journal_flush_p99_s": pick(0.99)}

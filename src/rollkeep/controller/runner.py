@@ -89,8 +89,7 @@ class Runner:
         self._tg: asyncio.TaskGroup | None = None
         self._t_start = self._last_step = 0.0  # the RL clocks: `_start`, after the warm start
         self._throughput: Throughput | None = None
-        self._last_eval: dict[str, float] = {}
-        self._last_eval_step: int | None = None
+        self._last_eval: tuple[int | None, dict[str, float]] = (None, {})  # (step, metrics)
         self._signal: str | None = None  # the signal that stopped the run gracefully
 
     # ================================================================== start
@@ -122,12 +121,12 @@ class Runner:
                 self._tg = tg
                 reason = await self._drive(loop)
             step, sha = self.sched.version, self.trainer.weights_sha256()
-            self.trace.emit(RunFinished(step=step, weights_sha256=sha, reason=reason.value))
-            counts = self.sched.counts()
+            self.trace.emit(RunFinished(step=step, weights_sha256=sha, reason=reason.value,
+                                        **(self._journal.stats() if self._journal else {})))
             details = summary_lines(
                 step=step, total_steps=self.cfg.train.total_steps, first_step=first_step,
-                rl_seconds=time.perf_counter() - self._t_start, warmup_seconds=warmup_seconds, final_eval=self._last_eval,
-                eval_step=self._last_eval_step, trained=counts["trained"], dropped=counts["dropped"],
+                rl_seconds=time.perf_counter() - self._t_start, warmup_seconds=warmup_seconds,
+                final_eval=self._last_eval, counts=self.sched.counts(),
                 restarts=restarts_in_trace(self.trace.path), now=time.time(), run_dir=str(self.run_dir))
             return RunResult(step, sha, reason.value, signal=self._signal, checkpoint=self.store.latest(),
                              details=tuple(details))
@@ -216,7 +215,7 @@ class Runner:
         self._metrics.write(cmd.step, record)
         if self.on_step is not None:
             self.on_step(cmd.step, record)
-        self._progress.step(cmd.step, progress_fields(record, self._last_eval))
+        self._progress.step(cmd.step, progress_fields(record, self._last_eval[1]))
         self._wake.set()
 
     async def _refit(self, version: int) -> None:
@@ -225,7 +224,7 @@ class Runner:
         if self.evaluator is not None and every and version % every == 0:
             t0 = time.perf_counter()
             result = await asyncio.to_thread(self.evaluator.evaluate, self.trainer.weights())
-            self._last_eval, self._last_eval_step = result.metrics, version
+            self._last_eval = (version, result.metrics)
             self._metrics.write(version, {**result.metrics, "eval/seconds": time.perf_counter() - t0})
             self._metrics.write_samples(version, result.samples)  # samples.jsonl: text stays out of metrics
             self.trace.emit(Eval(step=version, accuracy=result.metrics["eval/accuracy"],
@@ -249,9 +248,7 @@ class Runner:
         self._tg.create_task(self._write(cmd, captured, snapshot, snapshot_seconds, position))
 
     async def _write(self, cmd: Cut, c: Any, snapshot: Any, snapshot_seconds: float, position: Any) -> None:
-        meta = checkpoint_meta(self.source, self.semantic, self.trace.run_id)
-        if position is not None:  # the journal's tail after this checkpoint starts past `seq`
-            meta["journal"] = {"seq": position[0], "rows_segment": position[1]}
+        meta = checkpoint_meta(self.source, self.semantic, self.trace.run_id, journal=position)
 
         def work():  # on a worker thread, while the loop keeps going
             t0 = time.perf_counter()
@@ -259,12 +256,9 @@ class Runner:
             # what `_cut` flushed before the commit point, one fsync per checkpoint. It touches
             # the open file only, not the trace's buffer, so the loop may go on emitting.
             self.trace.sync_flushed()
-            if position is not None:
-                self._journal.sync()  # the journal reaches what the checkpoint covers
-            published = write_checkpoint(self.store, c, trainer_files=snapshot.files(), meta=meta,
-                                         keep_last=self.cfg.checkpoint.keep_last, trainer_step=snapshot.step)
-            if position is not None:
-                self._journal.covered(*position)
+            with contextlib.nullcontext() if position is None else self._journal.covering(position):
+                published = write_checkpoint(self.store, c, trainer_files=snapshot.files(), meta=meta,
+                                             keep_last=self.cfg.checkpoint.keep_last, trainer_step=snapshot.step)
             return published, time.perf_counter() - t0
 
         try:

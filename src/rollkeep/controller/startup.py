@@ -182,13 +182,19 @@ def _set_journal_aside(run_dir: Path) -> None:
             os.rename(run_dir / name, aside)
 
 
-def checkpoint_meta(source: PromptSource, semantic: dict[str, Any], run_id: str) -> dict[str, Any]:
+def checkpoint_meta(source: PromptSource, semantic: dict[str, Any], run_id: str, *,
+                    journal: tuple[int, int] | None = None) -> dict[str, Any]:
     """What every checkpoint of the run records besides custody and the trainer: the
-    dataset and the semantic config a restore checks (restore steps 7 and 8), the writer."""
-    return {"dataset": {"n_rows": source.n_rows, "seed": source.seed, "epochs": source.epochs,
+    dataset and the semantic config a restore checks (restore steps 7 and 8), the writer,
+    and with the journal its position at the cut (`JournalThread.position`: the tail a
+    restore of this checkpoint replays starts after `seq`)."""
+    meta = {"dataset": {"n_rows": source.n_rows, "seed": source.seed, "epochs": source.epochs,
                         "fingerprint": source.fingerprint()},
             "config": semantic, "config_fingerprint": fingerprint(semantic),
             "rollkeep_version": rollkeep_version(), "run_id": run_id}
+    if journal is not None:
+        meta["journal"] = {"seq": journal[0], "rows_segment": journal[1]}
+    return meta
 
 
 def restore_banner(name: str, counts: dict[str, Any], steps_redone: list[int], *, journal: int | None = None) -> str:

@@ -116,9 +116,11 @@ def _int(v: Any) -> int:
 
 
 def summary_lines(*, step: int, total_steps: int, first_step: int, rl_seconds: float, warmup_seconds: float,
-                  final_eval: dict[str, float], eval_step: int | None, trained: int, dropped: int,
+                  final_eval: tuple[int | None, dict[str, float]], counts: dict[str, int],
                   restarts: Restarts, now: float, run_dir: str) -> list[str]:
-    """The lines under `done: ...` / `stopped at ...` (indented, one fact each)."""
+    """The lines under `done: ...` / `stopped at ...` (indented, one fact each).
+    `final_eval`: (step, metrics) of the last eval; `counts`: the scheduler's owner counts."""
+    (eval_step, final_eval), trained, dropped = final_eval, counts["trained"], counts["dropped"]
     this = (f"trained {first_step + 1}-{step}" if step > first_step else "trained no step") + \
         f" in {duration(rl_seconds)}"
     if warmup_seconds:

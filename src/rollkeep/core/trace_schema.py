@@ -88,6 +88,10 @@ class RunFinished(RunEvent, tag="run_finished"):
     step: int
     weights_sha256: str
     reason: str  # finished | data exhausted | signal
+    # journal.enabled: the group commits that wrote, and their p50 / p99 duration in seconds
+    journal_flushes: int = 0
+    journal_flush_p50_s: float | None = None
+    journal_flush_p99_s: float | None = None
 
 
 class RunFailed(RunEvent, tag="run_failed"):
