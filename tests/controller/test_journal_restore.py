@@ -1,0 +1,162 @@
+"""Resuming from the journal: a run stopped before its first checkpoint, or twice after the
+same one, resumes from what its journal kept and ends exactly-once (and, in deterministic
+mode, byte-identical to a run never stopped); a journal that does not belong to the
+resumed lineage is set aside, never deleted; a damaged record stops `train` (exit 3)
+before anything on disk changes, while a torn tail is only the end of the journal.
+
+Journal contents are deterministic: every stop is graceful (SIGTERM at a crash point) with
+`checkpoint.on_shutdown=false`, so the journal holds everything after the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import signal
+import struct
+from pathlib import Path
+
+from run_harness import DEFAULTS, FAST, check, config, final_sha, run_child, run_to_end, trace_lines
+
+from rollkeep.cli import main
+from rollkeep.core.journal import HEADER_SIZE
+
+STOPPED = 128 + signal.SIGTERM
+NO_FINAL = "checkpoint.on_shutdown=false"
+DET = ["deterministic=true", "rollout.on_dropped_prompt=shrink", "sampler.name=in_order"]
+
+
+def stop(cfg, at: str) -> None:
+    assert run_child(cfg, at, crash_signal="TERM") == STOPPED
+
+
+def restored_events(cfg) -> list[dict]:
+    return [x for x in trace_lines(cfg) if x["event"] == "restored"]
+
+
+def digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def segments(run: Path, name: str) -> list[Path]:
+    return sorted((run / name).iterdir())
+
+
+def reference(tmp_path, *over: str) -> str:
+    ref = config(tmp_path / "reference", *over)
+    run_to_end(ref)
+    return final_sha(ref)
+
+
+def test_a_run_stopped_before_its_first_checkpoint_resumes_from_the_journal_alone(tmp_path) -> None:
+    over = [*DET, "checkpoint.every_steps=100", NO_FINAL]
+    sha = reference(tmp_path, *over)
+    cfg = config(tmp_path / "run", *over)
+    stop(cfg, "ledger.step_committed:5")
+    assert not (Path(cfg.run_dir) / "checkpoints").exists() or not any((Path(cfg.run_dir) / "checkpoints").glob(
+        "step_*")), "the stop must come before the first checkpoint"
+    run_to_end(cfg)
+    (restored,) = restored_events(cfg)
+    assert restored["checkpoint"] is None and restored["journal_events_replayed"] > 0
+    check(cfg, sha)
+
+
+def test_two_stops_after_the_same_checkpoint_replay_both_processes_records(tmp_path) -> None:
+    over = [*DET, "checkpoint.every_steps=4", NO_FINAL]
+    sha = reference(tmp_path, *over)
+    cfg = config(tmp_path / "run", *over)
+    stop(cfg, "ledger.step_committed:5")  # after the step-4 checkpoint
+    stop(cfg, "ledger.step_committed:1")  # the resumed process's first commit, before step 8's
+    run_to_end(cfg)
+    first, second = restored_events(cfg)
+    assert first["checkpoint"] == second["checkpoint"] == "step_000004"
+    assert second["journal_events_replayed"] > first["journal_events_replayed"] > 0
+    check(cfg, sha)
+
+
+def test_resume_from_an_older_checkpoint_sets_the_journal_aside(tmp_path, capsys) -> None:
+    over = ["checkpoint.keep_last=10", NO_FINAL]
+    cfg = config(tmp_path / "run", *over)
+    run = Path(cfg.run_dir)
+    stop(cfg, "ledger.step_committed:5")  # checkpoints 2 and 4, and a tail after 4
+    journal, rows = [p.name for p in segments(run, "journal")], [p.name for p in segments(run, "rows")]
+    assert journal and rows
+
+    code = main(["train", DEFAULTS, *FAST, f"run_dir={run}", *over, "--resume-from", "step_000002"])
+    assert code == 0, capsys.readouterr().err
+    (j_aside,) = run.glob("journal-abandoned-*")
+    (r_aside,) = run.glob("rows-abandoned-*")
+    assert [p.name for p in sorted(j_aside.iterdir())] == journal
+    assert [p.name for p in sorted(r_aside.iterdir())] == rows
+    restored = restored_events(cfg)[-1]
+    assert restored["checkpoint"] == "step_000002" and restored.get("journal_events_replayed", 0) == 0
+    assert trace_lines(cfg)[-1]["event"] == "run_finished"
+    check(cfg)  # the verifier follows the lineage through the abandoned checkpoints
+
+
+def test_a_resume_with_the_journal_off_leaves_it_and_a_later_one_sets_it_aside(tmp_path) -> None:
+    cfg = config(tmp_path / "run", NO_FINAL)
+    run = Path(cfg.run_dir)
+    stop(cfg, "ledger.step_committed:5")  # checkpoint 4 and a tail after it
+    before = digest(run / "journal"), digest(run / "rows")
+
+    off = config(tmp_path / "run", "journal.enabled=false")  # its graceful stop checkpoints (journal off)
+    stop(off, "ledger.step_committed:1")
+    assert restored_events(off)[-1].get("journal_events_replayed", 0) == 0
+    assert (digest(run / "journal"), digest(run / "rows")) == before, "the journal was left as it is"
+
+    run_to_end(config(tmp_path / "run"))  # journal on, from a checkpoint written with it off
+    assert restored_events(cfg)[-1].get("journal_events_replayed", 0) == 0
+    (j_aside,) = run.glob("journal-abandoned-*")
+    (r_aside,) = run.glob("rows-abandoned-*")
+    assert (digest(j_aside), digest(r_aside)) == before
+    check(cfg)
+
+
+def test_a_journal_off_resume_finishes_exactly_once(tmp_path) -> None:
+    cfg = config(tmp_path / "run", NO_FINAL)
+    stop(cfg, "ledger.step_committed:5")
+    before = digest(Path(cfg.run_dir) / "journal")
+    off = config(tmp_path / "run", "journal.enabled=false")
+    run_to_end(off)
+    assert restored_events(off)[-1].get("journal_events_replayed", 0) == 0
+    assert digest(Path(cfg.run_dir) / "journal") == before
+    check(off)
+
+
+def test_a_damaged_record_stops_train_with_exit_3_and_changes_nothing(tmp_path, capsys) -> None:
+    cfg = config(tmp_path / "run", "checkpoint.every_steps=100", NO_FINAL)
+    run = Path(cfg.run_dir)
+    stop(cfg, "ledger.step_committed:5")
+    seg = segments(run, "journal")[0]
+    data = bytearray(seg.read_bytes())
+    (len1,) = struct.unpack_from("<I", data, HEADER_SIZE + 12)
+    second = HEADER_SIZE + 24 + len1
+    assert len(data) > second + 24 + 2 * (24 + 8), "valid records must follow the damaged one"
+    data[second + 24] ^= 0xFF  # the second record's first payload byte
+    seg.write_bytes(bytes(data))
+    before = digest(run)
+
+    code = main(["train", DEFAULTS, *FAST, f"run_dir={run}", "checkpoint.every_steps=100", NO_FINAL])
+    err = capsys.readouterr().err
+    assert code == 3, err
+    assert "in the middle of a segment" in err and "record seq 2" in err and f"at byte {second}" in err, err
+    assert seg.name in err and "Traceback" not in err
+    assert digest(run) == before
+
+
+def test_a_torn_tail_is_the_end_of_the_journal(tmp_path) -> None:
+    cfg = config(tmp_path / "run", "checkpoint.every_steps=100", NO_FINAL)
+    stop(cfg, "ledger.step_committed:5")
+    seg = segments(Path(cfg.run_dir), "journal")[-1]
+    seg.write_bytes(seg.read_bytes()[:-5])
+    run_to_end(cfg)
+    (restored,) = restored_events(cfg)
+    assert restored["checkpoint"] is None and restored["journal_events_replayed"] > 0
+    check(cfg)
+
+
+def test_cursor_only_writes_no_journal(tmp_path) -> None:
+    cfg = config(tmp_path / "run", "recovery.mode=cursor_only")
+    run_to_end(cfg)
+    assert not (Path(cfg.run_dir) / "journal").exists() and not (Path(cfg.run_dir) / "rows").exists()
