@@ -83,9 +83,10 @@ def checkpoint_costs(n: int, tokens: int = 64) -> dict:
     }
 
 
-def ceiling(steps: int = 40, prompts_per_step: int = 64, group_size: int = G, *, trace: bool = True) -> dict:
+def ceiling(steps: int = 40, prompts_per_step: int = 64, group_size: int = G, *, trace: bool = True,
+            journal: bool = True) -> dict:
     """`trace=False` measures the loop without writing the per-event trace lines (the run
-    events the measure reads are still written)."""
+    events the measure reads are still written); `journal=False` without the journal."""
     from ..config import load_config
     from ..controller import train
     from ..trace import FLUSH_NOW, Trace
@@ -96,6 +97,7 @@ def ceiling(steps: int = 40, prompts_per_step: int = 64, group_size: int = G, *,
             f"data.generated.n_rows={prompts_per_step * (steps + 2)}", "data.epochs=1",
             f"rollout.group_size={group_size}", f"train.num_prompts_per_step={prompts_per_step}",
             f"train.total_steps={steps}", "checkpoint.every_steps=10", "eval.every_steps=0",
+            f"journal.enabled={journal}",
         ])
         real = Trace.emit
         if not trace:  # keep only what the measure reads (and what a restart would)
@@ -107,7 +109,8 @@ def ceiling(steps: int = 40, prompts_per_step: int = 64, group_size: int = G, *,
             Trace.emit = Trace.ledger_event = real  # type: ignore[method-assign]
         lines, _ = read_trace(Path(tmp) / "run" / "trace.jsonl")
     t0 = next(x["t"] for x in lines if x["event"] == RUN_STARTED)
-    t1 = next(x["t"] for x in lines if x["event"] == RUN_FINISHED)
+    finished = next(x for x in lines if x["event"] == RUN_FINISHED)
+    t1 = finished["t"]
     holds = [x["cut_hold_seconds"] for x in lines if x["event"] == CHECKPOINT_PUBLISHED]
     events = sum(1 for x in lines if x["event"] in (SEALED, DISPATCHED, TAKEN, ADMITTED))
     siblings = steps * prompts_per_step * group_size
@@ -120,6 +123,10 @@ def ceiling(steps: int = 40, prompts_per_step: int = 64, group_size: int = G, *,
         "groups_per_s": steps * prompts_per_step / (t1 - t0),
         "siblings_per_s": siblings / (t1 - t0),
         "trace": trace,
+        "journal": journal,
+        "journal_flushes": finished.get("journal_flushes", 0),
+        "journal_flush_p50_s": finished.get("journal_flush_p50_s"),
+        "journal_flush_p99_s": finished.get("journal_flush_p99_s"),
         "ledger_events": events,
         "cut_hold_s_median_while_running": statistics.median(holds) if holds else None,
     }
@@ -135,14 +142,18 @@ def run(quick: bool = False, log=print) -> dict:
             f"{r['cut_hold_s_median'] * 1e6:.1f} us, background write {r['write_s']:.2f} s "
             f"({r['bytes'] / 1e6:.1f} MB), restore {r['restore_s']:.2f} s"
         )
-    c = ceiling(steps=10 if quick else 40)
-    off = ceiling(steps=10 if quick else 40, trace=False)
-    out["ceiling"], out["ceiling_trace_off"] = c, off
+    n = 10 if quick else 40
+    c, off, bare = ceiling(steps=n), ceiling(steps=n, trace=False), ceiling(steps=n, journal=False)
+    out["ceiling"], out["ceiling_trace_off"], out["ceiling_journal_off"] = c, off, bare
     log(
         f"control-plane ceiling (toy engine and trainer, zero latency, P={c['prompts_per_step']}, "
         f"G={c['group_size']}): {c['steps_per_s']:.1f} steps/s, {c['groups_per_s']:.0f} groups/s, "
-        f"{c['siblings_per_s']:.0f} siblings/s with the trace on, {off['siblings_per_s']:.0f} with "
-        f"per-event trace lines off; cut hold while running "
-        f"{c['cut_hold_s_median_while_running'] * 1e6:.0f} us"
+        f"{c['siblings_per_s']:.0f} siblings/s with the trace and the journal on, "
+        f"{off['siblings_per_s']:.0f} with per-event trace lines off, {bare['siblings_per_s']:.0f} with "
+        f"the journal off; cut hold while running {c['cut_hold_s_median_while_running'] * 1e6:.0f} us"
     )
+    if c["journal_flushes"]:
+        log(f"journal: {c['journal_flushes']} group commits, flush p50 {c['journal_flush_p50_s'] * 1e3:.2f} ms, "
+            f"p99 {c['journal_flush_p99_s'] * 1e3:.2f} ms; {c['ledger_events'] / c['seconds']:.0f} ledger "
+            f"events/s journaled; throughput {c['siblings_per_s'] / bare['siblings_per_s'] - 1:+.1%} vs off")
     return out

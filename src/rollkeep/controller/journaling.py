@@ -4,13 +4,13 @@ waits on the disk (docs/design.md §9).
 
     on the loop   `sink(event)`, subscribed to the scheduler: a seal's row to the row log's
                   buffer, then the encoded record to ours (no IO); `release()`, after each
-                  flush of the trace, passes the records on to the thread, so the journal
-                  is never ahead of the trace (which then witnesses every row a restore
-                  keeps: its seal line is in the trace)
-    the thread    every `journal.flush_ms`, or once `journal.flush_events` are waiting: take
-                  the records waiting, fsync the row log (every row they name was buffered
-                  before them), then hand them to the journal and fsync it: a durable seal
-                  always has a durable row
+                  flush of the trace, hands them to the journal's buffer, so the journal is
+                  never ahead of the trace (which then witnesses every row a restore keeps:
+                  its seal line is in the trace) and ends between two whole transitions
+    the thread    every `journal.flush_ms`, or once `journal.flush_events` were released:
+                  note the last seq released, fsync the row log (every row those records
+                  name was buffered before them), then fsync the journal up to that seq: a
+                  durable seal always has a durable row
     a checkpoint  `position()` at the cut; `covering(position)` around its publication on
                   the writer's thread: the journal reaches what the checkpoint covers before
                   the commit point, and what it makes redundant is deleted after
@@ -48,8 +48,8 @@ class JournalThread:
         self.rowlog = RowLogWriter(self.run_dir / ROWS_DIR, fs=fs)
         self._seq = next_seq - 1  # the seq of the last record queued (the journal numbers them in order)
         self._staged: list[bytes] = []  # records the trace has not flushed yet (loop thread only)
-        self._queued: list[bytes] = []  # records not yet handed to the journal
-        self._lock = threading.Lock()  # guards `_queued`: held to add one or to take them all
+        self._released = next_seq - 1  # the last seq handed to the journal's buffer
+        self._waiting = 0  # released since the thread was last kicked
         self._sync_lock = threading.Lock()  # one sync at a time (this thread, the checkpoint writer)
         self._kick = threading.Event()
         self._stop = False
@@ -78,18 +78,21 @@ class JournalThread:
         self._seq += 1
 
     def release(self) -> None:
-        """The trace has flushed: the records staged so far may become durable."""
+        """The trace has flushed (between two whole transitions): the records staged so far
+        go to the journal's buffer, to be made durable by the next flush."""
         if not self._staged:
             return
-        with self._lock:
-            self._queued.extend(self._staged)
-            waiting = len(self._queued)
-        self._staged = []
-        if waiting >= self._flush_events:
+        for record in self._staged:
+            self.journal.append(record)
+        waiting, self._staged = len(self._staged), []
+        self._released = self._seq
+        self._waiting += waiting
+        if self._waiting >= self._flush_events:
+            self._waiting = 0
             self._kick.set()
 
     def position(self) -> tuple[int, int]:
-        """(the last seq appended, the row segment open now): what a cut now covers."""
+        """(the last seq queued, the row segment open now): what a cut now covers."""
         return self._seq, self.rowlog.segment
 
     def check(self) -> None:
@@ -101,14 +104,11 @@ class JournalThread:
     # -- the checkpoint writer's side (its own thread)
 
     def sync(self) -> None:
-        """Every record queued before the call is durable on return, its row first."""
+        """Every record released before the call is durable on return, its row first."""
         with self._sync_lock:
-            with self._lock:
-                records, self._queued = self._queued, []
-            self.rowlog.flush()  # holds every row `records` name: they were buffered before them
-            for record in records:
-                self.journal.append(record)
-            self.journal.flush()
+            released = self._released  # the rows these name were buffered before them
+            self.rowlog.flush()
+            self.journal.flush(upto=released)
 
     @contextlib.contextmanager
     def covering(self, position: tuple[int, int]) -> Iterator[None]:
@@ -140,7 +140,6 @@ class JournalThread:
 
     def close(self) -> None:
         """Stop the thread after a last flush (a graceful end keeps everything)."""
-        self.release()  # the trace closes right after: what it holds is what it gets
         self._stop = True
         self._kick.set()
         self._thread.join()

@@ -207,7 +207,8 @@ def restore_banner(name: str, counts: dict[str, Any], steps_redone: list[int], *
         first, last = steps_redone
         redo = (f"redo step {first}" if first == last else f"redo steps {first}-{last}") + \
             " (trained after the checkpoint, lost with the process)"
-    why = [f"{again - resent} in flight at the cut"] if again - resent else []
+    when = "at the cut" if journal is None else "when the process stopped"
+    why = [f"{again - resent} in flight {when}"] if again - resent else []
     why += [f"{resent} waiting after an abandoned or failed attempt"] if resent else []
     kept = "" if journal is None else f"; replayed {journal} journal event(s) after it"
     line = (f"restored {name}{kept}: {redo}; reuse {counts['groups_reused']} finished group(s) and "

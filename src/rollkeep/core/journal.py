@@ -514,16 +514,19 @@ class JournalWriter:
             self._next_seq = seq + 1
         return seq
 
-    def flush(self) -> int:
-        """Write every buffered record and fsync; returns the last durable seq."""
+    def flush(self, upto: int | None = None) -> int:
+        """Write every buffered record (with `upto`, those with seq <= upto: records that
+        depend on something the caller made durable first) and fsync; returns the last
+        durable seq."""
         with self._io_lock:
-            return self._flush()
+            return self._flush(upto)
 
-    def _flush(self) -> int:
+    def _flush(self, upto: int | None = None) -> int:
         with self._lock:
             self._usable()
-            frames, self._pending = self._pending, []
-            first = self._next_seq - len(frames)
+            first = self._next_seq - len(self._pending)
+            n = len(self._pending) if upto is None else max(0, min(len(self._pending), upto - first + 1))
+            frames, self._pending = self._pending[:n], self._pending[n:]
         if frames:
             try:
                 self._write(frames, first)
