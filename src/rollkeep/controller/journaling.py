@@ -80,7 +80,7 @@ class JournalThread:
     def release(self) -> None:
         """The trace has flushed (between two whole transitions): the records staged so far
         go to the journal's buffer, to be made durable by the next flush."""
-        if not self._staged:
+        if not self._staged or self._stop:  # closed: the trace's own closing flush comes after
             return
         for record in self._staged:
             self.journal.append(record)
