@@ -371,3 +371,46 @@ def test_through_a_real_process(tmp_path, run) -> None:
     assert bad.stdout == ""
     assert bad.stderr.startswith("error: ") and bad.stderr.count("\n") == 1 and ROWS_FILE in bad.stderr
     assert tree_digest(tmp_path) == before
+
+
+# -- the journal's tail -----------------------------------------------------------------
+
+
+def _stopped_with_a_tail(tmp_path: Path) -> Path:
+    """A toy run stopped gracefully with no final checkpoint: LATEST is step 4 and the
+    journal holds everything after it."""
+    from run_harness import config, run_child
+
+    cfg = config(tmp_path / "run", "checkpoint.every_steps=4", "checkpoint.on_shutdown=false")
+    assert run_child(cfg, "ledger.step_committed:6", crash_signal="TERM") == 143
+    return Path(cfg.run_dir)
+
+
+def test_inspect_and_audit_show_and_check_the_journal_tail(tmp_path, capsys) -> None:
+    run = _stopped_with_a_tail(tmp_path)
+    assert main(["inspect", "--json", str(run)]) == 0
+    j = json.loads(capsys.readouterr().out)["journal"]
+    assert j["after_seq"] > 0 and j["events"] > 0 and j["seals"] > 0 and j["steps_taken_back"][0] == 5
+    assert j["plan"]["groups_reused"] >= j["groups_returned"] > 0  # the taken-back steps' groups
+    assert main(["inspect", str(run)]) == 0
+    assert f"journal     {j['events']} event(s) after this checkpoint" in capsys.readouterr().out
+    assert main(["audit", str(run)]) == 0
+    assert f"journal after step_000004: ok ({j['events']} event(s), {j['seals']} row(s) checked" \
+        in capsys.readouterr().out
+    # A checkpoint given by path is inspected alone: its tail is LATEST's business.
+    assert main(["inspect", "--json", str(run / "checkpoints" / "step_000004")]) == 0
+    assert json.loads(capsys.readouterr().out)["journal"] is None
+
+
+def test_audit_refuses_a_damaged_journal_record(tmp_path, capsys) -> None:
+    run = _stopped_with_a_tail(tmp_path)
+    [segment] = sorted((run / "journal").iterdir())
+    data = bytearray(segment.read_bytes())
+    data[36 + 24 + 2] ^= 0xFF  # inside the first record's payload, valid records after it
+    segment.write_bytes(bytes(data))
+    before = hashlib.sha256(segment.read_bytes()).hexdigest()
+    assert main(["audit", "--all", str(run)]) == 3
+    captured = capsys.readouterr()
+    assert "journal after step_000004: FAILED" in captured.out and "in the middle of a segment" in captured.err
+    assert main(["audit", str(run)]) == 3
+    assert hashlib.sha256(segment.read_bytes()).hexdigest() == before  # nothing repaired

@@ -2,8 +2,10 @@
 
 The same chain `rollkeep train` runs on resume (`rollkeep.core.restore`), minus steps 7-8
 which need the run's dataset and config: every listed file has its size and sha256, the
-schemas are supported, the ledger decodes, the custody audit passes, the rows match. One
-line per checkpoint; exit 0 iff every audited checkpoint passes. Modifies nothing on disk.
+schemas are supported, the ledger decodes, the custody audit passes, the rows match; and for
+LATEST of a run dir, the journal's tail after it (records, their sequence, the rows its seals
+name) and its replay onto the checkpoint. One line per checkpoint (and one for the journal);
+exit 0 iff every audited one passes. Modifies nothing on disk.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rollkeep.cli import exit_code, print_error
-from rollkeep.cli.inspect import STEPS_RUN, Target, custody, resolve
+from rollkeep.cli.inspect import STEPS_RUN, Target, custody, journal_tail, resolve
 from rollkeep.core.errors import CheckpointNotFound, RollkeepError
 from rollkeep.core.restore import Restored, restore_chain
 
@@ -66,7 +68,16 @@ def failed_line(name: str, err: RollkeepError) -> str:
 def _audit_one(target: Target) -> int:
     r = restore_chain(target.chain_target, source=None, config=None)
     print(ok_line(r))
+    j = journal_tail(target, r)
+    if j is not None:
+        print(journal_line(r.name, j))
     return 0
+
+
+def journal_line(name: str, j: dict[str, Any]) -> str:
+    torn = f", torn tail {j['torn_tail_bytes']} B" if j["torn_tail_bytes"] else ""
+    return (f"journal after {name}: ok ({j['events']} event(s), {j['seals']} row(s) checked, "
+            f"replays onto the checkpoint{torn})")
 
 
 def _audit_all(target: Target) -> int:
@@ -108,6 +119,14 @@ def _audit_all(target: Target) -> int:
             failed(name, err)
         else:
             print(ok_line(r))
+            if name == store.latest():
+                try:
+                    j = journal_tail(Target(target.kind, store, None), r)
+                except RollkeepError as err:
+                    failed(f"journal after {name}", err)
+                else:
+                    if j is not None:
+                        print(journal_line(name, j))
     return codes[0] if codes else 0
 
 

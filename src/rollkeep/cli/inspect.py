@@ -228,6 +228,34 @@ def report(target: Target, r: Restored) -> dict[str, Any]:
     }
 
 
+def journal_tail(target: Target, r: Restored) -> dict[str, Any] | None:
+    """What `rollkeep train` would replay after `r` (docs/design.md §5.1): read and check
+    the journal's tail and the rows its seals name, replay it (in memory), and say what it
+    adds; None when no tail would be replayed (a checkpoint given by path, written with the
+    journal off, or not the newest). Raises what the restore would (exit 3)."""
+    from rollkeep.core.durable import read_tail
+    from rollkeep.core.replay import Restart, replay
+    from rollkeep.core.restore import plan
+
+    position = r.manifest.get("journal")
+    if target.checkpoint is not None or not isinstance(position, dict):
+        return None
+    tail = read_tail(target.store.root.parent, after=position["seq"])
+    events = [ev for ev, _ in tail.events if not isinstance(ev, Restart)]
+    replayed = replay(r.ledger, r.rows, tail.events)
+    after = plan(replayed.state)
+    s = tail.summary
+    return {
+        "after_seq": position["seq"], "last_seq": tail.last_seq, "events": len(events),
+        "processes": sum(isinstance(ev, Restart) for ev, _ in tail.events),
+        "seals": sum(row is not None for _, row in tail.events),
+        "torn_tail_bytes": sum(t.dropped for t in s.torn) if s is not None else 0,
+        "steps_taken_back": replayed.steps_taken_back, "groups_returned": replayed.groups_returned,
+        "dropped": tail.dropped,
+        "plan": {**asdict(after), "source_cursor": list(after.source_cursor), "lines": after.lines()},
+    }
+
+
 def _size(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -288,8 +316,19 @@ def render(rep: dict[str, Any]) -> str:
     row("", f"{'rows':<9}{rep['rows']:>7}   stored rows of sealed attempts")
 
     out.append("")
-    out.append("restore plan (what a restart from this checkpoint does)")
-    for line in rep["plan"]["lines"]:
+    j = rep.get("journal")
+    if j is None:
+        out.append("restore plan (what a restart from this checkpoint does)")
+    else:
+        back = j["steps_taken_back"]
+        out.append(f"journal     {j['events']} event(s) after this checkpoint (seq {j['after_seq'] + 1}-"
+                   f"{j['last_seq']}, {j['processes']} process(es)), {j['seals']} sealed row(s) checked"
+                   + (f", a torn tail of {j['torn_tail_bytes']} byte(s) (never durable)" if j["torn_tail_bytes"] else ""))
+        if back:
+            out.append(f"{'':<12}steps {back[0]}-{back[1]} taken back: their {j['groups_returned']} group(s) are "
+                       "trained again from their rows")
+        out.append("restore plan (what a restart does: this checkpoint with the journal's tail replayed)")
+    for line in (rep["plan"] if j is None else j["plan"])["lines"]:
         row("", line)
 
     out.append("")
@@ -336,5 +375,13 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(failure(err, exit_code(err)), indent=2))
         raise
     rep = report(target, restored)
+    try:
+        rep["journal"] = journal_tail(target, restored)
+    except RollkeepError as err:
+        if args.json:
+            from rollkeep.cli import exit_code
+
+            print(json.dumps(failure(err, exit_code(err)), indent=2))
+        raise
     sys.stdout.write((json.dumps(rep, indent=2) if args.json else render(rep)) + "\n")
     return 0
