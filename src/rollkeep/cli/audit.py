@@ -90,6 +90,7 @@ def _audit_all(target: Target) -> int:
         print_error(err)
         codes.append(exit_code(err))
 
+    latest = None
     try:
         latest = store.latest()
     except RollkeepError as err:
@@ -119,7 +120,7 @@ def _audit_all(target: Target) -> int:
             failed(name, err)
         else:
             print(ok_line(r))
-            if name == store.latest():
+            if name == latest:
                 try:
                     j = journal_tail(Target(target.kind, store, None), r)
                 except RollkeepError as err:
