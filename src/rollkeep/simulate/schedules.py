@@ -28,7 +28,8 @@ from ..core.schedule import RetryPolicy, Settings
 from .world import Crash, Outcome, Plan, Script, World
 
 # Crash points a simulated run reaches (the runner-only trace flushes have no twin here).
-_POINT_PREFIXES = ("publish.", "checkpoint.", "train.", "ledger.")
+_POINT_PREFIXES = ("publish.", "checkpoint.", "train.", "ledger.", "journal.", "rowlog.")
+_JOURNAL_PREFIXES = ("journal.", "rowlog.")  # reached only with Plan.journal
 
 
 def crash_points() -> list[str]:
@@ -67,9 +68,17 @@ def plan(seed: int, index: int = 0) -> Plan:
         else:
             crashes.append(Crash(at=rng.randint(1, 4), point=rng.choice(points), power=power))
     faults = rng.choice([0, 0, 0, 1, 2])
-    return Plan(seed=seed, settings=settings, sampler=sampler, limits=limits, n_rows=rng.randint(4, 20),
-                epochs=rng.randint(1, 2), keep_last=rng.randint(1, 3), script=script,
-                crashes=tuple(crashes), fault_rate=0.05 if faults else 0.0, max_faults=faults, index=index)
+    n_rows, epochs, keep_last = rng.randint(4, 20), rng.randint(1, 2), rng.randint(1, 3)
+    # The journal mostly on (the runner's default), off in a fifth so both restores stay
+    # covered; on whenever a crash is pinned inside it. Flushes every 1-60 ms of simulated
+    # time, or at once when a few records wait (a small flush_events).
+    pinned = any(c.point is not None and c.point.startswith(_JOURNAL_PREFIXES) for c in crashes)
+    journal = pinned or rng.random() < 0.8
+    return Plan(seed=seed, settings=settings, sampler=sampler, limits=limits, n_rows=n_rows,
+                epochs=epochs, keep_last=keep_last, script=script,
+                crashes=tuple(crashes), fault_rate=0.05 if faults else 0.0, max_faults=faults, index=index,
+                journal=journal, journal_ms=rng.choice([1.0, 10.0, 10.0, 60.0]),
+                flush_events=rng.choice([4096, 4096, 8, 1]))
 
 
 def check(p: Plan) -> Outcome:
