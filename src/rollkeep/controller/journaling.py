@@ -159,7 +159,12 @@ class JournalThread:
         self._error = e
 
     def close(self) -> None:
-        """Stop the thread after a last flush (a graceful end keeps everything)."""
+        """Stop the thread after a last flush of what was released. Records still staged
+        are dropped, not released: the trace never flushed them, and on an error (a disk
+        fault raised inside a sink) they may end in the middle of a scheduler transition,
+        which a restore must never replay (found by `rollkeep simulate`: a budget-spending
+        failure replayed without its drop gave the group an attempt past its budget). A
+        graceful end flushed the trace at Stop, so it keeps everything."""
         self._stop = True
         self._kick.set()
         if self._thread is not None:
