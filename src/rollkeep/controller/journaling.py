@@ -159,7 +159,7 @@ class JournalThread:
         self._error = e
 
     def close(self) -> None:
-        """Stop the thread after a last flush of what was released. Records still staged
+        """Stop the thread after a last `sync` of what was released. Records still staged
         are dropped, not released: the trace never flushed them, and on an error (a disk
         fault raised inside a sink) they may end in the middle of a scheduler transition,
         which a restore must never replay (found by `rollkeep simulate`: a budget-spending
@@ -173,7 +173,11 @@ class JournalThread:
             if self._error is None:
                 self.sync()
         finally:
-            self.journal.close()
+            # Only `sync` may make records durable: it fsyncs their rows first. After a failed
+            # one (or a failed thread) the records still buffered may name rows that never
+            # reached the disk (found by `rollkeep simulate`: one failed row-log write, then
+            # the close flushed the seals naming it, and no restore could read their rows).
+            self.journal.close(flush=False)
             self.rowlog.close()
 
     def stats(self) -> dict[str, Any]:

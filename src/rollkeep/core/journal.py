@@ -574,11 +574,12 @@ class JournalWriter:
                 self._file.close()
                 self._file = None
 
-    def close(self) -> None:
-        """Flush what is buffered (unless the writer failed) and close; again: nothing."""
+    def close(self, *, flush: bool = True) -> None:
+        """Flush what is buffered (unless the writer failed, or with `flush=False`: records
+        that depend on something not durable are dropped) and close; again: nothing."""
         with self._io_lock:
             try:
-                if not self._closed and self._failed is None:
+                if flush and not self._closed and self._failed is None:
                     self._flush()
             finally:
                 with self._lock:
