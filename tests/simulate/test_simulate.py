@@ -296,6 +296,11 @@ def test_the_journal_off_restores_from_the_checkpoint_alone():
     # a disk fault inside a sink: closing the journal released the half transition (a failure
     # that spent the infra budget, not its drop), and the restore sent one attempt too many
     (2770171316622869610, 352),
+    # closing after a failed row-log write flushed the buffered seals naming the lost rows:
+    # every restore then failed on a cut-short row frame
+    (653103300812192787, 4),
+    # the trace, closed after the journal on a disk-fault exit, released into a closed writer
+    (3679193067137636706, 2),
 ])
 def test_journal_bugs_the_simulation_found_stay_fixed(seed, index):
     out = check(plan(seed, index=index))
