@@ -301,6 +301,11 @@ def test_the_journal_off_restores_from_the_checkpoint_alone():
     (653103300812192787, 4),
     # the trace, closed after the journal on a disk-fault exit, released into a closed writer
     (3679193067137636706, 2),
+    # a restart that replayed drops and trained no step ends without a new cut: the run's
+    # custody is LATEST and its tail (the check read LATEST alone)
+    (2307904307005706415, 249),
+    # a journal close that failed at Stop was closed again on the way out (the world's own bug)
+    (6001569392389376283, 164),
 ])
 def test_journal_bugs_the_simulation_found_stay_fixed(seed, index):
     out = check(plan(seed, index=index))

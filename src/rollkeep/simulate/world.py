@@ -266,7 +266,21 @@ class World:
         except Exception as e:
             out.problems.append(f"the final checkpoint fails the restore chain: {e}")
             return
-        found = exactly_once(lin, restored.ledger, self.source)
+        state = restored.ledger
+        if self.plan.journal:
+            # The run's custody is LATEST and the journal's tail after it, as a restart (and
+            # `rollkeep audit`) sees it: a run that restored a tail and then trained no step
+            # ends without a new cut, so LATEST alone may lack what the tail replayed (e.g.
+            # drops the killed process made after the cut).
+            try:
+                tail = journal_tail(RUN_DIR, restored, newest=is_newest(self.store, restored),
+                                    source=self.source, fs=self.fs)[0]
+            except Exception as e:
+                out.problems.append(f"the final journal tail fails to replay: {e}")
+                return
+            if tail is not None:
+                state = tail.state
+        found = exactly_once(lin, state, self.source)
         lossy = self.plan.settings.recovery_mode == "cursor_only"  # loses in flight by design
         out.problems.extend(p for p in found.problems if not (lossy and "were lost on restore" in p))
         if lin.finished is not None:
@@ -401,9 +415,9 @@ class _Process:
                     w.trace.flush()  # as the runner: then `run_finished`, then close the journal, the trace
                     w.trace.emit(RunFinished(step=self.sched.version, weights_sha256=self.trainer.weights_sha256(),
                                              reason=cmd.reason.value))
-                    if w.journal is not None:
-                        w.journal.close()
-                        w.journal = None
+                    journal, w.journal = w.journal, None  # closed once, even if its close fails
+                    if journal is not None:
+                        journal.close()
                     w.trace.close()
                     return "finished"
             if not self.queue:
