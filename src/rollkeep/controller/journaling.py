@@ -15,6 +15,10 @@ waits on the disk (docs/design.md §9).
                   the writer's thread: the journal reaches what the checkpoint covers before
                   the commit point, and what it makes redundant is deleted after
 
+`threaded=False` (`rollkeep simulate`, on its fake clock) starts no thread: the caller runs
+the thread's cycle itself (`cycle()`, when `kicked` or every `flush_ms` of its time), and
+everything else is the same code.
+
 A failed write or fsync stops the thread; the loop sees it at its next `check()` and the run
 stops as on any disk error (exit 5): what was flushed before stays durable.
 """
@@ -40,7 +44,7 @@ from ..core.rows import RowId, RowStore
 
 class JournalThread:
     def __init__(self, run_dir: Path, *, next_seq: int, rows: RowStore, flush_ms: float, flush_events: int,
-                 fs: FS = DEFAULT_FS) -> None:
+                 fs: FS = DEFAULT_FS, threaded: bool = True) -> None:
         self.run_dir = Path(run_dir)
         self._rows, self._fs = rows, fs
         self._flush_s, self._flush_events = flush_ms / 1000, flush_events
@@ -55,8 +59,10 @@ class JournalThread:
         self._stop = False
         self._error: BaseException | None = None
         self.flush_seconds: deque[float] = deque(maxlen=1 << 16)  # the latest flushes that wrote
-        self._thread = threading.Thread(target=self._run, name="rollkeep-journal", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if threaded:
+            self._thread = threading.Thread(target=self._run, name="rollkeep-journal", daemon=True)
+            self._thread.start()
 
     # -- the loop's side
 
@@ -127,27 +133,51 @@ class JournalThread:
     def _run(self) -> None:
         while not self._stop:
             self._kick.wait(self._flush_s)
-            self._kick.clear()
             try:
-                t0 = time.perf_counter()
-                before = self.journal.durable_seq
-                self.sync()
-                if self.journal.durable_seq != before:
-                    self.flush_seconds.append(time.perf_counter() - t0)
+                self.cycle()
             except BaseException as e:  # the loop raises it (check); nothing more is written
-                self._error = e
+                self.fail(e)
                 return
 
+    @property
+    def kicked(self) -> bool:
+        """`flush_events` records are waiting: the thread flushes now, not at its next tick."""
+        return self._kick.is_set()
+
+    def cycle(self) -> None:
+        """One turn of the thread: `sync`, timed when it wrote. Raises what `sync` raises
+        (the thread then stops: `fail`)."""
+        self._kick.clear()
+        t0 = time.perf_counter()
+        before = self.journal.durable_seq
+        self.sync()
+        if self.journal.durable_seq != before:
+            self.flush_seconds.append(time.perf_counter() - t0)
+
+    def fail(self, e: BaseException) -> None:
+        """The thread stopped on `e`: the loop raises it at its next event (`check`)."""
+        self._error = e
+
     def close(self) -> None:
-        """Stop the thread after a last flush (a graceful end keeps everything)."""
+        """Stop the thread after a last `sync` of what was released. Records still staged
+        are dropped, not released: the trace never flushed them, and on an error (a disk
+        fault raised inside a sink) they may end in the middle of a scheduler transition,
+        which a restore must never replay (found by `rollkeep simulate`: a budget-spending
+        failure replayed without its drop gave the group an attempt past its budget). A
+        graceful end flushed the trace at Stop, so it keeps everything."""
         self._stop = True
         self._kick.set()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         try:
             if self._error is None:
                 self.sync()
         finally:
-            self.journal.close()
+            # Only `sync` may make records durable: it fsyncs their rows first. After a failed
+            # one (or a failed thread) the records still buffered may name rows that never
+            # reached the disk (found by `rollkeep simulate`: one failed row-log write, then
+            # the close flushed the seals naming it, and no restore could read their rows).
+            self.journal.close(flush=False)
             self.rowlog.close()
 
     def stats(self) -> dict[str, Any]:

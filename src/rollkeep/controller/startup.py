@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from ..config import semantic as semantic_of
 from ..core import restore
 from ..core.configdiff import check_compatible, fingerprint, is_allowed
 from ..core.durable import JOURNAL_DIR, ROWS_DIR, read_tail
+from ..core.fs import DEFAULT_FS, FS
 from ..core.ledger import Ledger, LedgerState
 from ..core.replay import Restart, replay
 from ..core.restore import RestorePlan, plan, restore_chain
@@ -75,7 +77,7 @@ def open_run(
             allow_config_change=allow_config_change, allow_dataset_change=allow_dataset_change,
             extend_epochs=is_allowed("data.epochs", allow_config_change), config_added=ADDED_KEYS)
         trainer.load({n: restored.trainer_file(n) for n in restored.trainer_files()}, step=restored.ledger.version)
-    newest = restored is None or not any(checkpoint_order(n) > checkpoint_order(restored.name) for n in store.list())
+    newest = is_newest(store, restored)
     tail, next_seq, stale = _journal_tail(cfg, run_dir, restored, newest=newest, source=source,
                                           semantic=semantic, allow_config_change=allow_config_change)
     resumed = restored is not None or tail is not None
@@ -90,7 +92,7 @@ def open_run(
     # Only now that the restore chain (and the journal's tail) passed does anything on disk change.
     abandoned = _resume_here(store, restored)
     if stale:
-        _set_journal_aside(run_dir)
+        set_journal_aside(run_dir)
     if not resumed:
         run_dir.mkdir(parents=True, exist_ok=True)  # `train` made it; a direct caller may not
         (run_dir / "config.yaml").write_text(dump_yaml(cfg))
@@ -148,21 +150,34 @@ class _Tail:
 
 def _journal_tail(cfg: Config, run_dir: Path, restored: restore.Restored | None, *, newest: bool, source: PromptSource,
                   semantic: dict[str, Any], allow_config_change: tuple[str, ...]) -> tuple[_Tail | None, int, bool]:
+    """`journal_tail` for the run of `cfg` (with the journal off: none, and nothing set aside)."""
+    if not cfg.journaled:
+        return None, 1, False
+
+    def check_config() -> None:  # no checkpoint checked the config: the journaled run's own config.yaml does
+        check_compatible(semantic_of(load_config(str(run_dir / "config.yaml"), [])), semantic,
+                         allow=allow_config_change, path=str(run_dir / "config.yaml"), added=ADDED_KEYS)
+
+    return journal_tail(run_dir, restored, newest=newest, source=source, check_config=check_config)
+
+
+def journal_tail(run_dir: Path, restored: restore.Restored | None, *, newest: bool, source: PromptSource,
+                 check_config: Callable[[], None] | None = None,
+                 fs: FS = DEFAULT_FS) -> tuple[_Tail | None, int, bool]:
     """(the checkpoint with the journal's tail replayed, or None if there is none; the seq the
     journal goes on at; whether the journal on disk belongs to another lineage and is set
     aside). Only LATEST's tail is replayed; a run that never checkpointed replays from the
-    empty ledger (docs/design.md §9)."""
-    if not cfg.journaled:
-        return None, 1, False
+    empty ledger, once `check_config()` accepted the run's config (docs/design.md §9).
+    `rollkeep simulate` calls it on its simulated disk (`fs`)."""
     position = {"seq": 0} if restored is None else restored.manifest.get("journal")
     if position is None or not newest:  # written with the journal off, or an older one resumed on purpose
         return None, 1 + (0 if position is None else position["seq"]), True
-    tail = read_tail(run_dir, after=position["seq"])
+    tail = read_tail(run_dir, after=position["seq"], fs=fs)
     if not any(not isinstance(ev, Restart) for ev, _ in tail.events):
         return None, tail.last_seq + 1, False
-    if restored is None:  # no checkpoint checked the config: the journaled run's own config.yaml does
-        check_compatible(semantic_of(load_config(str(run_dir / "config.yaml"), [])), semantic,
-                         allow=allow_config_change, path=str(run_dir / "config.yaml"), added=ADDED_KEYS)
+    if restored is None:
+        if check_config is not None:
+            check_config()
         base, rows = Ledger(n_rows=source.n_rows, seed=source.seed, epochs=source.epochs).capture(), {}
     else:
         base, rows = restored.ledger, restored.rows
@@ -170,16 +185,22 @@ def _journal_tail(cfg: Config, run_dir: Path, restored: restore.Restored | None,
     return _Tail(r.state, r.rows, r.events, tail.dropped), tail.last_seq + 1, False
 
 
-def _set_journal_aside(run_dir: Path) -> None:
+def is_newest(store: CheckpointStore, restored: restore.Restored | None) -> bool:
+    """No checkpoint of the store is newer than `restored` (None: a fresh start): only then
+    is the journal's tail after it replayed."""
+    return restored is None or not any(checkpoint_order(n) > checkpoint_order(restored.name) for n in store.list())
+
+
+def set_journal_aside(run_dir: Path, fs: FS = DEFAULT_FS) -> None:
     """Move the journal and the row log out of the way (nothing is deleted)."""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     for name in (JOURNAL_DIR, ROWS_DIR):
-        if (run_dir / name).exists():
+        if fs.kind_of(run_dir / name) is not None:
             aside, n = run_dir / f"{name}-abandoned-{stamp}", 1
-            while aside.exists():
+            while fs.kind_of(aside) is not None:
                 n += 1
                 aside = run_dir / f"{name}-abandoned-{stamp}-{n}"
-            os.rename(run_dir / name, aside)
+            fs.rename(run_dir / name, aside)
 
 
 def checkpoint_meta(source: PromptSource, semantic: dict[str, Any], run_id: str, *,

@@ -99,8 +99,14 @@ from pathlib import Path
 
 import xxhash
 
+from . import crashpoints
 from .errors import CheckpointError, CustodyError
 from .fs import DEFAULT_FS, DIR, FILE, FS, AppendFile
+
+# Crash points of a flush (`rollkeep simulate` kills and power-cuts there; ROLLKEEP_CRASH_AT
+# may name them): the records written but not yet fsynced, and fsynced with their name.
+JOURNAL_BEFORE_FSYNC = crashpoints.register("journal.before_fsync")
+JOURNAL_AFTER_FSYNC = crashpoints.register("journal.after_fsync")
 
 __all__ = [
     "DEFAULT_SEGMENT_BYTES",
@@ -471,7 +477,7 @@ class JournalWriter:
         fs = self._fs
         if fs.kind_of(self.directory) is None:
             fs.makedirs(self.directory)
-            fs.fsync(self.directory.parent)
+        fs.fsync(self.directory.parent)  # even if not new: an earlier process may have died before it
         for seg in _list_segments(self.directory, fs, strict=False):
             if seg.first_seq < next_seq:
                 # A killed writer's last records may be in the page cache only, and the
@@ -558,19 +564,22 @@ class JournalWriter:
                 i += 1
             if i > start:
                 self._file.write(b"".join(chunk))
+                crashpoints.hit(JOURNAL_BEFORE_FSYNC)  # written, in the page cache only
                 self._file.fsync()
                 if created:
                     self._fs.fsync(self.directory)  # the new segment's name: the commit point
+                crashpoints.hit(JOURNAL_AFTER_FSYNC)
                 self._durable_seq = first + i - 1
             if i < len(frames):  # full: rotate
                 self._file.close()
                 self._file = None
 
-    def close(self) -> None:
-        """Flush what is buffered (unless the writer failed) and close; again: nothing."""
+    def close(self, *, flush: bool = True) -> None:
+        """Flush what is buffered (unless the writer failed, or with `flush=False`: records
+        that depend on something not durable are dropped) and close; again: nothing."""
         with self._io_lock:
             try:
-                if not self._closed and self._failed is None:
+                if flush and not self._closed and self._failed is None:
                     self._flush()
             finally:
                 with self._lock:

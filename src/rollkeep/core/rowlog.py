@@ -82,9 +82,15 @@ import msgspec
 import numpy as np
 import xxhash
 
+from . import crashpoints
 from .errors import FilesystemError, RowsMismatch
 from .fs import DEFAULT_FS, FILE, FS, AppendFile
 from .rows import FINISH_REASONS, Row, RowId, _check_row_id
+
+# Crash points of a flush (`rollkeep simulate` kills and power-cuts there): the rows
+# written but not yet fsynced, and fsynced with their segment's name.
+ROWLOG_BEFORE_FSYNC = crashpoints.register("rowlog.before_fsync")
+ROWLOG_AFTER_FSYNC = crashpoints.register("rowlog.after_fsync")
 
 __all__ = [
     "FORMAT_VERSION",
@@ -272,7 +278,10 @@ class RowLogWriter:
         try:
             if fs.kind_of(self.directory) is None:
                 fs.makedirs(self.directory)
-                fs.fsync(self.directory.parent)  # the new directory's entry is durable
+            # The directory's entry is durable, even if it is not new: an earlier process may
+            # have made it and died (or failed this fsync) before its entry was durable, and
+            # a power cut would then take it, and every row in it, from under the journal.
+            fs.fsync(self.directory.parent)
             existing = _numbers(self.directory, fs)
             # A killed writer's last rows may be in the page cache only, and a restore may
             # have read them (a replayed seal's row): durable before anything that follows.
@@ -352,10 +361,12 @@ class RowLogWriter:
                         created = True
                     assert self._file is not None
                     self._file.write(b"".join(frame for _, frame in pending[i:j]))
+                    crashpoints.hit(ROWLOG_BEFORE_FSYNC)  # written, in the page cache only
                     self._file.fsync()
                     i = j
                 if created:
                     self._fs.fsync(self.directory)
+                crashpoints.hit(ROWLOG_AFTER_FSYNC)
             except BaseException as e:
                 self._failed = e
                 raise

@@ -4,7 +4,9 @@ A schedule is a `Plan` drawn from its seed: a small run (a few steps of a few gr
 every sampler x recovery mode x deterministic on/off, random latencies, infra and data
 failures and hangs past the deadline, random checkpoint cadence and retention, disk faults,
 and 0-3 crashes -- at a random ledger event or at the n-th hit of a named crash point (the
-first schedules walk through every point in turn), each a kill or a power cut. After the
+first schedules walk through every point in turn, the journal's and the row log's flushes
+among them), each a kill or a power cut; the journal on in most schedules, off in the
+rest. After the
 run: exactly-once from the trace and the final checkpoint, the restore chain and audit on
 it, and in deterministic mode the same trainer digest as the same plan run without crashes
 or faults. A violation is shrunk to the fewest crashes and faults that still show it
@@ -28,7 +30,8 @@ from ..core.schedule import RetryPolicy, Settings
 from .world import Crash, Outcome, Plan, Script, World
 
 # Crash points a simulated run reaches (the runner-only trace flushes have no twin here).
-_POINT_PREFIXES = ("publish.", "checkpoint.", "train.", "ledger.")
+_POINT_PREFIXES = ("publish.", "checkpoint.", "train.", "ledger.", "journal.", "rowlog.")
+_JOURNAL_PREFIXES = ("journal.", "rowlog.")  # reached only with Plan.journal
 
 
 def crash_points() -> list[str]:
@@ -67,9 +70,17 @@ def plan(seed: int, index: int = 0) -> Plan:
         else:
             crashes.append(Crash(at=rng.randint(1, 4), point=rng.choice(points), power=power))
     faults = rng.choice([0, 0, 0, 1, 2])
-    return Plan(seed=seed, settings=settings, sampler=sampler, limits=limits, n_rows=rng.randint(4, 20),
-                epochs=rng.randint(1, 2), keep_last=rng.randint(1, 3), script=script,
-                crashes=tuple(crashes), fault_rate=0.05 if faults else 0.0, max_faults=faults, index=index)
+    n_rows, epochs, keep_last = rng.randint(4, 20), rng.randint(1, 2), rng.randint(1, 3)
+    # The journal mostly on (the runner's default), off in a fifth so both restores stay
+    # covered; on whenever a crash is pinned inside it. Flushes every 5-60 ms of simulated
+    # time, or at once when a few records wait (a small flush_events).
+    pinned = any(c.point is not None and c.point.startswith(_JOURNAL_PREFIXES) for c in crashes)
+    journal = pinned or rng.random() < 0.8
+    return Plan(seed=seed, settings=settings, sampler=sampler, limits=limits, n_rows=n_rows,
+                epochs=epochs, keep_last=keep_last, script=script,
+                crashes=tuple(crashes), fault_rate=0.05 if faults else 0.0, max_faults=faults, index=index,
+                journal=journal, journal_ms=rng.choice([5.0, 10.0, 10.0, 60.0]),
+                flush_events=rng.choice([4096, 4096, 8, 1]))
 
 
 def check(p: Plan) -> Outcome:
@@ -110,6 +121,8 @@ class Summary:
     faults: int = 0
     failed_by_design: int = 0
     fired: Counter = field(default_factory=Counter)  # crash point (or "ledger event") → crashes
+    journal_restores: int = 0  # restores that replayed a journal tail
+    journal_replayed: int = 0  # the events they replayed
     violations: list[tuple[Plan, Outcome]] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -132,6 +145,8 @@ def simulate(n: int, seed: int, *, stop_at_first: bool = True, log: Callable[[st
         out.schedules += 1
         out.crashes += result.crashes
         out.fired.update(result.fired)
+        out.journal_restores += result.journal_restores
+        out.journal_replayed += result.journal_replayed
         out.faults += result.faults
         out.failed_by_design += result.failed_by_design is not None
         if result.problems:

@@ -27,6 +27,15 @@ of them at the cut, and fsynced before each checkpoint publication. A kill keeps
 flushed line; a power cut keeps the synced ones and may tear the next. Everything read
 back -- the publications `start_point` counts, the lineage checked at the end -- is read
 from that disk, torn lines skipped as `read_trace` skips them.
+
+With `Plan.journal` each process keeps the journal on that disk as the runner does
+(`controller.journaling.JournalThread`, its thread's cycle run on the fake clock): a
+restore is LATEST and the journal's tail after it (`startup.journal_tail`, the runner's
+code), the first record a restart marker, records released at each trace flush and made
+durable (row log first) every `journal_ms` of simulated time or once `flush_events` wait,
+`covering` around each publication and the position in the checkpoint's meta. Crashes land
+inside those flushes too (`journal.*` and `rowlog.*` crash points, disk faults, torn
+appends at a power cut).
 """
 
 from __future__ import annotations
@@ -43,13 +52,16 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from ..controller.journaling import JournalThread
 from ..controller.rundir import published_in_trace, start_point
+from ..controller.startup import _Resumed, is_newest, journal_tail, set_journal_aside
 from ..core import crashpoints
 from ..core.checkpoint import write_checkpoint
 from ..core.errors import ExternalError, FilesystemError
 from ..core.events import DATA, INFRA, Event
 from ..core.generation import Completion, GenRequest
 from ..core.ledger import Ledger
+from ..core.restore import plan as restore_plan
 from ..core.restore import restore_chain
 from ..core.rows import RowStore
 from ..core.samplers import Limits, make_sampler
@@ -125,13 +137,17 @@ class Plan:
     fault_rate: float = 0.0
     max_faults: int = 0
     index: int = 0  # its place in a sweep (`schedules.plan(seed, index)` rebuilds it)
+    journal: bool = False  # journal.enabled: restore = LATEST + the journal's tail
+    journal_ms: float = 10.0  # journal.flush_ms, in simulated time
+    flush_events: int = 4096  # journal.flush_events
 
     def describe(self) -> str:
         s = self.settings
         return (f"sampler={self.sampler} recovery={s.recovery_mode} deterministic={s.deterministic} "
                 f"P={self.limits.num_prompts_per_step} window={self.limits.window} G={s.group_size} "
                 f"steps={s.total_steps} rows={self.n_rows}x{self.epochs} every={s.checkpoint_every} "
-                f"keep={self.keep_last} drop={s.on_dropped_prompt} stale={s.on_stale}")
+                f"keep={self.keep_last} drop={s.on_dropped_prompt} stale={s.on_stale}"
+                + (f" journal={self.journal_ms:g}ms/{self.flush_events}" if self.journal else " journal=off"))
 
 
 @dataclass
@@ -143,6 +159,8 @@ class Outcome:
     fired: list[str] = field(default_factory=list)  # where: a crash point, or "ledger event"
     faults: int = 0  # simulated disk faults that failed a write
     segments: int = 0
+    journal_replayed: int = 0  # journal events restores replayed after their checkpoint
+    journal_restores: int = 0  # restores that replayed a journal tail
     digest: str | None = None  # final trainer digest of a finished run
     failed_by_design: str | None = None  # the run stopped with a user-facing error
     trace: bytes = b""  # the simulated disk's trace at the end
@@ -172,6 +190,8 @@ class World:
         rows = [{"prompt": f"{i}+{i % 7}=", "answer": str(i + i % 7)} for i in range(plan.n_rows)]
         self.source = PromptSource(SequenceDataset(rows), seed=plan.seed % 2**31, epochs=plan.epochs)
         self.trace: Trace | None = None  # the trace writer of the process running now
+        self.journal: JournalThread | None = None  # and its journal (Plan.journal)
+        self.out = Outcome()
         self._pending = sorted(plan.crashes, key=lambda c: (c.point or "", c.at))
         self._events = 0  # ledger events of the whole run (crash injection counts them)
         self._hits: dict[str, int] = {}
@@ -181,7 +201,7 @@ class World:
     # ================================================================== the run
 
     def run(self) -> Outcome:
-        out = Outcome()
+        out = self.out
         crashpoints.set_handler(self._on_point)
         try:
             while True:
@@ -192,13 +212,13 @@ class World:
                 try:
                     ended = self._segment()
                 except SimCrash as crash:
-                    out.crashes += 1
-                    out.fired.append(getattr(crash, "where", "?"))
-                    self.trace = None  # its unflushed lines die with the process
-                    self.fs.power_cut() if getattr(crash, "power", False) else self.fs.kill()
+                    self._crashed(crash)
                     continue
                 except (OSError, FilesystemError) as e:  # a simulated disk fault: `rollkeep train` exits 5
-                    self._exit_failed(e)
+                    try:
+                        self._exit_failed(e)
+                    except SimCrash as crash:  # inside the journal's last flush
+                        self._crashed(crash)
                     continue
                 except ExternalError as e:  # e.g. a step shrank below its minimum
                     out.failed_by_design = str(e)
@@ -217,15 +237,27 @@ class World:
             self._check(out)
         return out
 
+    def _crashed(self, crash: SimCrash) -> None:
+        self.out.crashes += 1
+        self.out.fired.append(getattr(crash, "where", "?"))
+        self.trace = self.journal = None  # their unflushed lines and records die with the process
+        self.fs.power_cut() if getattr(crash, "power", False) else self.fs.kill()
+
     def _exit_failed(self, e: BaseException) -> None:
         """The process stops with an error, as the runner does: the failure traced if the
-        trace still takes writes, and the trace closed (flushed)."""
-        if self.trace is not None:
+        trace still takes writes, then the journal closed (its last flush, unless it failed)
+        and the trace closed (flushed), in the runner's order."""
+        trace, journal = self.trace, self.journal
+        self.trace = self.journal = None
+        if trace is not None:
             with contextlib.suppress(FilesystemError):
-                self.trace.emit(RunFailed(step=None, error=f"{type(e).__name__}: {e}"))
+                trace.emit(RunFailed(step=None, error=f"{type(e).__name__}: {e}"))
+        if journal is not None:
+            with contextlib.suppress(OSError, FilesystemError):
+                journal.close()
+        if trace is not None:
             with contextlib.suppress(FilesystemError):
-                self.trace.close()
-        self.trace = None
+                trace.close()
 
     def _check(self, out: Outcome) -> None:
         lin = lineage(parse_trace(out.trace, events=EVENTS)[0])  # torn lines skipped, as `read_trace` does
@@ -234,7 +266,21 @@ class World:
         except Exception as e:
             out.problems.append(f"the final checkpoint fails the restore chain: {e}")
             return
-        found = exactly_once(lin, restored.ledger, self.source)
+        state = restored.ledger
+        if self.plan.journal:
+            # The run's custody is LATEST and the journal's tail after it, as a restart (and
+            # `rollkeep audit`) sees it: a run that restored a tail and then trained no step
+            # ends without a new cut, so LATEST alone may lack what the tail replayed (e.g.
+            # drops the killed process made after the cut).
+            try:
+                tail = journal_tail(RUN_DIR, restored, newest=is_newest(self.store, restored),
+                                    source=self.source, fs=self.fs)[0]
+            except Exception as e:
+                out.problems.append(f"the final journal tail fails to replay: {e}")
+                return
+            if tail is not None:
+                state = tail.state
+        found = exactly_once(lin, state, self.source)
         lossy = self.plan.settings.recovery_mode == "cursor_only"  # loses in flight by design
         out.problems.extend(p for p in found.problems if not (lossy and "were lost on restore" in p))
         if lin.finished is not None:
@@ -253,24 +299,49 @@ class World:
             restored = restore_chain(self.store, name=name, source=self.source, config=None)
             trainer.load({n: restored.trainer_file(n) for n in restored.trainer_files()},
                          step=restored.ledger.version)
-            ledger = Ledger.from_state(restored.ledger)
-            for rid, row in restored.rows.items():
-                rows.put(rid, row)
+        tail, next_seq = None, 1
+        if plan.journal:  # as `startup.open_run`: LATEST and the journal's tail after it
+            tail, next_seq, stale = journal_tail(RUN_DIR, restored, newest=is_newest(self.store, restored),
+                                                 source=self.source, fs=self.fs)
+            if stale:
+                set_journal_aside(RUN_DIR, fs=self.fs)
+        resumed = restored is not None or tail is not None
+        if tail is not None:
+            ledger, restored_rows = Ledger.from_state(tail.state), tail.rows
+            self.out.journal_restores += 1
+            self.out.journal_replayed += tail.events
+        elif restored is not None:
+            ledger, restored_rows = Ledger.from_state(restored.ledger), restored.rows
         else:
-            ledger = Ledger(n_rows=self.source.n_rows, seed=self.source.seed, epochs=self.source.epochs)
+            ledger, restored_rows = Ledger(n_rows=self.source.n_rows, seed=self.source.seed,
+                                           epochs=self.source.epochs), {}
+        for rid, row in restored_rows.items():
+            rows.put(rid, row)
         self.store.cleanup_tmp()
         self.trace = Trace(TRACE, self.run_id, fs=self.fs, clock=lambda: self.now)
         sched = Scheduler(ledger=ledger, rows=rows, source=self.source,
                           sampler=make_sampler(plan.sampler, plan.limits), settings=s)
         sched.subscribe(self.trace.ledger_event)
+        if plan.journal:
+            self.journal = JournalThread(RUN_DIR, next_seq=next_seq, rows=rows, flush_ms=plan.journal_ms,
+                                         flush_events=plan.flush_events, fs=self.fs, threaded=False)
+            self.journal.restart(ledger.version)
+            sched.subscribe(self.journal.sink)
+            self.trace.on_flush = self.journal.release
         sched.subscribe(self._count_event)
         sched.subscribe(lambda ev: crashpoints.hit("ledger." + ev.__struct_config__.tag))
-        self.trace.emit(RunStarted(resumed_from_step=None if restored is None else ledger.version,
+        self.trace.emit(RunStarted(resumed_from_step=ledger.version if resumed else None,
                                    checkpoint=None if restored is None else restored.name))
-        counts = sched.start(restored, epochs=self.source.epochs)
-        if restored is not None:
-            self.trace.emit(Restored(checkpoint=restored.name, step=ledger.version,
-                                     cut_time=restored.manifest.get("cut_time"), **counts))
+        if tail is not None:
+            counts = sched.start(_Resumed(restore_plan(tail.state)), epochs=self.source.epochs)
+        else:
+            counts = sched.start(restored, epochs=self.source.epochs)
+        if resumed:
+            journal_fields = {} if tail is None else {"journal_events_replayed": tail.events,
+                                                      "journal_dropped": tail.dropped}
+            self.trace.emit(Restored(checkpoint=None if restored is None else restored.name, step=ledger.version,
+                                     cut_time=restored.manifest.get("cut_time") if restored is not None else 0.0,
+                                     **counts, **journal_fields))
         return _Process(self, sched, trainer).drive()
 
     def _published(self) -> int | None:
@@ -307,6 +378,8 @@ class _Process:
         self.cancelled: set[tuple[str, int, int]] = set()
         self.engine_version = 0
         self.next_flush = world.now + _FLUSH_S
+        self.journal_s = world.plan.journal_ms / 1000
+        self.next_journal = world.now + self.journal_s
 
     def later(self, delay: float, fn: Callable[[], None]) -> None:
         heapq.heappush(self.queue, (self.w.now + delay, next(self.seq), fn))
@@ -323,11 +396,13 @@ class _Process:
                     self.later(_between(script.train_s, w.plan.seed, "train", cmd.step), lambda c=cmd: self._train(c))
                 elif isinstance(cmd, Cut):
                     captured = self.sched.capture(now=w.now)
+                    position = None if w.journal is None else w.journal.position()
                     snapshot = self.trainer.snapshot()
                     w.trace.flush()  # as the runner's `_cut`: every commit it covers is in the trace
+                    self._journal_kicked()
                     crashpoints.hit("checkpoint.after_cut")
                     self.later(_between(script.write_s, w.plan.seed, "write", cmd.step, w.now),
-                               lambda c=cmd, cap=captured, snap=snapshot: self._write(c, cap, snap))
+                               lambda c=cmd, cap=captured, snap=snapshot, pos=position: self._write(c, cap, snap, pos))
                 elif isinstance(cmd, Refit):
                     self.later(_between(script.refit_s, w.plan.seed, "refit", cmd.version),
                                lambda v=cmd.version: self._refit(v))
@@ -337,8 +412,12 @@ class _Process:
                     if cmd.time > w.now:
                         heapq.heappush(self.queue, (cmd.time, next(self.seq), lambda: None))
                 elif isinstance(cmd, Stop):
+                    w.trace.flush()  # as the runner: then `run_finished`, then close the journal, the trace
                     w.trace.emit(RunFinished(step=self.sched.version, weights_sha256=self.trainer.weights_sha256(),
                                              reason=cmd.reason.value))
+                    journal, w.journal = w.journal, None  # closed once, even if its close fails
+                    if journal is not None:
+                        journal.close()
                     w.trace.close()
                     return "finished"
             if not self.queue:
@@ -348,8 +427,28 @@ class _Process:
             if w.now >= self.next_flush:
                 w.trace.flush()
                 self.next_flush = w.now + _FLUSH_S
+                self._journal_kicked()
+            if w.journal is not None and w.now >= self.next_journal:
+                self._journal_cycle()
+                self.next_journal = w.now + self.journal_s
             fn()
         raise RuntimeError(f"the run did not stop within {MAX_ACTIONS} simulated actions")
+
+    def _journal_kicked(self) -> None:
+        """A release left `flush_events` records waiting: the journal's thread flushes now."""
+        if self.w.journal is not None and self.w.journal.kicked:
+            self._journal_cycle()
+
+    def _journal_cycle(self) -> None:
+        """One turn of the journal's thread; a disk fault stops it, and the loop sees it at
+        its next event (`JournalThread.check`: exit 5), as in the runner."""
+        j = self.w.journal
+        if j is None or j._error is not None:
+            return
+        try:
+            j.cycle()
+        except (OSError, FilesystemError) as e:
+            j.fail(e)
 
     def _dispatch(self, req: GenRequest) -> None:
         script, seed = self.w.plan.script, self.w.plan.seed
@@ -386,12 +485,15 @@ class _Process:
         self.engine_version = version
         self.sched.on_refit(version)
 
-    def _write(self, cmd: Cut, captured, snapshot) -> None:
+    def _write(self, cmd: Cut, captured, snapshot, position) -> None:
         w = self.w
         meta = {"dataset": {"n_rows": w.source.n_rows, "seed": w.source.seed, "epochs": w.source.epochs,
                             "fingerprint": w.source.fingerprint()}, "config": {}}
+        if position is not None:
+            meta["journal"] = {"seq": position[0], "rows_segment": position[1]}  # as `startup.checkpoint_meta`
         w.trace.sync_flushed()  # as the runner's `_write`: the durable trace has every commit first
-        published = write_checkpoint(w.store, captured, trainer_files=snapshot.files(), meta=meta,
-                                     keep_last=w.plan.keep_last, trainer_step=snapshot.step)
+        with contextlib.nullcontext() if position is None else w.journal.covering(position):
+            published = write_checkpoint(w.store, captured, trainer_files=snapshot.files(), meta=meta,
+                                         keep_last=w.plan.keep_last, trainer_step=snapshot.step)
         w.trace.emit(CheckpointPublished(step=cmd.step, name=published.name, cut_time=captured.time))
         self.sched.on_cut_written(cmd.step)
