@@ -116,7 +116,8 @@ def open_run(
                           checkpoint=None if restored is None else restored.name, pid=os.getpid(),
                           config_fingerprint=fingerprint(semantic), cleaned_tmp=leftovers,
                           abandoned_checkpoints=abandoned))
-    counts = sched.start(_Resumed(plan(state)) if resumed else None, epochs=source.epochs)
+    counts = sched.start(_Resumed(plan(state)) if resumed else None, epochs=source.epochs,
+                         replayed=tail is not None)
     progress = RunProgress(cfg.logger.progress, total_steps=cfg.train.total_steps, start_step=ledger.version)
     if leftovers:
         progress.note(f"removed {len(leftovers)} leftover temporary file(s): {', '.join(leftovers)}")

@@ -266,21 +266,18 @@ class World:
         except Exception as e:
             out.problems.append(f"the final checkpoint fails the restore chain: {e}")
             return
-        state = restored.ledger
         if self.plan.journal:
-            # The run's custody is LATEST and the journal's tail after it, as a restart (and
-            # `rollkeep audit`) sees it: a run that restored a tail and then trained no step
-            # ends without a new cut, so LATEST alone may lack what the tail replayed (e.g.
-            # drops the killed process made after the cut).
+            # The journal's tail after the final checkpoint still replays (as a restart and
+            # `rollkeep audit` would read it); the custody check is on LATEST alone: a run
+            # that restored a tail writes its final cut even if it trains no step after
+            # (`Scheduler.start(replayed=True)`), so LATEST holds what the tail did.
             try:
-                tail = journal_tail(RUN_DIR, restored, newest=is_newest(self.store, restored),
-                                    source=self.source, fs=self.fs)[0]
+                journal_tail(RUN_DIR, restored, newest=is_newest(self.store, restored), source=self.source,
+                             fs=self.fs)
             except Exception as e:
                 out.problems.append(f"the final journal tail fails to replay: {e}")
                 return
-            if tail is not None:
-                state = tail.state
-        found = exactly_once(lin, state, self.source)
+        found = exactly_once(lin, restored.ledger, self.source)
         lossy = self.plan.settings.recovery_mode == "cursor_only"  # loses in flight by design
         out.problems.extend(p for p in found.problems if not (lossy and "were lost on restore" in p))
         if lin.finished is not None:
@@ -333,7 +330,7 @@ class World:
         self.trace.emit(RunStarted(resumed_from_step=ledger.version if resumed else None,
                                    checkpoint=None if restored is None else restored.name))
         if tail is not None:
-            counts = sched.start(_Resumed(restore_plan(tail.state)), epochs=self.source.epochs)
+            counts = sched.start(_Resumed(restore_plan(tail.state)), epochs=self.source.epochs, replayed=True)
         else:
             counts = sched.start(restored, epochs=self.source.epochs)
         if resumed:

@@ -195,15 +195,18 @@ class Scheduler:
 
     # ============================================================== start
 
-    def start(self, restored: Restored | None, *, epochs: int | None) -> dict[str, Any] | None:
+    def start(self, restored: Restored | None, *, epochs: int | None, replayed: bool = False) -> dict[str, Any] | None:
         """Record the run's limits; after a restore, normalise the ledger (docs/design.md §5) and
-        return the counts of the `restored` trace event."""
+        return the counts of the `restored` trace event. `replayed`: the ledger is the
+        checkpoint's with a journal tail replayed (docs/design.md §5.1), so it differs from
+        every checkpoint: the next cut, the final one included, is written even if nothing
+        else changes (LATEST alone then holds what the tail did)."""
         limits = self.sampler.limits
         self._apply(Configured(num_prompts_per_step=limits.num_prompts_per_step, window=limits.window,
                                epochs=epochs))
         # The state is the restored checkpoint's (or empty); what normalising it changes
         # (abandoned attempts, cursor_only's losses) counts as a change for the next cut.
-        self._changed_since_cut = False
+        self._changed_since_cut = replayed
         fields = None
         if restored is not None:
             restart.normalize(self.ledger, self._apply)
