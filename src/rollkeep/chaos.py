@@ -35,7 +35,9 @@ from .config import Config, load_config
 from .core import crashpoints
 from .core.errors import RollkeepError
 from .core.events import ALL_EVENTS, Abandoned, Configured, Evicted, Released, Spared, event_name
+from .core.journal import JOURNAL_AFTER_FSYNC, JOURNAL_BEFORE_FSYNC
 from .core.restore import restore_chain
+from .core.rowlog import ROWLOG_AFTER_FSYNC, ROWLOG_BEFORE_FSYNC
 from .core.source import PromptSource
 from .core.store import CheckpointStore
 from .core.trace_schema import CHECKPOINT_PUBLISHED, RUN_FINISHED, RUN_STARTED
@@ -44,6 +46,8 @@ from .trace import last_committed_in_trace, read_trace
 
 # Where a crash-point kill lands: mid-publication (the retention step needs old checkpoints
 # to delete, so it is left out) or right after the cut, and the ledger's transitions.
+#: Inside the journal's group commit: before and after the row log's and the journal's fsync.
+JOURNAL_POINTS = (ROWLOG_BEFORE_FSYNC, ROWLOG_AFTER_FSYNC, JOURNAL_BEFORE_FSYNC, JOURNAL_AFTER_FSYNC)
 PUBLISH_POINTS = (*(p for p in crashpoints.PUBLISH_POINTS if p != crashpoints.PUBLISH_RETENTION),
                   "checkpoint.after_cut")
 LEDGER_POINTS = tuple(event_name(e) for e in ALL_EVENTS if e not in (Configured, Released, Evicted, Abandoned,
@@ -201,7 +205,10 @@ def run_chaos(
         share = min(0.5 * left, max(interval * rng.uniform(1, 2), left / (kills - i + 1) * rng.uniform(0.5, 1.5)))
         crash_at = None
         if i % 2 == 1:  # every other kill is a named crash point
-            if counts[CHECKPOINT_PUBLISHED] and rng.random() < 0.5:
+            flushes = finished.get("journal_flushes") or 0
+            if flushes >= 4 and rng.random() < 1 / 3:  # inside a group commit
+                crash_at = f"{rng.choice(JOURNAL_POINTS)}:{max(1, round(0.5 * left * rng.random() * flushes))}"
+            elif counts[CHECKPOINT_PUBLISHED] and rng.random() < 0.5:
                 n = max(1, round(share * counts[CHECKPOINT_PUBLISHED]))
                 crash_at = f"{rng.choice(PUBLISH_POINTS)}:{n}"
             else:
