@@ -8,7 +8,6 @@ from __future__ import annotations
 import errno
 import os
 import random
-import signal
 from pathlib import Path
 
 import pytest
@@ -18,16 +17,6 @@ from rollkeep.core.events import Sealed, StepCommitted
 from rollkeep.core.fs import DEFAULT_FS, DIR
 from rollkeep.simulate.memfs import MemFS
 from rollkeep.trace import Trace, parse_trace, read_trace
-
-
-@pytest.fixture
-def no_hang():
-    """A test that blocks dies of SIGALRM instead of hanging the suite."""
-    old = signal.signal(signal.SIGALRM, signal.default_int_handler)
-    signal.alarm(10)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, old)
 
 
 def sealed(i: int = 0) -> Sealed:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import errno
 import os
 import random
-import signal
 import threading
 from pathlib import Path
 
@@ -69,16 +68,6 @@ def replace(fs, path: Path, data: bytes) -> None:
     fs.write(path, data)
     fs.fsync(path)
     fs.fsync(path.parent)
-
-
-@pytest.fixture
-def no_hang():
-    """A test that blocks dies of SIGALRM instead of hanging the suite."""
-    old = signal.signal(signal.SIGALRM, signal.default_int_handler)
-    signal.alarm(10)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, old)
 
 
 # -- round trip, rotation, reopening -------------------------------------------------------

@@ -9,7 +9,6 @@ import errno
 import os
 import random
 import shutil
-import signal
 import threading
 from pathlib import Path
 
@@ -50,16 +49,6 @@ def row(prompt=3, completion=2, *, reward=1.0, finish="stop", seed=0) -> Row:
         reward,
         finish,
     )
-
-
-@pytest.fixture
-def no_hang():
-    """A test that blocks dies of SIGALRM instead of hanging the suite."""
-    old = signal.signal(signal.SIGALRM, signal.default_int_handler)
-    signal.alarm(10)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, old)
 
 
 def written(directory: Path, rows: list[tuple[RowId, Row]], **kw) -> list[RowLocation]:
