@@ -11,10 +11,13 @@ Journal contents are deterministic: every stop is graceful (SIGTERM at a crash p
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
 import signal
 import struct
 from pathlib import Path
 
+import pytest
 from run_harness import DEFAULTS, FAST, check, config, final_sha, run_child, run_to_end, trace_lines
 
 from rollkeep.cli import main
@@ -160,3 +163,26 @@ def test_cursor_only_writes_no_journal(tmp_path) -> None:
     cfg = config(tmp_path / "run", "recovery.mode=cursor_only")
     run_to_end(cfg)
     assert not (Path(cfg.run_dir) / "journal").exists() and not (Path(cfg.run_dir) / "rows").exists()
+
+
+@pytest.mark.parametrize("name", ["journal", "rows"])
+@pytest.mark.parametrize("kind", ["fifo", "file", "symlink"])
+def test_a_journal_or_row_log_that_is_not_a_directory_is_refused_before_anything_changes(
+        tmp_path, capsys, name, kind) -> None:
+    cfg = config(tmp_path / "run", "checkpoint.every_steps=2")
+    run = Path(cfg.run_dir)
+    run_to_end(cfg)
+    shutil.rmtree(run / name)
+    if kind == "fifo":
+        os.mkfifo(run / name)
+    elif kind == "file":
+        (run / name).write_bytes(b"not a directory")
+    else:
+        (tmp_path / "elsewhere").mkdir()
+        (run / name).symlink_to(tmp_path / "elsewhere")
+    before = digest(run)
+    code = main(["train", DEFAULTS, *FAST, f"run_dir={run}", "checkpoint.every_steps=2", "train.total_steps=14"])
+    err = capsys.readouterr().err
+    assert code == 3, err
+    assert f"RUN_DIR/{name} is not a directory" in err or "journal directory is not a directory" in err, err
+    assert "Traceback" not in err and digest(run) == before

@@ -24,7 +24,8 @@ from ..config import semantic as semantic_of
 from ..core import restore
 from ..core.configdiff import check_compatible, fingerprint, is_allowed
 from ..core.durable import JOURNAL_DIR, ROWS_DIR, read_tail
-from ..core.fs import DEFAULT_FS, FS
+from ..core.fs import DEFAULT_FS, DIR, FS
+from ..core.journal import JournalError
 from ..core.ledger import Ledger, LedgerState
 from ..core.replay import Restart, replay
 from ..core.restore import RestorePlan, plan, restore_chain
@@ -173,6 +174,13 @@ def journal_tail(run_dir: Path, restored: restore.Restored | None, *, newest: bo
     position = {"seq": 0} if restored is None else restored.manifest.get("journal")
     if position is None or not newest:  # written with the journal off, or an older one resumed on purpose
         return None, 1 + (0 if position is None else position["seq"]), True
+    for name in (JOURNAL_DIR, ROWS_DIR):  # before anything is written: a FIFO or a file is refused
+        if fs.kind_of(run_dir / name) not in (None, DIR):
+            raise JournalError(
+                f"RUN_DIR/{name} is not a directory", path=str(run_dir / name),
+                expected="a directory (not a symlink) that the run's journal writes",
+                found=fs.describe(run_dir / name),
+                remedy="move it aside and run again (the run resumes from its checkpoint)")
     tail = read_tail(run_dir, after=position["seq"], fs=fs)
     if not any(not isinstance(ev, Restart) for ev, _ in tail.events):
         return None, tail.last_seq + 1, False
