@@ -2,11 +2,14 @@
 the run writes. Nothing on disk changes before the restore chain has passed.
 
     restore   the full restore chain on the chosen checkpoint (read-only), the trainer's
-              state (bound to the ledger's step), the ledger and the rows
-    then      set newer checkpoints aside (--resume-from), write config.yaml (fresh run),
-              remove leftover temp files, open the trace and the metrics, trace
-              `run_started`, start the scheduler (it records the run's limits and
-              normalises a restored ledger), trace `restored` and say what it reuses
+              state (bound to the ledger's step), the ledger and the rows; with the
+              journal, its tail after LATEST (or after nothing, for a run that never
+              checkpointed) read, checked and replayed (`journal_tail`, docs/design.md §5.1)
+    then      set newer checkpoints aside (--resume-from) and a journal that belongs to
+              another lineage, write config.yaml (fresh run), remove leftover temp files,
+              open the trace, the metrics and the journal thread, trace `run_started`,
+              start the scheduler (it records the run's limits and normalises a restored
+              ledger), trace `restored` and say what it reuses
 """
 
 from __future__ import annotations
