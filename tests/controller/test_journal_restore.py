@@ -10,6 +10,7 @@ Journal contents are deterministic: every stop is graceful (SIGTERM at a crash p
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import shutil
@@ -186,3 +187,27 @@ def test_a_journal_or_row_log_that_is_not_a_directory_is_refused_before_anything
     assert code == 3, err
     assert f"RUN_DIR/{name} is not a directory" in err or "journal directory is not a directory" in err, err
     assert "Traceback" not in err and digest(run) == before
+
+
+def test_a_disk_error_in_the_journal_stops_the_run_with_exit_5_and_it_resumes(tmp_path, monkeypatch, capsys) -> None:
+    from rollkeep.core import journal
+
+    real = journal.JournalWriter._write
+    calls = [0]
+
+    def failing(self, frames, first):
+        calls[0] += 1
+        if calls[0] == 3:  # a group commit in the middle of the run: the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(self, frames, first)
+
+    monkeypatch.setattr(journal.JournalWriter, "_write", failing)
+    cfg = config(tmp_path / "run", "checkpoint.every_steps=2", "engine.latency_ms=5")
+    run = Path(cfg.run_dir)
+    args = ["train", DEFAULTS, *FAST, f"run_dir={run}", "checkpoint.every_steps=2", "engine.latency_ms=5"]
+    assert main(args) == 5
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and "journal" in err and "Traceback" not in err, err
+    monkeypatch.undo()
+    assert main(args) == 0  # what was flushed before the error stands; the run ends exactly once
+    check(cfg)

@@ -110,11 +110,15 @@ class JournalThread:
     # -- the checkpoint writer's side (its own thread)
 
     def sync(self) -> None:
-        """Every record released before the call is durable on return, its row first."""
+        """Every record released before the call is durable on return, its row first.
+        A disk error is a FilesystemError naming the journal (exit 5)."""
         with self._sync_lock:
             released = self._released  # the rows these name were buffered before them
-            self.rowlog.flush()
-            self.journal.flush(upto=released)
+            try:
+                self.rowlog.flush()
+                self.journal.flush(upto=released)
+            except OSError as e:
+                raise FilesystemError.of(e, "writing the journal", self.run_dir / JOURNAL_DIR) from None
 
     @contextlib.contextmanager
     def covering(self, position: tuple[int, int]) -> Iterator[None]:
