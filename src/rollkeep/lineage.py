@@ -59,7 +59,8 @@ def lineage(lines: Iterable[dict[str, Any]]) -> Lineage:
             # (`journal_dropped`) and this run's own (a restore that drops, like cursor_only's
             # losses) stand.
             cut = float(line["cut_time"])
-            kept = {tuple(p) for p in line.get("journal_dropped") or ()}
+            listed = line.get("journal_dropped")
+            kept = {tuple(p) for p in listed if isinstance(p, list)} if isinstance(listed, list) else set()
             out.dropped = {p: (t, r) for p, (t, r) in out.dropped.items()
                            if t <= cut or r == current_run or p in kept}
             for p in kept - out.dropped.keys():  # its trace line was lost with the process

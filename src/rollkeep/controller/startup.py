@@ -31,7 +31,7 @@ from ..core.fs import DEFAULT_FS, DIR, FS
 from ..core.journal import JournalError
 from ..core.ledger import Ledger, LedgerState
 from ..core.replay import Restart, replay
-from ..core.restore import RestorePlan, plan, restore_chain
+from ..core.restore import plan, restore_chain
 from ..core.rows import Row, RowId, RowStore
 from ..core.samplers import Limits, make_sampler
 from ..core.schedule import RetryPolicy, Scheduler, Settings
@@ -120,7 +120,7 @@ def open_run(
                           checkpoint=None if restored is None else restored.name, pid=os.getpid(),
                           config_fingerprint=fingerprint(semantic), cleaned_tmp=leftovers,
                           abandoned_checkpoints=abandoned))
-    counts = sched.start(_Resumed(plan(state)) if resumed else None, epochs=source.epochs,
+    counts = sched.start(None if not resumed else restored if tail is None else plan(state), epochs=source.epochs,
                          replayed=tail is not None)
     progress = RunProgress(cfg.logger.progress, total_steps=cfg.train.total_steps, start_step=ledger.version)
     if leftovers:
@@ -138,11 +138,6 @@ def open_run(
         progress.note(restore_banner(restored.name if restored is not None else "the journal", counts, redone,
                                      journal=None if tail is None else tail.events))
     return sched, trace, metrics, progress, journal
-
-
-@dataclass(frozen=True)
-class _Resumed:
-    plan: RestorePlan  # what `Scheduler.start` reads of a restore
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ import xxhash
 
 from ..controller.journaling import JournalThread
 from ..controller.rundir import published_in_trace, start_point
-from ..controller.startup import _Resumed, is_newest, journal_tail, set_journal_aside
+from ..controller.startup import is_newest, journal_tail, set_journal_aside
 from ..core import crashpoints
 from ..core.checkpoint import write_checkpoint
 from ..core.errors import ExternalError, FilesystemError
@@ -330,7 +330,7 @@ class World:
         self.trace.emit(RunStarted(resumed_from_step=ledger.version if resumed else None,
                                    checkpoint=None if restored is None else restored.name))
         if tail is not None:
-            counts = sched.start(_Resumed(restore_plan(tail.state)), epochs=self.source.epochs, replayed=True)
+            counts = sched.start(restore_plan(tail.state), epochs=self.source.epochs, replayed=True)
         else:
             counts = sched.start(restored, epochs=self.source.epochs)
         if resumed:

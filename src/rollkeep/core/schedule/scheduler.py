@@ -58,7 +58,7 @@ from ..events import (
 )
 from ..generation import GenRequest, sampling_seed
 from ..ledger import AttemptStatus, GroupState, Ledger
-from ..restore import Restored
+from ..restore import Restored, RestorePlan
 from ..rows import Row, RowId, RowStore
 from ..samplers import Sampler
 from ..source import PromptSource
@@ -195,8 +195,10 @@ class Scheduler:
 
     # ============================================================== start
 
-    def start(self, restored: Restored | None, *, epochs: int | None, replayed: bool = False) -> dict[str, Any] | None:
-        """Record the run's limits; after a restore, normalise the ledger (docs/design.md §5) and
+    def start(self, restored: Restored | RestorePlan | None, *, epochs: int | None,
+              replayed: bool = False) -> dict[str, Any] | None:
+        """Record the run's limits; after a restore (the chain's `Restored`, or the plan of the
+        ledger the scheduler was built on), normalise the ledger (docs/design.md §5) and
         return the counts of the `restored` trace event. `replayed`: the ledger is the
         checkpoint's with a journal tail replayed (docs/design.md §5.1), so it differs from
         every checkpoint: the next cut, the final one included, is written even if nothing
@@ -216,7 +218,8 @@ class Scheduler:
                 for gid in lost_ids:
                     self._drop(gid, Reason.LOST.value, on_dropped_prompt="replace")
                 lost = len(lost_ids)
-            fields = restart.restored_fields(restored.plan, lost=lost, mode=self.settings.recovery_mode)
+            plan = restored if isinstance(restored, RestorePlan) else restored.plan
+            fields = restart.restored_fields(plan, lost=lost, mode=self.settings.recovery_mode)
             # Groups sealed but not finalized at the cut are finalized again (no side effects).
             for gid, rec in self.ledger.groups():
                 if rec.state == GroupState.READY_TO_FINALIZE:
