@@ -22,6 +22,7 @@ from rollkeep.core.checkpoint import LEDGER_FILE, ROWS_FILE, cut, write_checkpoi
 from rollkeep.core.events import Admitted, Claimed, Dispatched, Finalizing, Ready, Sealed
 from rollkeep.core.ledger import Ledger
 from rollkeep.core.restore import plan
+from rollkeep.core.rowindex import ROWS_INDEX
 from rollkeep.core.rows import Row, RowId, RowStore
 from rollkeep.core.source import PromptSource, SequenceDataset
 from rollkeep.core.store import RESERVED_KEYS, CheckpointStore
@@ -159,7 +160,7 @@ def test_inspect_owner_table_matches_the_ledger(tmp_path, run, capsys) -> None:
     assert rep["plan"]["lines"] == plan(led.capture()).lines()
     assert set(rep["checks"]["passed"]) == {"1", "2", "3", "4", "5", "6"}
     assert set(rep["checks"]["not_run"]) == {"7", "8"}
-    assert set(rep["files"]) == {LEDGER_FILE, ROWS_FILE, "trainer/model.bin", "MANIFEST.json"}
+    assert set(rep["files"]) == {LEDGER_FILE, ROWS_FILE, ROWS_INDEX, "trainer/model.bin", "MANIFEST.json"}
     assert rep["bytes"] == sum(p.stat().st_size for p in Path(rep["path"]).rglob("*") if p.is_file())
     assert rep["store"]["checkpoints"] == ["step_000001", "step_000002"]
     assert rep["store"]["latest"] == "step_000002"

@@ -454,7 +454,7 @@ class _FullDisk:
 
 def test_enospc_while_publishing_is_exit_5_and_the_previous_checkpoint_stands(tmp_path, monkeypatch, capsys):
     run = tmp_path / "run"
-    _FullDisk(monkeypatch, fail_at=12)  # 4 files + manifest + LATEST per checkpoint: the third one
+    _FullDisk(monkeypatch, fail_at=15)  # 5 files + manifest + LATEST per checkpoint: the third one
     err = refused(capsys, 0, train_args(run), 5)
     assert "publishing the checkpoint of step 6" in err and "No space left on device" in err
     assert (run / "checkpoints" / "LATEST").read_text() == "step_000004\n"

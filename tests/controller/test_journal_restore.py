@@ -23,6 +23,10 @@ from run_harness import DEFAULTS, FAST, check, config, final_sha, run_child, run
 
 from rollkeep.cli import main
 from rollkeep.core.journal import HEADER_SIZE
+from rollkeep.core.manifest import read_manifest
+from rollkeep.core.rowindex import referenced_segments
+from rollkeep.core.rowlog import segments as rowlog_segments
+from rollkeep.core.store import CheckpointStore
 
 STOPPED = 128 + signal.SIGTERM
 NO_FINAL = "checkpoint.on_shutdown=false"
@@ -89,9 +93,9 @@ def test_resume_from_an_older_checkpoint_sets_the_journal_aside(tmp_path, capsys
     code = main(["train", DEFAULTS, *FAST, f"run_dir={run}", *over, "--resume-from", "step_000002"])
     assert code == 0, capsys.readouterr().err
     (j_aside,) = run.glob("journal-abandoned-*")
-    (r_aside,) = run.glob("rows-abandoned-*")
     assert [p.name for p in sorted(j_aside.iterdir())] == journal
-    assert [p.name for p in sorted(r_aside.iterdir())] == rows
+    assert not list(run.glob("rows-abandoned-*")), "the row log stays: checkpoints name rows in it"
+    assert_named_segments_exist(run)  # the set-aside checkpoints stay restorable
     restored = restored_events(cfg)[-1]
     assert restored["checkpoint"] == "step_000002" and restored.get("journal_events_replayed", 0) == 0
     assert trace_lines(cfg)[-1]["event"] == "run_finished"
@@ -112,9 +116,21 @@ def test_a_resume_with_the_journal_off_leaves_it_and_a_later_one_sets_it_aside(t
     run_to_end(config(tmp_path / "run"))  # journal on, from a checkpoint written with it off
     assert restored_events(cfg)[-1].get("journal_events_replayed", 0) == 0
     (j_aside,) = run.glob("journal-abandoned-*")
-    (r_aside,) = run.glob("rows-abandoned-*")
-    assert (digest(j_aside), digest(r_aside)) == before
+    assert digest(j_aside) == before[0]
+    assert_named_segments_exist(run)
     check(cfg)
+
+
+def assert_named_segments_exist(run: Path) -> None:
+    """Every row segment a checkpoint (kept or set aside) names is still there, and no
+    segment older than the newest checkpoint's cut is kept that none names."""
+    store = CheckpointStore(run / "checkpoints")
+    named = referenced_segments(store)
+    present = {n for n, _ in rowlog_segments(run / "rows")}
+    assert named is not None and named <= present, (named, present)
+    newest = read_manifest(run / "checkpoints" / store.latest())
+    older = {n for n in present if n < newest["journal"]["rows_segment"]}
+    assert older <= named, f"segments {sorted(older - named)} are named by no checkpoint"
 
 
 def test_a_journal_off_resume_finishes_exactly_once(tmp_path) -> None:

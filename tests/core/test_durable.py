@@ -6,6 +6,7 @@ checkpoint counts on."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import msgspec
@@ -25,7 +26,13 @@ from rollkeep.core.durable import (
 from rollkeep.core.events import Admitted, Dispatched, Dropped, Failed, Sealed, StepCommitted, Taken
 from rollkeep.core.journal import JournalError, JournalWriter
 from rollkeep.core.replay import Restart
-from rollkeep.core.rowlog import RowLocation, RowLogWriter, RowSegmentCorrupt, segment_path
+from rollkeep.core.rowlog import (
+    RowLocation,
+    RowLogReader,
+    RowLogWriter,
+    RowSegmentCorrupt,
+    segment_path,
+)
 from rollkeep.core.rows import Row, RowId
 
 LOC = RowLocation(segment=0, offset=64, length=100, checksum=12345)
@@ -112,11 +119,13 @@ def test_read_tail_gives_the_events_in_order_with_each_seals_row(tmp_path) -> No
     written, rows = write_run(run)
     tail = read_tail(run, after=0)
     assert [ev for ev, _ in tail.events] == written and tail.last_seq == len(written)
-    for ev, r in tail.events:
+    reader = RowLogReader(run / ROWS_DIR)
+    for ev, loc in tail.events:  # a seal comes with its row's place, read only when asked
         if isinstance(ev, Sealed):
-            assert r is not None and r.equal(rows[RowId(ev.group_id, ev.generation, ev.attempt)])
+            rid = RowId(ev.group_id, ev.generation, ev.attempt)
+            assert isinstance(loc, RowLocation) and reader.read(rid, loc).equal(rows[rid])
         else:
-            assert r is None
+            assert loc is None
     assert isinstance(tail.events[0][0], Restart) and tail.dropped == [[0, 4]]
 
     later = read_tail(run, after=4)  # the events after a checkpoint's position
@@ -131,13 +140,37 @@ def test_a_missing_journal_is_an_empty_tail_unless_a_checkpoint_counts_on_it(tmp
     assert exit_code(e.value) == 3 and "missing" in str(e.value)
 
 
-def test_a_seal_whose_row_frame_is_damaged_is_refused(tmp_path) -> None:
+def test_a_damaged_row_frame_is_refused_when_the_row_is_read(tmp_path) -> None:
+    """The tail does not read its rows (a restore's cost does not grow with row bytes): a
+    changed byte inside a frame is found by the first read of that row, exit 3."""
     run = tmp_path / "run"
     write_run(run)
     seg = segment_path(run / ROWS_DIR, 0)
     data = bytearray(seg.read_bytes())
     data[-5] ^= 0xFF  # inside the last row's frame
     seg.write_bytes(bytes(data))
+    tail = read_tail(run, after=0)
+    ev, loc = [(ev, loc) for ev, loc in tail.events if isinstance(ev, Sealed)][-1]
+    with pytest.raises(RowSegmentCorrupt) as e:
+        RowLogReader(run / ROWS_DIR).read(RowId(ev.group_id, ev.generation, ev.attempt), loc)
+    assert exit_code(e.value) == 3 and "checksum" in str(e.value)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing", "header", "fifo"])
+def test_a_seal_whose_segment_is_short_missing_or_not_a_segment_is_refused_by_the_tail(tmp_path, damage) -> None:
+    run = tmp_path / "run"
+    write_run(run)
+    seg = segment_path(run / ROWS_DIR, 0)
+    data = seg.read_bytes()
+    if damage == "truncated":
+        seg.write_bytes(data[:-3])  # the last frame a durable seal names is cut short
+    elif damage == "missing":
+        seg.unlink()
+    elif damage == "header":
+        seg.write_bytes(b"\0" + data[1:])
+    else:
+        seg.unlink()
+        os.mkfifo(seg)
     with pytest.raises(RowSegmentCorrupt) as e:
         read_tail(run, after=0)
-    assert exit_code(e.value) == 3
+    assert exit_code(e.value) == 3 and "segment 0" in str(e.value)

@@ -204,7 +204,7 @@ def test_store_put_get_and_counts():
         store.put(rid, row)
     assert len(store) == 4
     assert list(store.ids()) == list(rows)
-    assert store.tokens_stored() == sum(r.tokens for r in rows.values()) == 8
+    assert store.resident() == 4
     rid = RowId("e0.7", 0, 0)
     assert store.get(rid) is rows[rid]
     assert rid in store and ("e0.7", 0, 0) in store
@@ -218,7 +218,7 @@ def test_duplicate_put_with_the_same_content_is_a_no_op():
     first = make_row()
     store.put(RowId("e0.0", 0, 0), first)
     store.put(("e0.0", 0, 0), make_row())  # equal content, another object
-    assert len(store) == 1 and store.tokens_stored() == 2
+    assert len(store) == 1
     assert store.get(RowId("e0.0", 0, 0)) is first
 
 
@@ -229,7 +229,7 @@ def test_conflicting_put_raises_and_changes_nothing():
     with pytest.raises(CustodyError, match="Conflicting seal"):
         store.put(rid, make_row(reward=0.0))
     assert store.get(rid).reward == 1.0
-    assert len(store) == 1 and store.tokens_stored() == 2
+    assert len(store) == 1
 
 
 @pytest.mark.parametrize(
@@ -261,7 +261,7 @@ def test_delete_without_pins_removes_at_once():
     rid = RowId("e0.0", 0, 0)
     store.put(rid, make_row())
     store.delete(rid)
-    assert rid not in store and len(store) == 0 and store.tokens_stored() == 0
+    assert rid not in store and len(store) == 0 and store.resident() == 0
     with pytest.raises(KeyError):
         store.get(rid)
     with pytest.raises(KeyError):
@@ -278,7 +278,7 @@ def test_pin_defers_delete_and_the_last_release_applies_it():
     assert store.pins == 2
     store.delete(gone)
     # Logically gone at once ...
-    assert gone not in store and len(store) == 3 and store.tokens_stored() == 4
+    assert gone not in store and len(store) == 3
     assert gone not in set(store.ids())
     with pytest.raises(KeyError):
         store.delete(gone)  # a second delete is still an error
@@ -309,7 +309,7 @@ def test_put_again_after_a_deferred_delete():
         with pytest.raises(CustodyError):  # the writer may still read the old content
             store.put(rid, make_row(reward=5.0))
         store.put(rid, make_row())  # the same content: undeletes
-        assert rid in store and store.tokens_stored() == 2
+        assert rid in store and len(store) == 1
     assert store.get(rid) == make_row()  # the release did not remove it
 
 

@@ -11,9 +11,10 @@ waits on the disk (docs/design.md §9).
                   note the last seq released, fsync the row log (every row those records
                   name was buffered before them), then fsync the journal up to that seq: a
                   durable seal always has a durable row
-    a checkpoint  `position()` at the cut; `covering(position)` around its publication on
-                  the writer's thread: the journal reaches what the checkpoint covers before
-                  the commit point, and what it makes redundant is deleted after
+    a checkpoint  `position()` at the cut; `covering(position, store)` around its
+                  publication on the writer's thread: the journal reaches what the checkpoint
+                  covers, and the rows it names are durable, before the commit point; what it
+                  makes redundant is deleted after
 
 `threaded=False` (`rollkeep simulate`, on its fake clock) starts no thread: the caller runs
 the thread's cycle itself (`cycle()`, when `kicked` or every `flush_ms` of its time), and
@@ -38,8 +39,10 @@ from ..core.errors import FilesystemError
 from ..core.events import Event, Sealed
 from ..core.fs import DEFAULT_FS, FS
 from ..core.journal import JournalWriter, delete_covered
+from ..core.rowindex import referenced_segments
 from ..core.rowlog import RowLogWriter, delete_unreferenced
 from ..core.rows import RowId, RowStore
+from ..core.store import CheckpointStore
 
 
 class JournalThread:
@@ -77,6 +80,7 @@ class JournalThread:
         if isinstance(ev, Sealed):
             rid = RowId(ev.group_id, ev.generation, ev.attempt)
             loc = self.rowlog.append(rid, self._rows.get(rid))
+            self._rows.locate(rid, loc)  # checkpoints from now on name it instead of copying it
         self._queue(encode_entry(ev, loc))
 
     def _queue(self, record: bytes) -> None:
@@ -121,16 +125,19 @@ class JournalThread:
                 raise FilesystemError.of(e, "writing the journal", self.run_dir / JOURNAL_DIR) from None
 
     @contextlib.contextmanager
-    def covering(self, position: tuple[int, int]) -> Iterator[None]:
-        """Around the publication of a checkpoint cut at `position`: before it, the journal
-        reaches what the checkpoint covers (`sync`); once it is published (it covers the
-        journal through `seq` and holds its own copy of every row sealed before its cut),
-        the segments only it made redundant are deleted."""
+    def covering(self, position: tuple[int, int], store: CheckpointStore) -> Iterator[None]:
+        """Around the publication in `store` of a checkpoint cut at `position`: before it,
+        the journal reaches what the checkpoint covers and every row it names is durable
+        (`sync`); once it is published (it covers the journal through `seq`), the journal
+        segments it made redundant are deleted, and so are the row segments older than its
+        cut that no checkpoint of the store names (docs/design.md §5.2)."""
         self.sync()
         yield
         seq, rows_segment = position
         delete_covered(self.run_dir / JOURNAL_DIR, seq, fs=self._fs)
-        delete_unreferenced(self.run_dir / ROWS_DIR, set(), keep_from=rows_segment, fs=self._fs)
+        referenced = referenced_segments(store)
+        if referenced is not None:  # a manifest that cannot be read keeps every segment
+            delete_unreferenced(self.run_dir / ROWS_DIR, referenced, keep_from=rows_segment, fs=self._fs)
 
     # -- the thread
 

@@ -32,6 +32,7 @@ from ..core.journal import JournalError
 from ..core.ledger import Ledger, LedgerState
 from ..core.replay import Restart, replay
 from ..core.restore import plan, restore_chain
+from ..core.rowlog import RowLocation, RowLogReader
 from ..core.rows import Row, RowId, RowStore
 from ..core.samplers import Limits, make_sampler
 from ..core.schedule import RetryPolicy, Scheduler, Settings
@@ -90,9 +91,8 @@ def open_run(
     state, restored_rows = (tail.state, tail.rows) if tail is not None else (
         base, restored.rows if restored is not None else {})
     ledger = Ledger.from_state(state)
-    rows = RowStore()
-    for rid, row in restored_rows.items():
-        rows.put(rid, row)
+    rows = RowStore(reader=RowLogReader(run_dir / ROWS_DIR).read)
+    rows.restore(restored_rows)  # rows in the row log stay there until first read
     # Only now that the restore chain (and the journal's tail) passed does anything on disk change.
     abandoned = _resume_here(store, restored)
     if stale:
@@ -143,7 +143,7 @@ def open_run(
 @dataclass(frozen=True)
 class _Tail:
     state: LedgerState  # the checkpoint's ledger with the journal's tail replayed
-    rows: dict[RowId, Row]
+    rows: dict[RowId, Row | RowLocation]
     events: int
     dropped: list[list[int]]
 
@@ -199,15 +199,15 @@ def is_newest(store: CheckpointStore, restored: restore.Restored | None) -> bool
 
 
 def set_journal_aside(run_dir: Path, fs: FS = DEFAULT_FS) -> None:
-    """Move the journal and the row log out of the way (nothing is deleted)."""
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    for name in (JOURNAL_DIR, ROWS_DIR):
-        if fs.kind_of(run_dir / name) is not None:
-            aside, n = run_dir / f"{name}-abandoned-{stamp}", 1
-            while fs.kind_of(aside) is not None:
-                n += 1
-                aside = run_dir / f"{name}-abandoned-{stamp}-{n}"
-            fs.rename(run_dir / name, aside)
+    """Move the journal out of the way (nothing is deleted). The row log stays: checkpoints
+    name their rows in it (retention deletes what none names)."""
+    if fs.kind_of(run_dir / JOURNAL_DIR) is not None:
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        aside, n = run_dir / f"{JOURNAL_DIR}-abandoned-{stamp}", 1
+        while fs.kind_of(aside) is not None:
+            n += 1
+            aside = run_dir / f"{JOURNAL_DIR}-abandoned-{stamp}-{n}"
+        fs.rename(run_dir / JOURNAL_DIR, aside)
 
 
 def checkpoint_meta(source: PromptSource, semantic: dict[str, Any], run_id: str, *,

@@ -8,7 +8,8 @@ the loop. Everything slow — auditing, encoding, writing, fsyncing — happens 
 Files of a checkpoint directory:
 
     ledger.msgpack      custody state (codec.py)
-    rows.safetensors    rows of REPLAY groups and of sealed siblings of LEDGER groups
+    rows.index          the rows it references that are in the row log, by location (rowindex.py)
+    rows.safetensors    the rows it references that are not (a copy)
     trainer/...         the trainer's own files; the core reads only their step binding
     MANIFEST.json       written last by the store, with the meta below
 
@@ -31,6 +32,7 @@ from .audit import audit
 from .errors import AuditFailure
 from .ledger import AttemptStatus, Ledger, LedgerState
 from .manifest import OpenedCheckpoint
+from .rowindex import ROWS_INDEX, encode_index, extents
 from .rows import RowId, RowPin, RowStore, encode_rows
 from .store import CheckpointStore, Published
 from .untrusted import SAFETENSORS_MAX_HEADER, loads_json, safetensors_header
@@ -38,7 +40,10 @@ from .untrusted import SAFETENSORS_MAX_HEADER, loads_json, safetensors_header
 LEDGER_FILE = "ledger.msgpack"
 ROWS_FILE = "rows.safetensors"
 TRAINER_DIR = "trainer"
-SUPPORTED_SCHEMAS = {"ledger": set(codec.SUPPORTED_LEDGER_SCHEMAS), "rows": {1}}
+#: 1: every row copied into rows.safetensors; 2: rows with a place in the row log named in
+#: rows.index instead (`rowindex`), the others copied.
+ROWS_SCHEMA = 2
+SUPPORTED_SCHEMAS = {"ledger": set(codec.SUPPORTED_LEDGER_SCHEMAS), "rows": {1, 2}}
 #: The key by which a trainer file declares the step (= weight version) its state is of.
 STEP_KEY = "rollkeep_step"
 
@@ -116,18 +121,28 @@ def referenced_rows(state: LedgerState) -> list[RowId]:
     return out
 
 
-def checkpoint_files(c: Cut, trainer_files: Mapping[str, bytes]) -> dict[str, bytes]:
-    """Encode a cut. Refuses (AuditFailure) to write a ledger that fails its audit."""
+def checkpoint_files(c: Cut, trainer_files: Mapping[str, bytes]) -> tuple[dict[str, bytes], dict[str, Any]]:
+    """Encode a cut: its files, and the manifest's `rows` entry. A row with a place in the
+    row log is named by it in `rows.index` (no row byte is rewritten); one without is copied
+    into `rows.safetensors`. Refuses (AuditFailure) to write a ledger that fails its audit."""
     report = audit(c.ledger)
     report.raise_if_failed(AuditFailure, remedy="this is a bug; the checkpoint was not written")
-    ids = referenced_rows(c.ledger)
+    by_ref, copied = [], []
+    for rid in referenced_rows(c.ledger):
+        loc = c.rows.location(rid)
+        if loc is None:
+            copied.append(rid)
+        else:
+            by_ref.append((rid, loc))
     files = {
         LEDGER_FILE: codec.encode(c.ledger),
-        ROWS_FILE: encode_rows((rid, c.rows.get(rid)) for rid in ids),
+        ROWS_FILE: encode_rows((rid, c.rows.get(rid)) for rid in copied),
+        ROWS_INDEX: encode_index(by_ref),
     }
     for name, blob in trainer_files.items():
         files[f"{TRAINER_DIR}/{name}"] = blob
-    return files
+    rows = {"by_reference": len(by_ref), "copied": len(copied), "segments": extents(loc for _, loc in by_ref)}
+    return files, rows
 
 
 def write_checkpoint(
@@ -150,7 +165,7 @@ def write_checkpoint(
                 found=f"trainer step {trainer_step}",
                 remedy="this is a bug; the checkpoint was not written",
             )
-        files = checkpoint_files(c, trainer_files)
+        files, rows = checkpoint_files(c, trainer_files)
     finally:
         c.rows.release()
     full_meta = {
@@ -158,7 +173,8 @@ def write_checkpoint(
         "weight_version": c.ledger.version,
         "cut_time": c.time,
         "cut_hold_seconds": c.hold_seconds,
-        "schemas": {"ledger": codec.LEDGER_SCHEMA, "rows": 1},
+        "schemas": {"ledger": codec.LEDGER_SCHEMA, "rows": ROWS_SCHEMA},
+        "rows": rows,
         **meta,
     }
     return store.publish(c.ledger.version, files, full_meta, keep_last=keep_last)

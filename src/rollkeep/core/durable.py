@@ -9,8 +9,11 @@ A record's payload is `JournalEntry` in msgpack: the event as the ledger applied
 a `sealed` event its row's `RowLocation`; or, as the first record of every process, a
 `restart` marker: the step its ledger was at when it started (`replay.Restart`). The writer (the runner's journal thread) flushes
 the row log before the journal in every cycle, so a seal that is durable has a durable row.
-`read_tail` gives every event after a checkpoint's journal position with the row of each
-seal read back and checked (`rowlog.RowLogReader.read`: length, checksum, row id).
+`read_tail` gives every event after a checkpoint's journal position with the location of
+each seal's row; the rows are not read (a restore's cost does not grow with row bytes): the
+segments they are in are checked to exist, to have their header and to reach that far, and
+each row is verified when it is first read (`rowlog.RowLogReader.read`: length, checksum,
+row id; docs/design.md §5.2).
 """
 
 from __future__ import annotations
@@ -25,13 +28,12 @@ from .events import ALL_EVENTS, Dropped, Event, Sealed
 from .fs import DEFAULT_FS, FS
 from .journal import JournalError, JournalReader, JournalSummary
 from .replay import Restart
-from .rowlog import RowLocation, RowLogReader
-from .rows import Row, RowId
+from .rowlog import ROWS_DIR, RowLocation, RowLogReader
 
 __all__ = ["JOURNAL_DIR", "ROWS_DIR", "JournalEntry", "Tail", "decode_entry", "encode_entry", "encode_restart",
            "read_tail"]
 
-JOURNAL_DIR, ROWS_DIR = "journal", "rows"
+JOURNAL_DIR = "journal"
 
 AnyEvent = Union[ALL_EVENTS]  # noqa: UP007  (a tuple of types: the tagged union of every event)
 
@@ -72,9 +74,9 @@ def decode_entry(payload: bytes, *, seq: int, path: str) -> JournalEntry:
 
 @dataclass
 class Tail:
-    """The events after a checkpoint's journal position, each seal with its row."""
+    """The events after a checkpoint's journal position, each seal with its row's location."""
 
-    events: list[tuple[Event | Restart, Row | None]] = field(default_factory=list)
+    events: list[tuple[Event | Restart, RowLocation | None]] = field(default_factory=list)
     summary: JournalSummary | None = None
     dropped: list[list[int]] = field(default_factory=list)  # [epoch, idx] of the tail's drops
 
@@ -85,9 +87,9 @@ class Tail:
 
 def read_tail(run_dir: Path, *, after: int, fs: FS = DEFAULT_FS) -> Tail:
     """Every journal event with seq > `after` (the checkpoint's position; 0 for a run that
-    never checkpointed), with the rows of its seals. Raises `JournalError` (exit 3) for a
-    journal that is damaged or does not extend `after`, and the row log's errors for a seal
-    whose row is missing or damaged."""
+    never checkpointed), with the locations of its seals' rows. Raises `JournalError` (exit 3)
+    for a journal that is damaged or does not extend `after`, and the row log's errors for a
+    seal whose segment is missing, has no valid header or is too short."""
     journal, rows = Path(run_dir) / JOURNAL_DIR, Path(run_dir) / ROWS_DIR
     tail = Tail()
     if fs.kind_of(journal) is None:
@@ -96,14 +98,18 @@ def read_tail(run_dir: Path, *, after: int, fs: FS = DEFAULT_FS) -> Tail:
                                expected=f"records through seq {after}", found="no journal directory")
         return tail
     reader = JournalReader(journal, after=after, fs=fs)
-    row_reader = RowLogReader(rows, fs=fs)
+    ends: dict[int, int] = {}  # segment -> end of the last frame the tail names in it
     for seq, payload in reader:
         entry = decode_entry(payload, seq=seq, path=str(journal))
-        ev, row = entry.event if entry.event is not None else Restart(entry.restart), None
+        ev = entry.event if entry.event is not None else Restart(entry.restart)
         if isinstance(ev, Sealed):
-            row = row_reader.read(RowId(ev.group_id, ev.generation, ev.attempt), entry.row)
+            loc = entry.row
+            ends[loc.segment] = max(ends.get(loc.segment, 0), loc.offset + loc.length)
         elif isinstance(ev, Dropped):
             tail.dropped.append(list(ev.prompt))
-        tail.events.append((ev, row))
+        tail.events.append((ev, entry.row))
+    row_reader = RowLogReader(rows, fs=fs)
+    for seg, end in sorted(ends.items()):
+        row_reader.check_extent(seg, end)
     tail.summary = reader.summary
     return tail

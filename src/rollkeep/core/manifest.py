@@ -139,6 +139,11 @@ class OpenedCheckpoint:
     _expected: Mapping[str, tuple[int, str]] = field(repr=False, compare=False)
     _fs: FS = field(default=DEFAULT_FS, repr=False, compare=False)
 
+    @property
+    def fs(self) -> FS:
+        """The filesystem it was opened through (what sits next to it is read through it too)."""
+        return self._fs
+
     def files(self) -> list[str]:
         """The listed files, sorted."""
         return sorted(self._expected)
@@ -263,6 +268,21 @@ def _latest_remedy(root: Path, names: list[str]) -> str:
             f"a new RUN_DIR"
         )
     return f"there is nothing to restore in {root}; start a fresh run"
+
+
+def read_manifest(ckdir: Path, fs: FS = DEFAULT_FS) -> dict[str, Any] | None:
+    """The MANIFEST.json of `ckdir` if it parses and its own checksum holds, else None. Reads
+    no other file: for decisions that keep everything when in doubt (row segment retention),
+    never for a restore (`open_path` runs steps 1-3)."""
+    try:
+        manifest = _decode_json(fs.read(Path(ckdir) / MANIFEST))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict) or "manifest_sha256" not in manifest:
+        return None
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    ok = manifest["manifest_sha256"] == hashlib.sha256(_canonical_compact(body)).hexdigest()
+    return manifest if ok else None
 
 
 def _open_dir(

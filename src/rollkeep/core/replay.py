@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 from pyroaring import BitMap
@@ -38,7 +39,7 @@ from .errors import IllegalTransition
 from .events import Event, Sealed, StepCommitted
 from .ledger import GroupRecord, GroupState, Ledger, LedgerState, StepRun
 from .records import _copy_record
-from .rows import Row, RowId
+from .rows import RowId
 
 __all__ = ["Replayed", "Restart", "replay", "take_back"]
 
@@ -52,17 +53,18 @@ class Restart(msgspec.Struct, array_like=True, forbid_unknown_fields=True, froze
 @dataclass(frozen=True)
 class Replayed:
     state: LedgerState  # the ledger as of the tail's last event, its later steps taken back
-    rows: dict[RowId, Row]  # every row the state references
+    rows: dict[RowId, Any]  # every row the state references: a Row, or its RowLocation
     events: int  # tail events applied
     steps_taken_back: list[int]  # [first, last] committed after the checkpoint, or []
     groups_returned: int  # their groups, READY again: trained again, not regenerated
 
 
-def replay(base: LedgerState, rows: Mapping[RowId, Row],
-           tail: Iterable[tuple[Event | Restart, Row | None]]) -> Replayed:
+def replay(base: LedgerState, rows: Mapping[RowId, Any],
+           tail: Iterable[tuple[Event | Restart, Any]]) -> Replayed:
     """`tail`: the events after the checkpoint whose state is `base`, in order, each
     `Sealed` with its row (None for every other event), and the `Restart` markers of the
-    processes that wrote them. Raises `IllegalTransition` naming the first event that does
+    processes that wrote them. A row is a `Row` or where it is (a `RowLocation`): replay
+    only keeps and drops them, so it reads none. Raises `IllegalTransition` naming the first event that does
     not continue the ledger."""
     ledger = Ledger.from_state(base)
     live = dict(rows)

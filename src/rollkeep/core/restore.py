@@ -9,8 +9,9 @@ field and the remedy. Nothing here writes to disk; `rollkeep inspect` runs the s
        and the parts are of one step: manifest weight_version
        and trainer_step, and every trainer file's declared
        step, equal the ledger's version                        BindingMismatch
-    6  rows referenced by sealed attempts are present, and
-       no row is unreferenced                                  RowsMismatch
+    6  rows referenced by sealed attempts are present (copied,
+       or named in a row segment that exists and reaches
+       that far), and no row is unreferenced                   RowsMismatch
     7  the dataset still matches (size, seed, each group's
        idx / task / row fingerprint, dataset fingerprint)      DatasetMismatch
     8  the semantic config is unchanged (or the change named)  ConfigMismatch
@@ -40,6 +41,8 @@ from .checkpoint import (
 from .configdiff import check_compatible
 from .errors import BindingMismatch, CheckpointCustodyError, DatasetMismatch, RowsMismatch
 from .ledger import PROMPT_GROUP_CODE, AttemptStatus, GroupState, LedgerState
+from .rowindex import ROWS_INDEX, decode_index, extents, rows_dir_for, segments_listed
+from .rowlog import RowLocation, RowLogReader
 from .rows import Row, RowId, decode_rows
 from .source import PromptSource
 from .store import CheckpointStore, OpenedCheckpoint, open_path
@@ -129,7 +132,7 @@ class Restored:
 
     checkpoint: OpenedCheckpoint
     ledger: LedgerState
-    rows: dict[RowId, Row]
+    rows: dict[RowId, Row | RowLocation]  # copied rows, and rows named by their place in the row log
     plan: RestorePlan
     config_changes: list[tuple[str, Any, Any]] = field(default_factory=list)
 
@@ -203,22 +206,45 @@ def check_binding(ck: OpenedCheckpoint, state: LedgerState) -> None:
             raise refuse(f"{rel} holds trainer state of another step", str(path), STEP_KEY, f"step {step}")
 
 
-def check_rows(ck: OpenedCheckpoint, state: LedgerState) -> dict[RowId, Row]:
-    """Step 6: the rows are exactly the ones sealed attempts reference."""
+def check_rows(ck: OpenedCheckpoint, state: LedgerState) -> dict[RowId, Row | RowLocation]:
+    """Step 6: the rows are exactly the ones sealed attempts reference, each either copied
+    (a `Row`) or named by its place in the row log (a `RowLocation`, not read here: its
+    segment is checked to exist, to have a valid header and to reach past the frame; the
+    frame itself is verified when the row is first read, docs/design.md §5.2)."""
     path = str(ck.path / ROWS_FILE)
-    rows = decode_rows(ck.read(ROWS_FILE), path=path)
+    rows: dict[RowId, Row | RowLocation] = dict(decode_rows(ck.read(ROWS_FILE), path=path))
+    refs: dict[RowId, RowLocation] = {}
+    if ck.manifest.get("schemas", {}).get("rows", 1) >= 2:
+        refs = decode_index(ck.read(ROWS_INDEX), path=str(ck.path / ROWS_INDEX))
+    both = rows.keys() & refs.keys()
+    rows.update(refs)
     wanted = set(referenced_rows(state))
     missing = sorted(wanted - rows.keys())
     extra = sorted(rows.keys() - wanted)
-    if missing or extra:
+    if missing or extra or both:
         raise RowsMismatch(
-            "the rows file does not match the ledger's sealed attempts",
+            "the rows of the checkpoint do not match the ledger's sealed attempts",
             path=path,
             field="rows",
-            expected=f"exactly the {len(wanted)} row(s) the ledger references",
-            found=f"{len(missing)} missing (e.g. {missing[:3]}), {len(extra)} unreferenced (e.g. {extra[:3]})",
+            expected=f"exactly the {len(wanted)} row(s) the ledger references, each copied or named once",
+            found=f"{len(missing)} missing (e.g. {missing[:3]}), {len(extra)} unreferenced (e.g. {extra[:3]}), "
+            f"{len(both)} both copied and named (e.g. {sorted(both)[:3]})",
             remedy=_REMEDY_OLDER + "; rows and ledger come from different checkpoints or were damaged",
         )
+    if refs:
+        listed, named = segments_listed(ck.manifest), extents(refs.values())
+        if listed != named:
+            raise RowsMismatch(
+                "the manifest's row segments are not the ones the rows index names",
+                path=str(ck.path / "MANIFEST.json"),
+                field="rows.segments",
+                expected=f"[segment, end] of each segment {ROWS_INDEX} names: {named[:4]}",
+                found=repr(listed)[:200],
+                remedy=_REMEDY_OLDER + "; the manifest was edited",
+            )
+        reader = RowLogReader(rows_dir_for(ck.path), fs=ck.fs)
+        for seg, end in named:
+            reader.check_extent(seg, end)
     return rows
 
 

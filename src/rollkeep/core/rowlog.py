@@ -95,6 +95,7 @@ ROWLOG_AFTER_FSYNC = crashpoints.register("rowlog.after_fsync")
 __all__ = [
     "FORMAT_VERSION",
     "MAGIC",
+    "ROWS_DIR",
     "RowLocation",
     "RowLogReader",
     "RowLogWriter",
@@ -106,6 +107,7 @@ __all__ = [
     "verify_segment",
 ]
 
+ROWS_DIR = "rows"  # RUN_DIR/rows
 MAGIC = b"rollkeep-rows"
 FORMAT_VERSION = 1
 DEFAULT_SEGMENT_BYTES = 256 << 20
@@ -475,6 +477,26 @@ class RowLogReader:
                 found=problem,
             )
         self._headers_ok.add(seg)
+
+    def check_extent(self, seg: int, end: int) -> None:
+        """Segment `seg` is a regular file with a valid header naming itself and holds at
+        least `end` bytes (the frames someone names there fit in it); else
+        RowSegmentCorrupt. Two small reads; the frames themselves are checked when read."""
+        path = segment_path(self.directory, seg)
+        self._check_segment(seg, path)
+        if end > 0 and not self._read(seg, path, end - 1, 1, f"holding frames up to byte {end}"):
+            try:
+                size = _size(self._fs, path)
+            except OSError as e:
+                raise _refused_open(e, seg, path, "to size it") from None
+            raise RowSegmentCorrupt(
+                f"Row segment {seg} is cut short",
+                segment=seg,
+                offset=size,
+                path=str(path),
+                expected=f"at least {end} bytes (the end of the last row named in it)",
+                found=f"{size} bytes",
+            )
 
     def read(self, row_id: RowId, loc: RowLocation) -> Row:
         """The row appended under `row_id` at `loc`, or RowSegmentCorrupt."""

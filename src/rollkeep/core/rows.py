@@ -11,11 +11,12 @@ references instead of copies.
 
 Threading (docs/design.md §2, §3)
 ----------------------------
-`put`, `delete`, `pin`, `ids`, `len` and `in` run on the controller's loop thread. A
-checkpoint writer on a background thread holds a `RowPin` taken during the cut and calls
-only `get` (or `RowPin.get`) with ids it knows were present when the pin was taken. While
+`put`, `put_ref`, `locate`, `delete`, `pin`, `ids`, `len` and `in` run on the controller's
+loop thread. A checkpoint writer on a background thread holds a `RowPin` taken during the
+cut and calls only `location` and `get` (or the pin's) with ids it knows were present when
+the pin was taken, and `get` only for rows without a location, which are in memory. While
 any pin is held, `delete` is deferred: the row leaves the store's logical view at once but
-stays readable by `get`, and is removed when the last pin is released.
+stays readable by `get` and `location`, and is removed when the last pin is released.
 
 Why the writer's reads are safe: in CPython a plain `d[key]` lookup runs under the GIL as
 one C call, and a dict resize caused by the loop thread inserting other keys happens inside
@@ -38,7 +39,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -255,6 +256,10 @@ class RowPin:
             )
         return self._store.get(row_id)
 
+    def location(self, row_id: RowId) -> Any:
+        """`store.location(row_id)`: where the row is in the row log, or None."""
+        return self._store.location(row_id)
+
     def release(self) -> None:
         """Drop this pin; the last one out applies the deferred deletes. Idempotent, and
         callable from the checkpoint writer thread."""
@@ -268,18 +273,29 @@ class RowPin:
 
 
 class RowStore:
-    """The embedded in-memory row store. See the module docstring for the threading rules.
+    """The row store of a run. See the module docstring for the threading rules.
 
-    The logical view (`in`, `len`, `ids`, `tokens_stored`) drops a row as soon as it is
-    deleted; `get` keeps serving a deleted row while a pin defers its removal.
+    A row is held in memory, or by reference: its `RowLocation` in the row log
+    (`rollkeep.core.rowlog`), read on its first `get` by the `reader` the store was made
+    with, verified, and kept in memory from then on. A row the journal appended to the row
+    log has both (`locate`); a checkpoint then names it by its location instead of copying
+    it (docs/design.md §5.2).
+
+    The logical view (`in`, `len`, `ids`) drops a row as soon as it is deleted; `get` and
+    `location` keep serving a deleted row while a pin defers its removal.
     """
 
-    def __init__(self) -> None:
-        self._rows: dict[RowId, Row] = {}
-        self._deferred: set[RowId] = set()  # deleted while pinned; still in _rows
+    def __init__(self, reader: Callable[[RowId, Any], Row] | None = None) -> None:
+        self._rows: dict[RowId, Row] = {}  # rows in memory
+        self._where: dict[RowId, Any] = {}  # RowLocation of rows in the row log
+        self._deferred: set[RowId] = set()  # deleted while pinned; still held
         self._pins = 0
-        self._tokens = 0  # completion tokens of the logical view
+        self._n = 0  # rows of the logical view
+        self._reader = reader
         self._lock = threading.Lock()
+
+    def _held(self, rid: RowId) -> bool:
+        return rid in self._rows or rid in self._where
 
     def put(self, row_id: RowId, row: Row) -> None:
         """Store `row` under `row_id`. The same content again is a no-op; a different row
@@ -287,39 +303,69 @@ class RowStore:
         rid = _check_row_id(row_id)
         if not isinstance(row, Row):
             raise ValueError(f"RowStore.put needs a Row, got {type(row).__name__}")
-        with self._lock:
-            existing = self._rows.get(rid)
-            if existing is None:
+        if not self._held(rid):
+            with self._lock:
                 self._rows[rid] = row
-                self._tokens += row.tokens
-                return
-            if not existing.equal(row):
-                raise CustodyError(
-                    f"Conflicting seal: row {tuple(rid)} is already stored with different content",
-                    expected=f"the stored {existing!r} again (a duplicate seal is a no-op)",
-                    found=repr(row),
-                    remedy="an attempt is sealed once; a new rollout needs a new attempt.",
-                )
+                self._n += 1
+            return
+        existing = self.get(rid)
+        if not existing.equal(row):
+            raise CustodyError(
+                f"Conflicting seal: row {tuple(rid)} is already stored with different content",
+                expected=f"the stored {existing!r} again (a duplicate seal is a no-op)",
+                found=repr(row),
+                remedy="an attempt is sealed once; a new rollout needs a new attempt.",
+            )
+        with self._lock:
             if rid in self._deferred:  # deleted while pinned, now stored again
                 self._deferred.remove(rid)
-                self._tokens += row.tokens
+                self._n += 1
+
+    def put_ref(self, row_id: RowId, location: Any) -> None:
+        """Hold the row under `row_id` by reference: read at `location` on its first `get`.
+        The id must be new (a restore puts each row once)."""
+        rid = _check_row_id(row_id)
+        if self._reader is None:
+            raise ValueError("RowStore.put_ref needs a store made with a reader")
+        if self._held(rid):
+            raise ValueError(f"row {tuple(rid)} is already held")
+        with self._lock:
+            self._where[rid] = location
+            self._n += 1
+
+    def locate(self, row_id: RowId, location: Any) -> None:
+        """Record where a held row was appended in the row log (the journal, at its seal)."""
+        if row_id not in self._rows:
+            raise KeyError(row_id)
+        self._where[row_id] = location
+
+    def location(self, row_id: RowId) -> Any:
+        """The row's `RowLocation` in the row log, or None if it is held in memory only.
+        Safe from the checkpoint writer thread, as `get`."""
+        return self._where.get(row_id)
 
     def get(self, row_id: RowId) -> Row:
-        """The row under `row_id` (KeyError if absent). Safe from the checkpoint writer
-        thread for ids present when its pin was taken."""
-        return self._rows[row_id]
+        """The row under `row_id` (KeyError if absent); a row held by reference is read and
+        verified now (the reader's errors: `RowSegmentCorrupt`, exit 3). Safe from the
+        checkpoint writer thread for ids present when its pin was taken."""
+        row = self._rows.get(row_id)
+        if row is not None:
+            return row
+        row = self._reader(row_id, self._where[row_id])  # type: ignore[misc]  # KeyError if absent
+        self._rows[row_id] = row  # one dict store: atomic under the GIL
+        return row
 
     def delete(self, row_id: RowId) -> None:
         """Remove a row (KeyError if absent). Deferred while any pin is held."""
         with self._lock:
-            row = self._rows.get(row_id)
-            if row is None or row_id in self._deferred:
+            if not self._held(row_id) or row_id in self._deferred:
                 raise KeyError(row_id)
-            self._tokens -= row.tokens
+            self._n -= 1
             if self._pins:
                 self._deferred.add(_check_row_id(row_id))
             else:
-                del self._rows[row_id]
+                self._rows.pop(row_id, None)
+                self._where.pop(row_id, None)
 
     def pin(self) -> RowPin:
         """O(1). Until the returned pin is released, deletes are deferred."""
@@ -335,7 +381,8 @@ class RowStore:
             self._pins -= 1
             if self._pins == 0 and self._deferred:
                 for rid in self._deferred:
-                    del self._rows[rid]
+                    self._rows.pop(rid, None)
+                    self._where.pop(rid, None)
                 self._deferred.clear()
 
     @property
@@ -344,20 +391,29 @@ class RowStore:
         return self._pins
 
     def __contains__(self, row_id: object) -> bool:
-        return row_id in self._rows and row_id not in self._deferred
+        return self._held(row_id) and row_id not in self._deferred  # type: ignore[arg-type]
 
     def __len__(self) -> int:
-        return len(self._rows) - len(self._deferred)
+        return self._n
 
     def ids(self) -> Iterator[RowId]:
-        """A snapshot of the stored ids, in insertion order. Loop thread only."""
+        """A snapshot of the stored ids (in memory first, then by reference). Loop thread only."""
         with self._lock:
             snapshot = [rid for rid in self._rows if rid not in self._deferred]
+            snapshot += [rid for rid in self._where if rid not in self._rows and rid not in self._deferred]
         return iter(snapshot)
 
-    def tokens_stored(self) -> int:
-        """Completion tokens over the stored rows."""
-        return self._tokens
+    def restore(self, rows: Mapping[RowId, Any]) -> None:
+        """Put restored rows: a `Row` in memory, anything else (a `RowLocation`) by reference."""
+        for rid, row in rows.items():
+            if isinstance(row, Row):
+                self.put(rid, row)
+            else:
+                self.put_ref(rid, row)
+
+    def resident(self) -> int:
+        """Rows held in memory (the rest are read on their first `get`)."""
+        return len(self._rows)
 
 
 # ---------------------------------------------------------------------------------------

@@ -183,6 +183,7 @@ from rollkeep.core.manifest import (
     checkpoint_name,
     checkpoint_order,
     open_path,
+    read_manifest,
 )
 
 __all__ = [
@@ -473,6 +474,22 @@ class CheckpointStore:
         return open_path(path, supported=supported, fs=self._fs)
 
     # -- internals -----------------------------------------------------------------------
+
+    def manifests(self) -> list[tuple[Path, dict[str, Any] | None]]:
+        """Every checkpoint directory of the store, published or set aside in an
+        `abandoned-*/` directory, with its manifest (`read_manifest`: None where it cannot be
+        trusted). Unverified beyond the manifest's own checksum: for retention of what they
+        reference, which keeps everything on a None."""
+        out = []
+        for name, kind in self._scan():
+            if kind != DIR:
+                continue
+            if _step_of(name) is not None:
+                out.append(self.root / name)
+            elif name.startswith(ABANDONED_PREFIX):
+                out += [self.root / name / sub for sub, k in self._fs.listdir(self.root / name)
+                        if k == DIR and _step_of(sub) is not None]
+        return [(path, read_manifest(path, self._fs)) for path in out]
 
     def _scan(self) -> list[tuple[str, str]]:
         try:

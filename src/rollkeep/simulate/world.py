@@ -63,6 +63,7 @@ from ..core.generation import Completion, GenRequest
 from ..core.ledger import Ledger
 from ..core.restore import plan as restore_plan
 from ..core.restore import restore_chain
+from ..core.rowlog import ROWS_DIR, RowLogReader
 from ..core.rows import RowStore
 from ..core.samplers import Limits, make_sampler
 from ..core.schedule import (
@@ -290,7 +291,7 @@ class World:
         self.run_id = f"run{next(self._run_ids)}"
         name = start_point(self.store, None, published=self._published)
         trainer = ToyTrainer()
-        rows = RowStore()
+        rows = RowStore(reader=RowLogReader(RUN_DIR / ROWS_DIR, fs=self.fs).read)
         restored = None
         if name is not None:
             restored = restore_chain(self.store, name=name, source=self.source, config=None)
@@ -312,8 +313,7 @@ class World:
         else:
             ledger, restored_rows = Ledger(n_rows=self.source.n_rows, seed=self.source.seed,
                                            epochs=self.source.epochs), {}
-        for rid, row in restored_rows.items():
-            rows.put(rid, row)
+        rows.restore(restored_rows)
         self.store.cleanup_tmp()
         self.trace = Trace(TRACE, self.run_id, fs=self.fs, clock=lambda: self.now)
         sched = Scheduler(ledger=ledger, rows=rows, source=self.source,
@@ -489,7 +489,7 @@ class _Process:
         if position is not None:
             meta["journal"] = {"seq": position[0], "rows_segment": position[1]}  # as `startup.checkpoint_meta`
         w.trace.sync_flushed()  # as the runner's `_write`: the durable trace has every commit first
-        with contextlib.nullcontext() if position is None else w.journal.covering(position):
+        with contextlib.nullcontext() if position is None else w.journal.covering(position, w.store):
             published = write_checkpoint(w.store, captured, trainer_files=snapshot.files(), meta=meta,
                                          keep_last=w.plan.keep_last, trainer_step=snapshot.step)
         w.trace.emit(CheckpointPublished(step=cmd.step, name=published.name, cut_time=captured.time))

@@ -405,10 +405,11 @@ class Scheduler:
         final = led.exhausted and not led.spare and led.n_inflight() == 0
         gids = self.sampler.select(led, step, final=final)
         if gids:
+            batch = self._batch(step, gids)  # first: a row read from the row log may fail (exit 3)
             self._apply(Claimed(step=step, group_ids=tuple(gids)))
             self._step = step
             self._go("claim")
-            out.append(Train(step, self._batch(step, gids)))
+            out.append(Train(step, batch))
         elif final:
             self.stopping = Reason.DATA_EXHAUSTED
             self._go("stop")
