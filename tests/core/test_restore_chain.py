@@ -10,7 +10,9 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import pytest
+from test_store import rewrite_manifest
 
+from rollkeep.cli import exit_code
 from rollkeep.core import codec
 from rollkeep.core.checkpoint import LEDGER_FILE, ROWS_FILE, cut, write_checkpoint
 from rollkeep.core.errors import (
@@ -26,7 +28,16 @@ from rollkeep.core.errors import (
 from rollkeep.core.events import Admitted, Dispatched, Finalizing, Ready, Sealed
 from rollkeep.core.ledger import Ledger
 from rollkeep.core.restore import restore_chain
-from rollkeep.core.rows import Row, RowId, RowStore
+from rollkeep.core.rowindex import ROWS_INDEX, decode_index, encode_index, referenced_segments
+from rollkeep.core.rowlog import (
+    ROWS_DIR,
+    RowLocation,
+    RowLogReader,
+    RowLogWriter,
+    RowSegmentCorrupt,
+    segment_path,
+)
+from rollkeep.core.rows import Row, RowId, RowStore, decode_rows
 from rollkeep.core.source import PromptSource, SequenceDataset
 from rollkeep.core.store import CheckpointStore
 from rollkeep.core.take import take_event
@@ -111,7 +122,7 @@ def test_no_checkpoint(tmp_path, source) -> None:
         restore_chain(CheckpointStore(tmp_path / "checkpoints"), source=source, config=CONFIG)
 
 
-FILES = [LEDGER_FILE, ROWS_FILE, "trainer/model.bin", "MANIFEST.json"]
+FILES = [LEDGER_FILE, ROWS_FILE, "trainer/model.bin", "MANIFEST.json"]  # rows.index: the by-reference tests below
 
 
 def damage(path: Path, how: str, other: Path) -> None:
@@ -257,3 +268,154 @@ def test_step8_config_change_is_refused_with_a_dotted_diff(tmp_path, source) -> 
     assert "train.num_prompts_per_step: 2 -> 4" in str(err.value)
     r = restore_chain(store, source=source, config=changed, allow_config_change=["train.num_prompts_per_step"])
     assert r.config_changes == [("train.num_prompts_per_step", 2, 4)]
+
+
+# -- rows by reference (docs/design.md §5.2) ------------------------------------------------
+
+
+def publish_by_reference(run: Path, source: PromptSource, *, locate=lambda rid: True, republish=False):
+    """The `build` checkpoint in `run/checkpoints`, with the rows `locate` picks appended to
+    `run/rows` first (as the journal does), so the checkpoint names them instead of copying."""
+    led, rows = build(source)
+    log = RowLogWriter(run / ROWS_DIR)
+    for rid in list(rows.ids()):
+        if locate(rid):
+            rows.locate(rid, log.append(rid, rows.get(rid)))
+    log.close()
+    store = CheckpointStore(run / "checkpoints")
+    meta = {"dataset": {"n_rows": source.n_rows, "seed": source.seed, "fingerprint": source.fingerprint()},
+            "config": CONFIG}
+    write_checkpoint(store, cut(led, rows), trainer_files={"model.bin": b"weights"}, meta=meta, keep_last=3)
+    return store, led, rows
+
+
+def test_a_checkpoint_names_the_rows_in_the_row_log_and_copies_only_the_others(tmp_path, source) -> None:
+    run = tmp_path / "run"
+    copied = RowId("e0.0", 1, 0)
+    store, led, rows = publish_by_reference(run, source, locate=lambda rid: rid != copied)
+    ck = store.open()
+    assert set(decode_rows(ck.read(ROWS_FILE))) == {copied}  # no other row byte was rewritten
+    index, named = decode_index(ck.read(ROWS_INDEX))
+    assert set(index) == {RowId("e0.0", 0, 0), RowId("e0.0", 2, 0), RowId("e0.1", 0, 0)}
+    assert ck.manifest["rows"] == {"by_reference": 3, "copied": 1, "segments": named} and named[0][0] == 0
+    assert ck.manifest["schemas"]["rows"] == 2
+
+    r = restore_chain(store, source=source, config=CONFIG)
+    assert isinstance(r.rows[copied], Row) and all(isinstance(r.rows[rid], RowLocation) for rid in index)
+    restored = RowStore(reader=RowLogReader(run / ROWS_DIR).read)
+    restored.restore(r.rows)
+    assert restored.resident() == 1, "a restore reads no row by reference"
+    for rid in rows.ids():
+        assert restored.get(rid) == rows.get(rid)
+    assert restored.resident() == 4
+
+
+def test_a_changed_byte_in_a_named_row_is_refused_when_it_is_read(tmp_path, source) -> None:
+    run = tmp_path / "run"
+    store, _, _ = publish_by_reference(run, source)
+    seg = segment_path(run / ROWS_DIR, 0)
+    data = bytearray(seg.read_bytes())
+    data[-3] ^= 0x01  # inside the last row's frame
+    seg.write_bytes(bytes(data))
+    r = restore_chain(store, source=source, config=CONFIG)  # what it proves: the segment reaches that far
+    restored = RowStore(reader=RowLogReader(run / ROWS_DIR).read)
+    restored.restore(r.rows)
+    last = max(r.rows, key=lambda rid: r.rows[rid].offset)
+    with pytest.raises(RowSegmentCorrupt, match="checksum") as e:
+        restored.get(last)
+    assert exit_code(e.value) == 3
+
+
+@pytest.mark.parametrize("damage_to", ["truncated", "missing", "renamed", "symlink"])
+def test_a_named_segment_that_is_short_missing_or_not_its_own_is_refused(tmp_path, source, damage_to) -> None:
+    run = tmp_path / "run"
+    store, _, _ = publish_by_reference(run, source)
+    seg = segment_path(run / ROWS_DIR, 0)
+    data = seg.read_bytes()
+    if damage_to == "truncated":
+        seg.write_bytes(data[:-1])
+    elif damage_to == "missing":
+        seg.unlink()
+    elif damage_to == "renamed":  # another segment's bytes under its name: its header names segment 1
+        log = RowLogWriter(run / ROWS_DIR)
+        log.append(RowId("e9.9", 0, 0), row(7))
+        log.close()
+        seg.unlink()
+        segment_path(run / ROWS_DIR, 1).rename(seg)
+    else:
+        aside = tmp_path / "elsewhere.rows"
+        seg.rename(aside)
+        seg.symlink_to(aside)
+    before = tree_digest(tmp_path)
+    with pytest.raises(RowSegmentCorrupt, match="segment 0") as e:
+        restore_chain(store, source=source, config=CONFIG)
+    assert exit_code(e.value) == 3 and tree_digest(tmp_path) == before
+
+
+def _forged(run: Path, edit_manifest=None, index=None) -> None:
+    """Rewrite the checkpoint with a valid manifest checksum (so only the edit is wrong)."""
+    ckdir = run / "checkpoints" / "step_000000"
+    if index is not None:
+        (ckdir / ROWS_INDEX).write_bytes(index)
+
+    def edit(m: dict) -> None:
+        if index is not None:
+            m["files"][ROWS_INDEX] = {"size": len(index), "sha256": hashlib.sha256(index).hexdigest()}
+        if edit_manifest is not None:
+            edit_manifest(m)
+
+    rewrite_manifest(ckdir, edit)
+
+
+def test_the_manifests_segments_must_be_the_ones_the_index_names(tmp_path, source) -> None:
+    run = tmp_path / "run"
+    store, _, _ = publish_by_reference(run, source)
+    _forged(run, edit_manifest=lambda m: m["rows"].update(segments=[]))  # retention would delete it
+    with pytest.raises(RowsMismatch, match="row segments are not the ones") as e:
+        restore_chain(store, source=source, config=CONFIG)
+    assert e.value.field == "rows.segments"
+
+
+@pytest.mark.parametrize("forgery", ["unreferenced", "also_copied", "twice", "garbage", "short_column",
+                                     "negative"])
+def test_a_forged_rows_index_is_refused(tmp_path, source, forgery) -> None:
+    run = tmp_path / "run"
+    copied = RowId("e0.0", 1, 0)
+    store, _, rows = publish_by_reference(run, source, locate=lambda rid: rid != copied)
+    ck = store.open()
+    index, _ = decode_index(ck.read(ROWS_INDEX))
+    loc = next(iter(index.values()))
+    entries = list(index.items())
+    if forgery == "unreferenced":
+        entries.append((RowId("e0.2", 0, 0), loc))
+    elif forgery == "also_copied":
+        entries.append((copied, loc))
+    elif forgery == "twice":
+        entries.append(entries[0])
+    blob = encode_index(entries)
+    if forgery == "garbage":
+        blob = b"\x93\x01\x02"
+    elif forgery == "short_column":
+        doc = msgspec.msgpack.decode(blob)
+        doc[2] = doc[2][:-4]  # one generation too few
+        blob = msgspec.msgpack.encode(doc)
+    elif forgery == "negative":
+        doc = msgspec.msgpack.decode(blob)
+        doc[3] = np.full(len(entries), -1, "<i4").tobytes()  # attempt -1
+        blob = msgspec.msgpack.encode(doc)
+    _forged(run, index=blob)
+    with pytest.raises(RowsMismatch) as e:
+        restore_chain(store, source=source, config=CONFIG)
+    assert exit_code(e.value) == 3
+    expected = {"unreferenced": "1 unreferenced", "also_copied": "1 both copied and named", "twice": "twice",
+                "garbage": "does not decode", "short_column": "wrong length", "negative": "out of range"}
+    assert expected[forgery] in str(e.value)
+
+
+def test_retention_keeps_every_segment_a_checkpoint_names_and_nothing_when_a_manifest_is_in_doubt(
+        tmp_path, source) -> None:
+    run = tmp_path / "run"
+    store, _, _ = publish_by_reference(run, source)
+    assert referenced_segments(store) == {0}
+    (run / "checkpoints" / "step_000000" / "MANIFEST.json").write_text("{")  # unreadable: keep everything
+    assert referenced_segments(store) is None

@@ -1,8 +1,10 @@
 """Controller benchmarks: what a checkpoint costs and how fast the control plane runs.
 
-  checkpoint    for N in-flight groups (16 siblings, half sealed, 64-token rows): the cut's
-                hold of the loop, the background write (encode + fsync + publish), and
-                the restore (chain + ledger + rows + normalisation)
+  checkpoint    for N in-flight groups (16 siblings, half sealed, 64-token rows), with the
+                rows in the row log (named by reference, as with the journal) and copied
+                (the journal off): the cut's hold of the loop, the background write
+                (encode + fsync + publish), the restore (chain + ledger + rows +
+                normalisation), and reading every row afterwards
   ceiling       steps/s and groups/s of the toy engine and toy trainer at zero latency:
                 the most the control plane can drive; `cut_hold_seconds` of the
                 checkpoints taken while both pumps ran
@@ -20,6 +22,7 @@ import numpy as np
 from ..core.checkpoint import cut, write_checkpoint
 from ..core.ledger import Ledger
 from ..core.restore import restore_chain
+from ..core.rowlog import ROWS_DIR, RowLogReader, RowLogWriter
 from ..core.rows import Row, RowId, RowStore
 from ..core.store import CheckpointStore
 from ..core.trace_schema import (
@@ -46,14 +49,23 @@ def _row(tokens: int) -> Row:
     )
 
 
-def checkpoint_costs(n: int, tokens: int = 64) -> dict:
+def checkpoint_costs(n: int, tokens: int = 64, *, by_reference: bool = True) -> dict:
+    """`by_reference`: the rows are in the row log first, as the journal puts them, so the
+    checkpoint names them (`rows.index`); else it copies them (the journal off)."""
     led = inflight_ledger(n)
-    rows = RowStore()
-    for gid, rec in led.groups():
-        for g in rec.sealed_generations():
-            rows.put(RowId(gid, g, 0), _row(tokens))
     with tempfile.TemporaryDirectory() as tmp:
-        store = CheckpointStore(Path(tmp) / "checkpoints")
+        run = Path(tmp)
+        rows = RowStore(reader=RowLogReader(run / ROWS_DIR).read)
+        log = RowLogWriter(run / ROWS_DIR) if by_reference else None
+        for gid, rec in led.groups():
+            for g in rec.sealed_generations():
+                rid = RowId(gid, g, 0)
+                rows.put(rid, _row(tokens))
+                if log is not None:
+                    rows.locate(rid, log.append(rid, rows.get(rid)))
+        if log is not None:
+            log.close()
+        store = CheckpointStore(run / "checkpoints")
         holds = []
         for _ in range(20):
             t0 = time.perf_counter()
@@ -67,19 +79,27 @@ def checkpoint_costs(n: int, tokens: int = 64) -> dict:
         t0 = time.perf_counter()
         restored = restore_chain(store, source=None, config=None)
         ledger = Ledger.from_state(restored.ledger)
-        store2 = RowStore()
-        for rid, row in restored.rows.items():
-            store2.put(rid, row)
+        store2 = RowStore(reader=RowLogReader(run / ROWS_DIR).read)
+        store2.restore(restored.rows)
         for ev in ledger.normalize_for_restart():
             ledger.apply(ev)
         restore_s = time.perf_counter() - t0
+        resident = store2.resident()
+        t0 = time.perf_counter()
+        for rid in list(store2.ids()):
+            store2.get(rid)
+        read_all_s = time.perf_counter() - t0
     return {
         "groups": n,
         "rows": len(rows),
+        "by_reference": by_reference,
+        "row_bytes": sum(r.prompt_ids.nbytes + 3 * r.completion_ids.nbytes for r in map(rows.get, rows.ids())),
         "cut_hold_s_median": statistics.median(holds),
         "write_s": write_s,
         "bytes": published.bytes,
         "restore_s": restore_s,
+        "rows_read_at_restore": resident,
+        "read_every_row_after_s": read_all_s,
     }
 
 
@@ -134,14 +154,17 @@ def ceiling(steps: int = 40, prompts_per_step: int = 64, group_size: int = G, *,
 
 def run(quick: bool = False, log=print) -> dict:
     out: dict = {"checkpoint": []}
-    for n in [1000] if quick else [1000, 10_000]:
-        r = checkpoint_costs(n)
-        out["checkpoint"].append(r)
-        log(
-            f"checkpoint at {n:>6} in-flight groups ({r['rows']} rows): cut holds the loop "
-            f"{r['cut_hold_s_median'] * 1e6:.1f} us, background write {r['write_s']:.2f} s "
-            f"({r['bytes'] / 1e6:.1f} MB), restore {r['restore_s']:.2f} s"
-        )
+    for n in [1000] if quick else [1000, 10_000, 100_000]:
+        for by_reference in (True, False):
+            r = checkpoint_costs(n, by_reference=by_reference)
+            out["checkpoint"].append(r)
+            how = "rows by reference" if by_reference else "rows copied (journal off)"
+            log(
+                f"checkpoint at {n:>6} in-flight groups ({r['rows']} rows, {r['row_bytes'] / 1e6:.1f} MB), "
+                f"{how}: cut holds the loop {r['cut_hold_s_median'] * 1e6:.1f} us, background write "
+                f"{r['write_s']:.2f} s ({r['bytes'] / 1e6:.1f} MB), restore {r['restore_s']:.2f} s "
+                f"({r['rows_read_at_restore']} rows read; reading all later {r['read_every_row_after_s']:.2f} s)"
+            )
     n = 10 if quick else 40
     c, off, bare = ceiling(steps=n), ceiling(steps=n, trace=False), ceiling(steps=n, journal=False)
     out["ceiling"], out["ceiling_trace_off"], out["ceiling_journal_off"] = c, off, bare

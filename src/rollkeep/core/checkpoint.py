@@ -121,6 +121,14 @@ def referenced_rows(state: LedgerState) -> list[RowId]:
     return out
 
 
+def referenced_set(state: LedgerState) -> set[tuple[str, int, int]]:
+    """`referenced_rows` as a set of plain tuples (equal to, and hashing as, their RowIds):
+    what a restore compares against, without sorting."""
+    sealed = AttemptStatus.SEALED
+    return {(gid, g, rec.attempts[g]) for gid, rec in state.groups.items()
+            for g, st in enumerate(rec.status) if st == sealed}
+
+
 def checkpoint_files(c: Cut, trainer_files: Mapping[str, bytes]) -> tuple[dict[str, bytes], dict[str, Any]]:
     """Encode a cut: its files, and the manifest's `rows` entry. A row with a place in the
     row log is named by it in `rows.index` (no row byte is rewritten); one without is copied

@@ -444,7 +444,7 @@ class Ledger:
         The caller applies them (tracing them and freeing the rows they return).
         """
         events: list[Event] = []
-        for gid, rec in sorted(self._groups.items(), key=lambda kv: kv[1].key):
+        for gid, rec in sorted(self._groups.items(), key=lambda kv: (kv[1].epoch, kv[1].ordinal)):  # = .key
             if rec.state in (_CLAIMED, _FINALIZING):
                 events.append(Released(group_id=gid))
             elif rec.state == _GENERATING:

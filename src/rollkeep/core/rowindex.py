@@ -6,8 +6,11 @@ the extent of every segment it names. Rows without a location (a run with the jo
 or rows restored from a checkpoint that copied them) are still copied into
 `rows.safetensors`; a row is in exactly one of the two files.
 
-Format: msgpack `[1 (schema), [[group_id, generation, attempt, [segment, offset, length,
-xxh3_64]], ...]]`, in the order the checkpoint lists its rows. The file is bound by its
+Format: msgpack `[1 (schema), group_ids, generation, attempt, segment, offset, length,
+checksum]`, a list of str and then one column per field as raw little-endian arrays (int32,
+int32, int32, uint64, uint32, uint64 = xxh3_64 of the frame's payload), row i across them,
+in the order the checkpoint lists its rows. Columns, not one array per row: 100 k rows
+decode in a few msgspec and numpy calls. The file is bound by its
 sha256 in the manifest like every other file; the manifest's `rows.segments` lists, for each
 segment the index names, `[segment, end]` where `end` is the end of the last frame it names
 there (a restore checks each segment reaches that far, and retention keeps every segment a
@@ -18,13 +21,15 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping
+from itertools import repeat
 from pathlib import Path
 from typing import Annotated, Any
 
 import msgspec
+import numpy as np
 
 from .errors import RowsMismatch
-from .rowlog import ROWS_DIR, RowLocation
+from .rowlog import FRAME_HEADER, ROWS_DIR, RowLocation
 from .rows import RowId, _check_row_id
 from .store import CheckpointStore
 
@@ -33,58 +38,85 @@ __all__ = ["INDEX_SCHEMA", "ROWS_INDEX", "decode_index", "encode_index", "extent
 
 ROWS_INDEX = "rows.index"
 INDEX_SCHEMA = 1
-_INT32_MAX = 2**31 - 1
 _REMEDY = (
     "the rows index of this checkpoint is corrupt or was not written by this rollkeep; "
     "restore from an older checkpoint, or start the run fresh."
 )
-_Id = Annotated[int, msgspec.Meta(ge=0, le=_INT32_MAX)]
-
-
-class _Entry(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
-    group_id: Annotated[str, msgspec.Meta(min_length=1)]
-    generation: _Id
-    attempt: _Id
-    at: RowLocation
 
 
 class _Index(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     schema: int
-    rows: list[_Entry]
+    group_ids: list[Annotated[str, msgspec.Meta(min_length=1)]]
+    generation: bytes  # int32 LE, one per row; likewise below
+    attempt: bytes
+    segment: bytes
+    offset: bytes  # uint64
+    length: bytes  # uint32
+    checksum: bytes  # uint64
 
 
+_COLUMNS = {"generation": "<i4", "attempt": "<i4", "segment": "<i4", "offset": "<u8", "length": "<u4",
+            "checksum": "<u8"}
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(_Index).decode
 
 
 def encode_index(entries: Iterable[tuple[RowId, RowLocation]]) -> bytes:
-    out = []
+    ids, locs = [], []
     for rid, loc in entries:
-        rid = _check_row_id(rid)
-        out.append(_Entry(rid.group_id, rid.generation, rid.attempt, loc))
-    return _encode(_Index(INDEX_SCHEMA, out))
+        ids.append(_check_row_id(rid))
+        locs.append(loc)
+    cols = {
+        "generation": [r.generation for r in ids], "attempt": [r.attempt for r in ids],
+        "segment": [x.segment for x in locs], "offset": [x.offset for x in locs],
+        "length": [x.length for x in locs], "checksum": [x.checksum for x in locs],
+    }
+    return _encode(_Index(INDEX_SCHEMA, [r.group_id for r in ids],
+                          **{k: np.array(v, _COLUMNS[k]).tobytes() for k, v in cols.items()}))
 
 
-def decode_index(data: bytes, *, path: str = ROWS_INDEX) -> dict[RowId, RowLocation]:
-    """The index's rows, strictly: RowsMismatch naming `path` for anything malformed, an
-    unknown schema, or a row named twice."""
-    def bad(what: str, expected: str, found: str) -> RowsMismatch:
-        return RowsMismatch(what, path=path, field="rows", expected=expected, found=found, remedy=_REMEDY)
+def decode_index(data: bytes, *, path: str = ROWS_INDEX) -> tuple[dict[RowId, RowLocation], list[list[int]]]:
+    """The index's rows and their `extents`, strictly: RowsMismatch naming `path` for anything malformed or out
+    of range, an unknown schema, or a row named twice. Checked in bulk (numpy), then built
+    without per-row validation: a restore at 100 k groups decodes it in tens of ms."""
+    def bad(what: str, expected: str, found: str, field: str = "rows") -> RowsMismatch:
+        return RowsMismatch(what, path=path, field=field, expected=expected, found=found, remedy=_REMEDY)
 
     try:
         index = _decode(data)
     except msgspec.DecodeError as e:
-        raise bad("The rows index does not decode", "msgpack [schema, [[group_id, generation, attempt, "
-                  "[segment, offset, length, checksum]], ...]]", str(e)) from None
+        raise bad("The rows index does not decode", "msgpack [schema, group_ids, generation, attempt, "
+                  "segment, offset, length, checksum]", str(e)) from None
     if index.schema != INDEX_SCHEMA:
-        raise bad("Unsupported rows index schema", str(INDEX_SCHEMA), str(index.schema))
-    out = {RowId(e.group_id, e.generation, e.attempt): e.at for e in index.rows}
-    if len(out) != len(index.rows):
-        dup = next(rid for rid, c in Counter(RowId(e.group_id, e.generation, e.attempt)
-                                             for e in index.rows).items() if c > 1)
+        raise bad("Unsupported rows index schema", str(INDEX_SCHEMA), str(index.schema), "schema")
+    n = len(index.group_ids)
+    cols = {}
+    for name, dtype in _COLUMNS.items():
+        raw = getattr(index, name)
+        width = np.dtype(dtype).itemsize
+        if len(raw) != n * width:
+            raise bad(f"The rows index column {name!r} has the wrong length", f"{n} x {width} bytes "
+                      f"(one per row)", f"{len(raw)} bytes", name)
+        cols[name] = np.frombuffer(raw, dtype)
+    for name, low in (("generation", 0), ("attempt", 0), ("segment", 0), ("length", FRAME_HEADER.size)):
+        if n and int(cols[name].min()) < low:
+            raise bad(f"The rows index column {name!r} is out of range", f">= {low}",
+                      str(int(cols[name].min())), name)
+    # tuple.__new__ in C: a NamedTuple's own __new__ is Python, ~5x slower per row.
+    ids = list(map(tuple.__new__, repeat(RowId),
+                   zip(index.group_ids, cols["generation"].tolist(), cols["attempt"].tolist(), strict=True)))
+    locs = map(RowLocation, cols["segment"].tolist(), cols["offset"].tolist(), cols["length"].tolist(),
+               cols["checksum"].tolist())
+    out = dict(zip(ids, locs, strict=True))
+    if len(out) != n:
+        dup = next(rid for rid, c in Counter(ids).items() if c > 1)
         raise bad("The rows index names a row twice", "each (group_id, generation, attempt) once",
                   f"{tuple(dup)} more than once")
-    return out
+    ends = cols["offset"] + cols["length"]
+    segs = np.unique(cols["segment"])
+    last = np.full(len(segs), 0, np.uint64)
+    np.maximum.at(last, np.searchsorted(segs, cols["segment"]), ends)
+    return out, [[s, e] for s, e in zip(segs.tolist(), last.tolist(), strict=True)]
 
 
 def extents(locations: Iterable[RowLocation]) -> list[list[int]]:
