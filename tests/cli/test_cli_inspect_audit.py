@@ -208,14 +208,14 @@ def test_audit_good(tmp_path, run, capsys) -> None:
     assert main(["audit", str(tmp_path / "run")]) == 0
     out, err = capsys.readouterr()
     assert out == ("step_000002: ok (trained 4, ledger 2, replay 1, spare 1, dropped 1, "
-                   "cursor e0.9, version 2)\n")
+                   "cursor e0.9, version 2; 0 row(s) read from the row log)\n")
     assert err == ""
     assert main(["audit", "--all", str(tmp_path / "run" / "checkpoints")]) == 0
     out, err = capsys.readouterr()
     assert out.splitlines() == [
         "LATEST: step_000002",
-        "step_000001: ok (trained 2, ledger 0, replay 0, spare 0, dropped 0, cursor e0.2, version 1)",
-        "step_000002: ok (trained 4, ledger 2, replay 1, spare 1, dropped 1, cursor e0.9, version 2)",
+        "step_000001: ok (trained 2, ledger 0, replay 0, spare 0, dropped 0, cursor e0.2, version 1; 0 row(s) read from the row log)",
+        "step_000002: ok (trained 4, ledger 2, replay 1, spare 1, dropped 1, cursor e0.9, version 2; 0 row(s) read from the row log)",
     ]
     assert tree_digest(tmp_path) == before
 
@@ -292,7 +292,7 @@ def test_audit_all_reports_each_checkpoint(tmp_path, run, capsys) -> None:
     out, err = capsys.readouterr()
     assert out.splitlines() == [
         "LATEST: step_000002",
-        "step_000001: ok (trained 2, ledger 0, replay 0, spare 0, dropped 0, cursor e0.2, version 1)",
+        "step_000001: ok (trained 2, ledger 0, replay 0, spare 0, dropped 0, cursor e0.2, version 1; 0 row(s) read from the row log)",
         "step_000002: FAILED at restore step 2, every file has its listed size and sha256, "
         "nothing unlisted (see the error on stderr)",
     ]
@@ -396,7 +396,7 @@ def test_inspect_and_audit_show_and_check_the_journal_tail(tmp_path, capsys) -> 
     assert main(["inspect", str(run)]) == 0
     assert f"journal     {j['events']} event(s) after this checkpoint" in capsys.readouterr().out
     assert main(["audit", str(run)]) == 0
-    assert f"journal after step_000004: ok ({j['events']} event(s), {j['seals']} row(s) checked" \
+    assert f"journal after step_000004: ok ({j['events']} event(s), {j['seals']} row(s) read and verified" \
         in capsys.readouterr().out
     # A checkpoint given by path is inspected alone: its tail is LATEST's business.
     assert main(["inspect", "--json", str(run / "checkpoints" / "step_000004")]) == 0

@@ -19,12 +19,23 @@ import struct
 from pathlib import Path
 
 import pytest
-from run_harness import DEFAULTS, FAST, check, config, final_sha, run_child, run_to_end, trace_lines
+from run_harness import (
+    DEFAULTS,
+    FAST,
+    check,
+    config,
+    final_sha,
+    killed,
+    run_child,
+    run_to_end,
+    trace_lines,
+)
 
 from rollkeep.cli import main
 from rollkeep.core.journal import HEADER_SIZE
 from rollkeep.core.manifest import read_manifest
-from rollkeep.core.rowindex import referenced_segments
+from rollkeep.core.rowindex import ROWS_INDEX, decode_index, referenced_segments
+from rollkeep.core.rowlog import segment_path as rowlog_segment_path
 from rollkeep.core.rowlog import segments as rowlog_segments
 from rollkeep.core.store import CheckpointStore
 
@@ -227,3 +238,54 @@ def test_a_disk_error_in_the_journal_stops_the_run_with_exit_5_and_it_resumes(tm
     monkeypatch.undo()
     assert main(args) == 0  # what was flushed before the error stands; the run ends exactly once
     check(cfg)
+
+
+def test_a_journaled_run_copies_no_row_into_its_checkpoints_and_keeps_what_they_name(tmp_path, capsys) -> None:
+    """Every checkpoint names its rows in the row log (rows.index), none is copied; after
+    kills and resumes the retained checkpoints still pass `rollkeep audit` (which reads
+    every row they name), and no older segment is kept that none of them names."""
+    cfg = config(tmp_path / "run", "checkpoint.keep_last=2", "checkpoint.every_steps=2")
+    run = Path(cfg.run_dir)
+    assert killed(run_child(cfg, "ledger.step_committed:5"))
+    assert killed(run_child(cfg, "ledger.step_committed:4"))  # the 4th commit of the resumed run
+    run_to_end(cfg)
+    store = CheckpointStore(run / "checkpoints")
+    names = store.list()
+    assert len(names) == 2
+    named = 0
+    for name in names:
+        rows = store.open(name).manifest["rows"]
+        assert rows["copied"] == 0, (name, rows)
+        named += rows["by_reference"]
+        assert main(["audit", str(run / "checkpoints" / name)]) == 0, capsys.readouterr().err
+    assert named > 0, "the run's checkpoints named rows in flight"
+    assert_named_segments_exist(run)
+    check(cfg)
+
+
+def test_a_named_row_damaged_on_disk_stops_the_resumed_run_when_it_is_read(tmp_path, capsys) -> None:
+    """A restore does not read rows by reference; the first read of a damaged one refuses it
+    (exit 3, naming the segment and offset) before it is trained on."""
+    cfg = config(tmp_path / "run", NO_FINAL)
+    run = Path(cfg.run_dir)
+    stop(cfg, "ledger.step_committed:5")  # checkpoint 4 names the rows in flight
+    index, _ = decode_index(CheckpointStore(run / "checkpoints").open().read(ROWS_INDEX))
+    rid, loc = next(iter(index.items()))
+    seg = rowlog_segment_path(run / "rows", loc.segment)
+    data = bytearray(seg.read_bytes())
+    data[loc.offset + loc.length - 1] ^= 0x01
+    seg.write_bytes(bytes(data))
+    assert main(["inspect", str(run)]) == 0, "inspect, like a restore, does not read the row"
+    capsys.readouterr()
+    assert main(["audit", str(run)]) == 3, "audit reads every row the checkpoint names"
+    assert f"segment {loc.segment}, offset {loc.offset}" in capsys.readouterr().err
+    code = main(["train", DEFAULTS, *FAST, f"run_dir={run}", NO_FINAL])
+    err = capsys.readouterr().err
+    assert code == 3, err
+    assert f"segment {loc.segment}, offset {loc.offset}" in err and "Traceback" not in err
+    lines = trace_lines(cfg)
+    resumed = lines[max(i for i, x in enumerate(lines) if x["event"] == "run_started"):]
+    prompt = [int(v) for v in rid.group_id[1:].split(".")]  # "e0.7" -> [0, 7]
+    assert not [x for x in resumed if x["event"] == "step_committed" and prompt in x["prompts"]], \
+        "the damaged row was never trained on"
+    assert [x for x in resumed if x["event"] == "run_failed"]

@@ -2,9 +2,10 @@
 
 The same chain `rollkeep train` runs on resume (`rollkeep.core.restore`), minus steps 7-8
 which need the run's dataset and config: every listed file has its size and sha256, the
-schemas are supported, the ledger decodes, the custody audit passes, the rows match; and for
-LATEST of a run dir, the journal's tail after it (records, their sequence, the rows its seals
-name) and its replay onto the checkpoint. One line per checkpoint (and one for the journal);
+schemas are supported, the ledger decodes, the custody audit passes, the rows match, and
+beyond what a restore reads, every row the checkpoint names in the row log is read and
+verified; and for LATEST of a run dir, the journal's tail after it (records, their sequence,
+the rows its seals name, each read and verified) and its replay onto the checkpoint. One line per checkpoint (and one for the journal);
 exit 0 iff every audited one passes. Modifies nothing on disk.
 """
 
@@ -18,6 +19,8 @@ from rollkeep.cli import exit_code, print_error
 from rollkeep.cli.inspect import STEPS_RUN, Target, custody, journal_tail, resolve
 from rollkeep.core.errors import CheckpointNotFound, RollkeepError
 from rollkeep.core.restore import Restored, restore_chain
+from rollkeep.core.rowindex import rows_dir_for
+from rollkeep.core.rowlog import RowLocation, RowLogReader
 
 _EXAMPLES = """\
 PATH is a run dir, its checkpoints/ dir, or one checkpoint dir (as for `rollkeep inspect`).
@@ -50,13 +53,24 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def ok_line(r: Restored) -> str:
+def ok_line(r: Restored, read: int = 0) -> str:
     c = custody(r.ledger)
     return (
         f"{r.name}: ok (trained {c['trained']}, ledger {c['ledger']['total']}, "
         f"replay {c['replay']['total']}, spare {c['spare']}, dropped {c['dropped']}, "
-        f"cursor {c['cursor_key']}, version {c['version']})"
+        f"cursor {c['cursor_key']}, version {c['version']}; {read} row(s) read from the row log)"
     )
+
+
+def read_named(r: Restored) -> int:
+    """Read and verify every row the checkpoint names by reference (a restore reads none
+    of them; docs/design.md §5.2): the frame's length and checksum, its decoding, its id.
+    Raises RowSegmentCorrupt (exit 3) for the first that fails. Returns how many."""
+    reader = RowLogReader(rows_dir_for(r.checkpoint.path))
+    named = [(rid, loc) for rid, loc in r.rows.items() if isinstance(loc, RowLocation)]
+    for rid, loc in named:
+        reader.read(rid, loc)
+    return len(named)
 
 
 def failed_line(name: str, err: RollkeepError) -> str:
@@ -67,8 +81,8 @@ def failed_line(name: str, err: RollkeepError) -> str:
 
 def _audit_one(target: Target) -> int:
     r = restore_chain(target.chain_target, source=None, config=None)
-    print(ok_line(r))
-    j = journal_tail(target, r)
+    print(ok_line(r, read_named(r)))
+    j = journal_tail(target, r, verify_rows=True)
     if j is not None:
         print(journal_line(r.name, j))
     return 0
@@ -76,7 +90,7 @@ def _audit_one(target: Target) -> int:
 
 def journal_line(name: str, j: dict[str, Any]) -> str:
     torn = f", torn tail {j['torn_tail_bytes']} B" if j["torn_tail_bytes"] else ""
-    return (f"journal after {name}: ok ({j['events']} event(s), {j['seals']} row(s) checked, "
+    return (f"journal after {name}: ok ({j['events']} event(s), {j['seals']} row(s) read and verified, "
             f"replays onto the checkpoint{torn})")
 
 
@@ -116,13 +130,14 @@ def _audit_all(target: Target) -> int:
     for name in names:
         try:
             r = restore_chain(store, name=name, source=None, config=None)
+            read = read_named(r)
         except RollkeepError as err:
             failed(name, err)
         else:
-            print(ok_line(r))
+            print(ok_line(r, read))
             if name == latest:
                 try:
-                    j = journal_tail(Target(target.kind, store, None), r)
+                    j = journal_tail(Target(target.kind, store, None), r, verify_rows=True)
                 except RollkeepError as err:
                     failed(f"journal after {name}", err)
                 else:

@@ -28,6 +28,7 @@ from rollkeep.core.errors import (
 from rollkeep.core.keys import group_id
 from rollkeep.core.ledger import GroupState, LedgerState
 from rollkeep.core.restore import Restored, restore_chain
+from rollkeep.core.rows import Row
 from rollkeep.core.store import LATEST, MANIFEST, RESERVED_KEYS, CheckpointStore
 
 CHECKPOINTS = "checkpoints"  # RUN_DIR/checkpoints (docs/design.md §4)
@@ -223,24 +224,34 @@ def report(target: Target, r: Restored) -> dict[str, Any]:
         },
         "custody": custody(r.ledger),
         "rows": len(r.rows),
+        "rows_by_reference": sum(not isinstance(x, Row) for x in r.rows.values()),
         "plan": {**asdict(r.plan), "source_cursor": list(r.plan.source_cursor), "lines": r.plan.lines()},
         "store": store_listing(target.store),
     }
 
 
-def journal_tail(target: Target, r: Restored) -> dict[str, Any] | None:
+def journal_tail(target: Target, r: Restored, *, verify_rows: bool = False) -> dict[str, Any] | None:
     """What `rollkeep train` would replay after `r` (docs/design.md §5.1): read and check
-    the journal's tail and the rows its seals name, replay it (in memory), and say what it
-    adds; None when no tail would be replayed (a checkpoint given by path, written with the
-    journal off, or not the newest). Raises what the restore would (exit 3)."""
+    the journal's tail and the segments its seals' rows are in (`verify_rows`: read and
+    verify each row too, as `audit` does), replay it (in memory), and say what it adds; None
+    when no tail would be replayed (a checkpoint given by path, written with the journal
+    off, or not the newest). Raises what the restore would (exit 3)."""
     from rollkeep.core.durable import read_tail
     from rollkeep.core.replay import Restart, replay
     from rollkeep.core.restore import plan
+    from rollkeep.core.rowlog import ROWS_DIR, RowLogReader
+    from rollkeep.core.rows import RowId
 
     position = r.manifest.get("journal")
     if target.checkpoint is not None or not isinstance(position, dict):
         return None
-    tail = read_tail(target.store.root.parent, after=position["seq"])
+    run_dir = target.store.root.parent
+    tail = read_tail(run_dir, after=position["seq"])
+    if verify_rows:  # what a restore leaves to the first read of each row
+        reader = RowLogReader(run_dir / ROWS_DIR)
+        for ev, loc in tail.events:
+            if loc is not None:
+                reader.read(RowId(ev.group_id, ev.generation, ev.attempt), loc)
     events = [ev for ev, _ in tail.events if not isinstance(ev, Restart)]
     replayed = replay(r.ledger, r.rows, tail.events)
     after = plan(replayed.state)
@@ -313,7 +324,9 @@ def render(rep: dict[str, Any]) -> str:
     row("", f"{'version':<9}{c['version']:>7}")
     if c["shortfall"]:
         row("", f"{'shortfall':<9}{'':>7}   " + ", ".join(f"step {s}: {n}" for s, n in c["shortfall"].items()))
-    row("", f"{'rows':<9}{rep['rows']:>7}   stored rows of sealed attempts")
+    by_ref = rep["rows_by_reference"]
+    row("", f"{'rows':<9}{rep['rows']:>7}   rows of sealed attempts: {by_ref} named in the row log (read when "
+            f"first needed), {rep['rows'] - by_ref} copied into the checkpoint")
 
     out.append("")
     j = rep.get("journal")
@@ -322,7 +335,7 @@ def render(rep: dict[str, Any]) -> str:
     else:
         back = j["steps_taken_back"]
         out.append(f"journal     {j['events']} event(s) after this checkpoint (seq {j['after_seq'] + 1}-"
-                   f"{j['last_seq']}, {j['processes']} process(es)), {j['seals']} sealed row(s) checked"
+                   f"{j['last_seq']}, {j['processes']} process(es)), {j['seals']} sealed row(s) in the row log"
                    + (f", a torn tail of {j['torn_tail_bytes']} byte(s) (never durable)" if j["torn_tail_bytes"] else ""))
         if back:
             out.append(f"{'':<12}steps {back[0]}-{back[1]} taken back: their {j['groups_returned']} group(s) are "
