@@ -34,6 +34,24 @@ def sampling_seed(run_seed: int, group_id: str, generation: int, data_retries: i
 
 
 @dataclass(frozen=True)
+class Tokens:
+    """Generated tokens, in order: their ids, behaviour log-probabilities and the weight
+    version each was generated under. A `Chunk` is the tokens a streaming engine reports as
+    it goes; a `Prefix` the tokens an attempt resumes from (docs/design.md §9)."""
+
+    completion_ids: np.ndarray  # int32 [n]
+    logprobs: np.ndarray  # float32 [n]
+    versions: np.ndarray  # int32 [n]
+
+    def __len__(self) -> int:
+        return len(self.completion_ids)
+
+
+Chunk = Tokens
+Prefix = Tokens
+
+
+@dataclass(frozen=True)
 class GenRequest:
     group_id: str
     generation: int
@@ -43,6 +61,11 @@ class GenRequest:
     pinned_version: int | None  # deterministic mode: generate under exactly this weight version
     infra_retries: int = 0  # failures so far of this sibling, for engines that inject them
     data_retries: int = 0
+    # The tokens an earlier attempt of this sibling generated before it was cut off (a
+    # restart, a graceful stop, an infra failure), to continue from rather than start over:
+    # the engine feeds them as token ids after the prompt and samples the next token at
+    # position len(prefix) (`recovery.partial: resume`, docs/design.md §9).
+    prefix: Prefix | None = None
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,24 @@ composition, so a regenerated rollout can reproduce the lost one (docs/design.md
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
-from ..core.generation import Completion, DataError, GenRequest, InfraError, sampling_seed
+from ..core.generation import (
+    Chunk,
+    Completion,
+    DataError,
+    GenRequest,
+    InfraError,
+    Prefix,
+    sampling_seed,
+)
 
-__all__ = ["Completion", "DataError", "Engine", "GenRequest", "InfraError", "sampling_seed"]
+__all__ = ["Chunk", "Completion", "DataError", "Engine", "GenRequest", "InfraError", "Prefix", "Progress",
+           "sampling_seed"]
+
+#: Called by a streaming engine with each chunk of new tokens, on the event loop's thread.
+Progress = Callable[[Chunk], None]
 
 
 class Engine(Protocol):
@@ -23,8 +36,19 @@ class Engine(Protocol):
         """The weight version generation currently runs under."""
         ...
 
-    async def generate(self, request: GenRequest) -> Completion:
-        """One sibling. Raises InfraError or DataError; cancel the task to abort."""
+    async def generate(self, request: GenRequest, progress: Progress | None = None) -> Completion:
+        """One sibling. Raises InfraError or DataError; cancel the task to abort.
+
+        Streaming (an engine whose `streams` attribute is true): `progress(chunk)` is
+        called on the event loop's thread with every new token, in order, as it is
+        generated (never for the prefix's tokens). With `request.prefix`, the engine
+        continues from it: the returned completion is the prefix's tokens, log-probs and
+        versions exactly as given, then the new ones; the token at completion position i
+        is sampled from (seed, i), so a continued prefix under the same weights gives the
+        completion an uninterrupted generation would. A prefix that already ends the
+        completion (its last token is EOS, or it is `max_new_tokens` long) is returned
+        as is. An engine that does not stream ignores `progress` and reports only at the
+        end; one that cannot continue from a prefix is not given one."""
         ...
 
     async def update_weights(self, weights: Any, version: int) -> None:
