@@ -269,7 +269,7 @@ def test_a_named_row_damaged_on_disk_stops_the_resumed_run_when_it_is_read(tmp_p
     cfg = config(tmp_path / "run", NO_FINAL)
     run = Path(cfg.run_dir)
     stop(cfg, "ledger.step_committed:5")  # checkpoint 4 names the rows in flight
-    index, _ = decode_index(CheckpointStore(run / "checkpoints").open().read(ROWS_INDEX))
+    index = decode_index(CheckpointStore(run / "checkpoints").open().read(ROWS_INDEX)).rows
     rid, loc = next(iter(index.items()))
     seg = rowlog_segment_path(run / "rows", loc.segment)
     data = bytearray(seg.read_bytes())

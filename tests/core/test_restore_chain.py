@@ -295,7 +295,8 @@ def test_a_checkpoint_names_the_rows_in_the_row_log_and_copies_only_the_others(t
     store, led, rows = publish_by_reference(run, source, locate=lambda rid: rid != copied)
     ck = store.open()
     assert set(decode_rows(ck.read(ROWS_FILE))) == {copied}  # no other row byte was rewritten
-    index, named = decode_index(ck.read(ROWS_INDEX))
+    decoded = decode_index(ck.read(ROWS_INDEX))
+    index, named = decoded.rows, decoded.extents
     assert set(index) == {RowId("e0.0", 0, 0), RowId("e0.0", 2, 0), RowId("e0.1", 0, 0)}
     assert ck.manifest["rows"] == {"by_reference": 3, "copied": 1, "segments": named} and named[0][0] == 0
     assert ck.manifest["schemas"]["rows"] == 2
@@ -383,7 +384,7 @@ def test_a_forged_rows_index_is_refused(tmp_path, source, forgery) -> None:
     copied = RowId("e0.0", 1, 0)
     store, _, rows = publish_by_reference(run, source, locate=lambda rid: rid != copied)
     ck = store.open()
-    index, _ = decode_index(ck.read(ROWS_INDEX))
+    index = decode_index(ck.read(ROWS_INDEX)).rows
     loc = next(iter(index.values()))
     entries = list(index.items())
     if forgery == "unreferenced":
@@ -397,11 +398,11 @@ def test_a_forged_rows_index_is_refused(tmp_path, source, forgery) -> None:
         blob = b"\x93\x01\x02"
     elif forgery == "short_column":
         doc = msgspec.msgpack.decode(blob)
-        doc[2] = doc[2][:-4]  # one generation too few
+        doc[1][1] = doc[1][1][:-4]  # one generation too few
         blob = msgspec.msgpack.encode(doc)
     elif forgery == "negative":
         doc = msgspec.msgpack.decode(blob)
-        doc[3] = np.full(len(entries), -1, "<i4").tobytes()  # attempt -1
+        doc[1][2] = np.full(len(entries), -1, "<i4").tobytes()  # attempt -1
         blob = msgspec.msgpack.encode(doc)
     _forged(run, index=blob)
     with pytest.raises(RowsMismatch) as e:

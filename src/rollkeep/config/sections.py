@@ -90,7 +90,10 @@ class ToyEngineConfig(_Section):
     data_fail_rate: float = Field(0.0, ge=0.0, le=1.0)
     """Probability that an attempt fails as a data failure (environment or reward error)."""
     completion_tokens: int = Field(8, ge=1)
-    """Tokens in each fake completion."""
+    """Tokens in each fake completion, at most (each completion's length is a function of its seed)."""
+    token_ms: float = Field(0.0, ge=0.0)
+    """Simulated time per generated token, in milliseconds, on top of `latency_ms`; the engine
+    streams one chunk per token, so long generations are cheap to test."""
     hang_rate: float = Field(0.0, ge=0.0, le=1.0)
     """Probability that an attempt never returns (until `rollout.timeout_s` aborts it);
     keyed by the sibling's infra-retry count like `infra_fail_rate`, so the same hangs
@@ -322,6 +325,12 @@ class RolloutConfig(_Section):
 class RecoveryConfig(_Section):
     """What a restart reuses (docs/design.md §1 granularity; issue: restart cost made visible)."""
 
+    partial: Literal["resume", "regenerate"] = "resume"
+    """What a restart does with a generation cut off mid-way (docs/design.md §9). `resume`: a
+    streaming engine's tokens are recorded as they come (coalesced to one `progressed` event
+    per attempt per journal flush) and the sibling's next attempt continues from them, as
+    token ids, with their behaviour log-probs and versions. `regenerate`: it starts over.
+    Applies to `mode: sibling` with the journal on (prefixes are durable only through it)."""
     mode: Literal["sibling", "prompt_group", "cursor_only"] = "sibling"
     """`sibling`: a restart keeps finished siblings and regenerates only those in flight.
     `prompt_group`: a group is all-or-nothing; an unfinished group regenerates every

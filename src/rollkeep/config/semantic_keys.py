@@ -45,6 +45,7 @@ _NOT_SEMANTIC = (
     "engine.infra_fail_rate",
     "engine.data_fail_rate",
     "engine.hang_rate",
+    "engine.token_ms",
     "engine.max_batch_size",
     "engine.update_weights_in_flight",
     "engine.gpu_memory_utilization",

@@ -2,8 +2,8 @@
 the row log, and a thread of its own makes them durable by group commit, so the loop never
 waits on the disk (docs/design.md §9).
 
-    on the loop   `sink(event)`, subscribed to the scheduler: a seal's row to the row log's
-                  buffer, then the encoded record to ours (no IO); `release()`, after each
+    on the loop   `sink(event)`, subscribed to the scheduler: a seal's row (or a progress's
+                  chunk) to the row log's buffer, then the encoded record to ours (no IO); `release()`, after each
                   flush of the trace, hands them to the journal's buffer, so the journal is
                   never ahead of the trace (which then witnesses every row a restore keeps:
                   its seal line is in the trace) and ends between two whole transitions
@@ -36,9 +36,10 @@ from typing import Any
 
 from ..core.durable import JOURNAL_DIR, ROWS_DIR, encode_entry, encode_restart
 from ..core.errors import FilesystemError
-from ..core.events import Event, Sealed
+from ..core.events import Event, Progressed, Sealed
 from ..core.fs import DEFAULT_FS, FS
 from ..core.journal import JournalWriter, delete_covered
+from ..core.prefixes import PrefixStore, chunk_row
 from ..core.rowindex import referenced_segments
 from ..core.rowlog import RowLogWriter, delete_unreferenced
 from ..core.rows import RowId, RowStore
@@ -47,9 +48,9 @@ from ..core.store import CheckpointStore
 
 class JournalThread:
     def __init__(self, run_dir: Path, *, next_seq: int, rows: RowStore, flush_ms: float, flush_events: int,
-                 fs: FS = DEFAULT_FS, threaded: bool = True) -> None:
+                 prefixes: PrefixStore | None = None, fs: FS = DEFAULT_FS, threaded: bool = True) -> None:
         self.run_dir = Path(run_dir)
-        self._rows, self._fs = rows, fs
+        self._rows, self._prefixes, self._fs = rows, prefixes, fs
         self._flush_s, self._flush_events = flush_ms / 1000, flush_events
         self.journal = JournalWriter(self.run_dir / JOURNAL_DIR, next_seq, fs=fs)
         self.rowlog = RowLogWriter(self.run_dir / ROWS_DIR, fs=fs)
@@ -81,6 +82,10 @@ class JournalThread:
             rid = RowId(ev.group_id, ev.generation, ev.attempt)
             loc = self.rowlog.append(rid, self._rows.get(rid))
             self._rows.locate(rid, loc)  # checkpoints from now on name it instead of copying it
+        elif isinstance(ev, Progressed):  # the chunk the prefix store just added
+            chunk = self._prefixes.last(ev.group_id, ev.generation)
+            loc = self.rowlog.append(RowId(ev.group_id, ev.generation, ev.attempt), chunk_row(chunk.tokens))
+            self._prefixes.locate(ev.group_id, ev.generation, loc)
         self._queue(encode_entry(ev, loc))
 
     def _queue(self, record: bytes) -> None:

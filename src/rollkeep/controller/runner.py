@@ -186,9 +186,12 @@ class Runner:
         data failure, InfraError and a lost connection are infra failures (the deadline is
         the scheduler's). Anything else is a bug and stops the run, never a silent retry."""
         key = (req.group_id, req.generation, req.attempt)
+        loop, sched = asyncio.get_running_loop(), self.sched
+        streamed = getattr(self.engine, "streams", False) and sched.partial.enabled  # recovery.partial
         try:
             try:
-                completion = await self.engine.generate(req)
+                completion = await (self.engine.generate(req, lambda c: sched.on_progress(key, c, loop.time()))
+                                    if streamed else self.engine.generate(req))
                 try:
                     reward = float(reward_fn(req.prompt.task)(completion.text, req.prompt.row))
                     outcome = Generated(completion, reward)
@@ -198,7 +201,7 @@ class Runner:
                 outcome = Failure(DATA, str(e))
             except (InfraError, ConnectionError) as e:
                 outcome = Failure(INFRA, f"{type(e).__name__}: {e}")
-            self.sched.on_result(key, outcome, asyncio.get_running_loop().time())
+            sched.on_result(key, outcome, loop.time())
         finally:
             self._tasks.pop(key, None)
             self._wake.set()

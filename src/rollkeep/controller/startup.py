@@ -30,6 +30,7 @@ from ..core.durable import JOURNAL_DIR, ROWS_DIR, read_tail
 from ..core.fs import DEFAULT_FS, DIR, FS
 from ..core.journal import JournalError
 from ..core.ledger import Ledger, LedgerState
+from ..core.prefixes import Chunk, PrefixStore
 from ..core.replay import Restart, replay
 from ..core.restore import plan, restore_chain
 from ..core.rowlog import RowLocation, RowLogReader
@@ -57,6 +58,9 @@ def settings(cfg: Config) -> Settings:
         timeout_s=r.timeout_s, retry=RetryPolicy(r.max_infra_attempts, r.max_data_attempts, r.backoff_ms,
                                                  r.backoff_max_ms),
         scale_rewards=cfg.trainer.scale_rewards,
+        # Prefixes are durable only through the journal; without it attempts regenerate.
+        resume_partial=cfg.recovery.partial == "resume" and cfg.journaled,
+        progress_every_s=cfg.journal.flush_ms / 1000,
     )
 
 
@@ -88,11 +92,13 @@ def open_run(
     resumed = restored is not None or tail is not None
     base = restored.ledger if restored is not None else Ledger(
         n_rows=source.n_rows, seed=source.seed, epochs=source.epochs).capture()
-    state, restored_rows = (tail.state, tail.rows) if tail is not None else (
-        base, restored.rows if restored is not None else {})
+    state, restored_rows, chains = (tail.state, tail.rows, tail.prefixes) if tail is not None else (
+        base, {}, {}) if restored is None else (base, restored.rows, restored.prefixes)
     ledger = Ledger.from_state(state)
-    rows = RowStore(reader=RowLogReader(run_dir / ROWS_DIR).read)
+    reader = RowLogReader(run_dir / ROWS_DIR).read
+    rows, prefixes = RowStore(reader=reader), PrefixStore(reader=reader)
     rows.restore(restored_rows)  # rows in the row log stay there until first read
+    prefixes.restore(chains)
     # Only now that the restore chain (and the journal's tail) passed does anything on disk change.
     abandoned = _resume_here(store, restored)
     if stale:
@@ -107,12 +113,12 @@ def open_run(
     with open(run_dir / "config-history.jsonl", "a") as f:
         f.write(json.dumps({"t": time.time(), "run_id": trace.run_id, "config": cfg.to_dict()}) + "\n")
     sched = Scheduler(ledger=ledger, rows=rows, source=source, sampler=make_sampler(cfg.sampler.name, limits),
-                      settings=settings(cfg))
+                      settings=settings(cfg), prefixes=prefixes)
     sched.subscribe(trace.ledger_event)
     journal = None
     if cfg.journaled:
-        journal = JournalThread(run_dir, next_seq=next_seq, rows=rows, flush_ms=cfg.journal.flush_ms,
-                                flush_events=cfg.journal.flush_events)
+        journal = JournalThread(run_dir, next_seq=next_seq, rows=rows, prefixes=prefixes,
+                                flush_ms=cfg.journal.flush_ms, flush_events=cfg.journal.flush_events)
         journal.restart(ledger.version)
         sched.subscribe(journal.sink)
         trace.on_flush = journal.release
@@ -144,6 +150,7 @@ def open_run(
 class _Tail:
     state: LedgerState  # the checkpoint's ledger with the journal's tail replayed
     rows: dict[RowId, Row | RowLocation]
+    prefixes: dict[tuple[str, int], tuple[Chunk, ...]]
     events: int
     dropped: list[list[int]]
 
@@ -188,8 +195,8 @@ def journal_tail(run_dir: Path, restored: restore.Restored | None, *, newest: bo
         base, rows = Ledger(n_rows=source.n_rows, seed=source.seed, epochs=source.epochs).capture(), {}
     else:
         base, rows = restored.ledger, restored.rows
-    r = replay(base, rows, tail.events)
-    return _Tail(r.state, r.rows, r.events, tail.dropped), tail.last_seq + 1, False
+    r = replay(base, rows, tail.events, None if restored is None else restored.prefixes)
+    return _Tail(r.state, r.rows, r.prefixes, r.events, tail.dropped), tail.last_seq + 1, False
 
 
 def is_newest(store: CheckpointStore, restored: restore.Restored | None) -> bool:
@@ -243,6 +250,9 @@ def restore_banner(name: str, counts: dict[str, Any], steps_redone: list[int], *
             f"{counts['siblings_reused']} sealed sibling(s); dispatch {again + fresh} sibling(s): "
             f"{again} again" + (f" ({', '.join(why)})" if why else "") + f" and {fresh} for the first time; "
             f"re-admit {counts['groups_readmitted']} group(s); {counts['spare_prompts']} spare")
+    if counts.get("partial_generations"):
+        line += (f"; {counts['partial_generations']} of them continue from {counts['partial_tokens']} token(s) "
+                 "generated before the stop")
     if counts["groups_lost"]:
         line += f"; LOST {counts['groups_lost']} group(s) in flight (recovery.mode=cursor_only)"
     return line

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import codec
@@ -32,6 +32,7 @@ from .audit import audit
 from .errors import AuditFailure
 from .ledger import AttemptStatus, Ledger, LedgerState
 from .manifest import OpenedCheckpoint
+from .prefixes import Chunk, PrefixStore
 from .rowindex import ROWS_INDEX, encode_index, extents
 from .rows import RowId, RowPin, RowStore, encode_rows
 from .store import CheckpointStore, Published
@@ -99,16 +100,19 @@ class Cut:
     rows: RowPin
     time: float  # unix time of the cut (the trace measures thrown-away work against it)
     hold_seconds: float  # how long the loop was held
+    prefixes: Mapping[tuple[str, int], tuple[Chunk, ...]] = field(default_factory=dict)  # partial generations
 
 
-def cut(ledger: Ledger, rows: RowStore, *, now: float | None = None) -> Cut:
+def cut(ledger: Ledger, rows: RowStore, *, now: float | None = None, prefixes: PrefixStore | None = None) -> Cut:
     """The atomic cut. Synchronous; call on the loop thread with no await in between.
     `now` is the unix time to record (a simulated clock passes its own)."""
     t0 = time.perf_counter()
     state = ledger.capture()
     pin = rows.pin()
+    chains = {} if prefixes is None else prefixes.capture()
     hold = time.perf_counter() - t0
-    return Cut(ledger=state, rows=pin, time=time.time() if now is None else now, hold_seconds=hold)
+    return Cut(ledger=state, rows=pin, time=time.time() if now is None else now, hold_seconds=hold,
+               prefixes=chains)
 
 
 def referenced_rows(state: LedgerState) -> list[RowId]:
@@ -142,14 +146,18 @@ def checkpoint_files(c: Cut, trainer_files: Mapping[str, bytes]) -> tuple[dict[s
             copied.append(rid)
         else:
             by_ref.append((rid, loc))
+    # Partial generations whose every chunk is in the row log (with the journal: all).
+    chains = {sib: chain for sib, chain in c.prefixes.items() if all(ch.at is not None for ch in chain)}
     files = {
         LEDGER_FILE: codec.encode(c.ledger),
         ROWS_FILE: encode_rows((rid, c.rows.get(rid)) for rid in copied),
-        ROWS_INDEX: encode_index(by_ref),
+        ROWS_INDEX: encode_index(by_ref, chains),
     }
     for name, blob in trainer_files.items():
         files[f"{TRAINER_DIR}/{name}"] = blob
-    rows = {"by_reference": len(by_ref), "copied": len(copied), "segments": extents(loc for _, loc in by_ref)}
+    locations = [loc for _, loc in by_ref] + [ch.at for chain in chains.values() for ch in chain]
+    rows = {"by_reference": len(by_ref), "copied": len(copied), "segments": extents(locations),
+            "partial": len(chains), "partial_tokens": sum(chain[-1].end for chain in chains.values())}
     return files, rows
 
 

@@ -24,7 +24,7 @@ from typing import Union
 
 import msgspec
 
-from .events import ALL_EVENTS, Dropped, Event, Sealed
+from .events import ALL_EVENTS, Dropped, Event, Progressed, Sealed
 from .fs import DEFAULT_FS, FS
 from .journal import JournalError, JournalReader, JournalSummary
 from .replay import Restart
@@ -40,7 +40,7 @@ AnyEvent = Union[ALL_EVENTS]  # noqa: UP007  (a tuple of types: the tagged union
 
 class JournalEntry(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     event: AnyEvent | None  # type: ignore[valid-type]
-    row: RowLocation | None = None  # a seal's row in the row log
+    row: RowLocation | None = None  # a seal's row, or a progress's chunk, in the row log
     restart: int | None = None  # a process started here at this step (no event)
 
 
@@ -65,9 +65,9 @@ def decode_entry(payload: bytes, *, seq: int, path: str) -> JournalEntry:
     if (entry.event is None) == (entry.restart is None) or (entry.restart is not None and entry.restart < 0):
         raise JournalError(f"journal record {seq} is neither one event nor one restart marker", path=path,
                            expected="an event, or a restart step >= 0", found=f"{entry}")
-    if isinstance(entry.event, Sealed) != (entry.row is not None):
-        raise JournalError(f"journal record {seq}: a seal must name its row, and only a seal does", path=path,
-                           expected="a row location exactly with a sealed event",
+    if isinstance(entry.event, Sealed | Progressed) != (entry.row is not None):
+        raise JournalError(f"journal record {seq}: a seal or a progress must name its frame, and only they do",
+                           path=path, expected="a row location exactly with a sealed or progressed event",
                            found=f"{type(entry.event).__name__} with row {entry.row}")
     return entry
 
@@ -102,7 +102,7 @@ def read_tail(run_dir: Path, *, after: int, fs: FS = DEFAULT_FS) -> Tail:
     for seq, payload in reader:
         entry = decode_entry(payload, seq=seq, path=str(journal))
         ev = entry.event if entry.event is not None else Restart(entry.restart)
-        if isinstance(ev, Sealed):
+        if isinstance(ev, Sealed | Progressed):  # a row, or a chunk of a partial generation
             loc = entry.row
             ends[loc.segment] = max(ends.get(loc.segment, 0), loc.offset + loc.length)
         elif isinstance(ev, Dropped):

@@ -81,6 +81,18 @@ class Dispatched(Event, tag="dispatched"):
     version: int
 
 
+class Progressed(Event, tag="progressed"):
+    """The current, DISPATCHED attempt has generated `tokens` completion tokens so far (its
+    prefix included); the new ones since its last `progressed` are a chunk in the prefix
+    store (docs/design.md §9). No custody changes: it makes a partial generation durable."""
+
+    group_id: str
+    generation: int
+    attempt: int
+    tokens: int
+    resumed_from: int = 0  # the prefix's tokens the attempt started from in this run
+
+
 class Sealed(Event, tag="sealed"):
     """Current attempt DISPATCHED → SEALED: its row is in the row store."""
 
@@ -89,6 +101,7 @@ class Sealed(Event, tag="sealed"):
     attempt: int
     version: int
     tokens: int
+    resumed_from: int = 0  # tokens of its completion continued from an earlier attempt's prefix
 
 
 class Failed(Event, tag="failed"):
@@ -193,6 +206,7 @@ ALL_EVENTS: tuple[type[Event], ...] = (
     Spared,
     Admitted,
     Dispatched,
+    Progressed,
     Sealed,
     Failed,
     Abandoned,

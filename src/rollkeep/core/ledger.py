@@ -68,6 +68,7 @@ from .events import (
     Evicted,
     Failed,
     Finalizing,
+    Progressed,
     Ready,
     Released,
     Sealed,
@@ -183,6 +184,7 @@ class Ledger:
             Spared: self._spared,
             Admitted: self._admitted,
             Dispatched: self._dispatched,
+            Progressed: self._progressed,
             Sealed: self._sealed,
             Failed: self._failed,
             Abandoned: self._abandoned,
@@ -718,6 +720,16 @@ class Ledger:
         if 0 not in status:  # no sibling left RESERVED
             del self._pending[gid]
         return ()
+
+    def _progressed(self, ev: Progressed) -> FreedRows:
+        """Only checks: the attempt is current and DISPATCHED, and the count is sane."""
+        rec = self._require_group(ev, ev.group_id, "progressed")
+        self._require_current(ev, rec, ev.generation, ev.attempt)
+        self._require_attempts(ev, rec, ev.group_id, (ev.generation,), "progressed")
+        if not 0 <= ev.resumed_from < ev.tokens:
+            raise self._illegal(ev, "token count", expected="0 <= resumed_from < tokens",
+                                found=f"resumed_from {ev.resumed_from}, tokens {ev.tokens}")
+        return _NO_ROWS
 
     def _sealed(self, ev: Sealed) -> FreedRows | None:
         gid, g = ev.group_id, ev.generation

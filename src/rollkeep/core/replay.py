@@ -38,6 +38,7 @@ from pyroaring import BitMap
 from .errors import IllegalTransition
 from .events import Event, Sealed, StepCommitted
 from .ledger import GroupRecord, GroupState, Ledger, LedgerState, StepRun
+from .prefixes import Chunk, PrefixStore
 from .records import _copy_record
 from .rows import RowId
 
@@ -54,13 +55,15 @@ class Restart(msgspec.Struct, array_like=True, forbid_unknown_fields=True, froze
 class Replayed:
     state: LedgerState  # the ledger as of the tail's last event, its later steps taken back
     rows: dict[RowId, Any]  # every row the state references: a Row, or its RowLocation
+    prefixes: dict[tuple[str, int], tuple[Chunk, ...]]  # the partial generations as of the tail's end
     events: int  # tail events applied
     steps_taken_back: list[int]  # [first, last] committed after the checkpoint, or []
     groups_returned: int  # their groups, READY again: trained again, not regenerated
 
 
 def replay(base: LedgerState, rows: Mapping[RowId, Any],
-           tail: Iterable[tuple[Event | Restart, Any]]) -> Replayed:
+           tail: Iterable[tuple[Event | Restart, Any]],
+           prefixes: Mapping[tuple[str, int], tuple[Chunk, ...]] | None = None) -> Replayed:
     """`tail`: the events after the checkpoint whose state is `base`, in order, each
     `Sealed` with its row (None for every other event), and the `Restart` markers of the
     processes that wrote them. A row is a `Row` or where it is (a `RowLocation`): replay
@@ -68,6 +71,8 @@ def replay(base: LedgerState, rows: Mapping[RowId, Any],
     not continue the ledger."""
     ledger = Ledger.from_state(base)
     live = dict(rows)
+    chains = PrefixStore()  # follows the events as the live run's did (a progressed comes with its chunk's place)
+    chains.restore(prefixes or {})
     returned: dict[str, GroupRecord] = {}  # groups of the steps to take back, as claimed
     n = 0
     for ev, row in tail:
@@ -96,6 +101,7 @@ def replay(base: LedgerState, rows: Mapping[RowId, Any],
                 "alone with journal.enabled=false, or start over in a new run_dir",
             ) from None
         n += 1
+        chains.apply(ev, at=row)
         for gid, gen, att in freed:
             if gid not in returned:  # a taken-back step's groups keep their rows
                 live.pop(RowId(gid, gen, att), None)
@@ -104,7 +110,8 @@ def replay(base: LedgerState, rows: Mapping[RowId, Any],
     steps = [base.version + 1, killed.version] if killed.version > base.version else []
     referenced = {RowId(gid, g, rec.attempts[g]) for gid, rec in state.groups.items()
                   for g, s in enumerate(rec.status) if s == 2}  # AttemptStatus.SEALED
-    return Replayed(state, {rid: r for rid, r in live.items() if rid in referenced}, n, steps, len(returned))
+    return Replayed(state, {rid: r for rid, r in live.items() if rid in referenced}, chains.capture(), n, steps,
+                    len(returned))
 
 
 def take_back(state: LedgerState, step: int, committed: Mapping[str, GroupRecord]) -> LedgerState:

@@ -6,10 +6,12 @@ the extent of every segment it names. Rows without a location (a run with the jo
 or rows restored from a checkpoint that copied them) are still copied into
 `rows.safetensors`; a row is in exactly one of the two files.
 
-Format: msgpack `[1 (schema), group_ids, generation, attempt, segment, offset, length,
-checksum]`, a list of str and then one column per field as raw little-endian arrays (int32,
-int32, int32, uint64, uint32, uint64 = xxh3_64 of the frame's payload), row i across them,
-in the order the checkpoint lists its rows. Columns, not one array per row: 100 k rows
+Format: msgpack `[1 (schema), rows, chunks]`, each a table `[group_ids, generation, attempt,
+end, segment, offset, length, checksum]`: a list of str and then one column per field as raw
+little-endian arrays (int32 x 4, uint64, uint32, uint64 = xxh3_64 of the frame's payload),
+entry i across them. `rows` are the rows named by reference, in the order the checkpoint
+lists them (`end` 0); `chunks` the partial generations' chains (`core/prefixes.py`), each
+sibling's chunks in order, `end` the completion's tokens through the chunk. Columns, not one array per row: 100 k rows
 decode in a few msgspec and numpy calls. The file is bound by its
 sha256 in the manifest like every other file; the manifest's `rows.segments` lists, for each
 segment the index names, `[segment, end]` where `end` is the end of the last frame it names
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from itertools import repeat
 from pathlib import Path
 from typing import Annotated, Any
@@ -29,6 +32,7 @@ import msgspec
 import numpy as np
 
 from .errors import RowsMismatch
+from .prefixes import Chunk
 from .rowlog import FRAME_HEADER, ROWS_DIR, RowLocation
 from .rows import RowId, _check_row_id
 from .store import CheckpointStore
@@ -44,79 +48,121 @@ _REMEDY = (
 )
 
 
-class _Index(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
-    schema: int
+class _Table(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     group_ids: list[Annotated[str, msgspec.Meta(min_length=1)]]
-    generation: bytes  # int32 LE, one per row; likewise below
+    generation: bytes  # int32 LE, one per entry; likewise below
     attempt: bytes
+    end: bytes  # int32: a chunk's end (tokens of the completion through it); 0 for a row
     segment: bytes
     offset: bytes  # uint64
     length: bytes  # uint32
     checksum: bytes  # uint64
 
 
-_COLUMNS = {"generation": "<i4", "attempt": "<i4", "segment": "<i4", "offset": "<u8", "length": "<u4",
-            "checksum": "<u8"}
+class _Index(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    schema: int
+    rows: _Table
+    chunks: _Table  # partial generations: each sibling's chain, in order
+
+
+_COLUMNS = {"generation": "<i4", "attempt": "<i4", "end": "<i4", "segment": "<i4", "offset": "<u8",
+            "length": "<u4", "checksum": "<u8"}
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(_Index).decode
 
 
-def encode_index(entries: Iterable[tuple[RowId, RowLocation]]) -> bytes:
-    ids, locs = [], []
+def _table(entries: list[tuple[str, int, int, int, RowLocation]]) -> _Table:
+    cols = {"generation": [e[1] for e in entries], "attempt": [e[2] for e in entries],
+            "end": [e[3] for e in entries], "segment": [e[4].segment for e in entries],
+            "offset": [e[4].offset for e in entries], "length": [e[4].length for e in entries],
+            "checksum": [e[4].checksum for e in entries]}
+    return _Table([e[0] for e in entries], **{k: np.array(v, _COLUMNS[k]).tobytes() for k, v in cols.items()})
+
+
+def encode_index(entries: Iterable[tuple[RowId, RowLocation]],
+                 chains: Mapping[tuple[str, int], Iterable[Chunk]] | None = None) -> bytes:
+    """`entries`: the rows named by reference; `chains`: the partial generations, every
+    chunk with its place (`Chunk.at`)."""
+    rows = []
     for rid, loc in entries:
-        ids.append(_check_row_id(rid))
-        locs.append(loc)
-    cols = {
-        "generation": [r.generation for r in ids], "attempt": [r.attempt for r in ids],
-        "segment": [x.segment for x in locs], "offset": [x.offset for x in locs],
-        "length": [x.length for x in locs], "checksum": [x.checksum for x in locs],
-    }
-    return _encode(_Index(INDEX_SCHEMA, [r.group_id for r in ids],
-                          **{k: np.array(v, _COLUMNS[k]).tobytes() for k, v in cols.items()}))
+        rid = _check_row_id(rid)
+        rows.append((rid.group_id, rid.generation, rid.attempt, 0, loc))
+    chunks = [(gid, gen, ch.attempt, ch.end, ch.at) for (gid, gen), chain in (chains or {}).items() for ch in chain]
+    return _encode(_Index(INDEX_SCHEMA, _table(rows), _table(chunks)))
 
 
-def decode_index(data: bytes, *, path: str = ROWS_INDEX) -> tuple[dict[RowId, RowLocation], list[list[int]]]:
-    """The index's rows and their `extents`, strictly: RowsMismatch naming `path` for anything malformed or out
-    of range, an unknown schema, or a row named twice. Checked in bulk (numpy), then built
-    without per-row validation: a restore at 100 k groups decodes it in tens of ms."""
+@dataclass(frozen=True)
+class Index:
+    """A decoded `rows.index`: the rows named by reference, the chains of partial
+    generations, and `[segment, end]` of every segment either names."""
+
+    rows: dict[RowId, RowLocation]
+    chains: dict[tuple[str, int], tuple[Chunk, ...]]
+    extents: list[list[int]]
+
+
+def decode_index(data: bytes, *, path: str = ROWS_INDEX) -> Index:
+    """Decode strictly: RowsMismatch naming `path` for anything malformed or out of range,
+    an unknown schema, a row named twice, or a chain whose chunks do not grow. Checked in
+    bulk (numpy), then built without per-entry validation: a restore at 100 k groups
+    decodes it in tens of ms."""
     def bad(what: str, expected: str, found: str, field: str = "rows") -> RowsMismatch:
         return RowsMismatch(what, path=path, field=field, expected=expected, found=found, remedy=_REMEDY)
 
     try:
         index = _decode(data)
     except msgspec.DecodeError as e:
-        raise bad("The rows index does not decode", "msgpack [schema, group_ids, generation, attempt, "
-                  "segment, offset, length, checksum]", str(e)) from None
+        raise bad("The rows index does not decode", "msgpack [schema, rows, chunks], each a table of "
+                  "group_ids, generation, attempt, end, segment, offset, length, checksum", str(e)) from None
     if index.schema != INDEX_SCHEMA:
         raise bad("Unsupported rows index schema", str(INDEX_SCHEMA), str(index.schema), "schema")
-    n = len(index.group_ids)
-    cols = {}
-    for name, dtype in _COLUMNS.items():
-        raw = getattr(index, name)
-        width = np.dtype(dtype).itemsize
-        if len(raw) != n * width:
-            raise bad(f"The rows index column {name!r} has the wrong length", f"{n} x {width} bytes "
-                      f"(one per row)", f"{len(raw)} bytes", name)
-        cols[name] = np.frombuffer(raw, dtype)
-    for name, low in (("generation", 0), ("attempt", 0), ("segment", 0), ("length", FRAME_HEADER.size)):
-        if n and int(cols[name].min()) < low:
-            raise bad(f"The rows index column {name!r} is out of range", f">= {low}",
-                      str(int(cols[name].min())), name)
+    rows, ends = _columns(index.rows, bad, "rows")
+    chunks, chunk_ends = _columns(index.chunks, bad, "chunks")
     # tuple.__new__ in C: a NamedTuple's own __new__ is Python, ~5x slower per row.
-    ids = list(map(tuple.__new__, repeat(RowId),
-                   zip(index.group_ids, cols["generation"].tolist(), cols["attempt"].tolist(), strict=True)))
-    locs = map(RowLocation, cols["segment"].tolist(), cols["offset"].tolist(), cols["length"].tolist(),
-               cols["checksum"].tolist())
-    out = dict(zip(ids, locs, strict=True))
-    if len(out) != n:
+    ids = list(map(tuple.__new__, repeat(RowId), zip(index.rows.group_ids, rows["generation"].tolist(),
+                                                       rows["attempt"].tolist(), strict=True)))
+    out = dict(zip(ids, _locations(rows), strict=True))
+    if len(out) != len(ids):
         dup = next(rid for rid, c in Counter(ids).items() if c > 1)
         raise bad("The rows index names a row twice", "each (group_id, generation, attempt) once",
                   f"{tuple(dup)} more than once")
-    ends = cols["offset"] + cols["length"]
-    segs = np.unique(cols["segment"])
-    last = np.full(len(segs), 0, np.uint64)
-    np.maximum.at(last, np.searchsorted(segs, cols["segment"]), ends)
-    return out, [[s, e] for s, e in zip(segs.tolist(), last.tolist(), strict=True)]
+    chains: dict[tuple[str, int], tuple[Chunk, ...]] = {}
+    for gid, gen, att, end, loc in zip(index.chunks.group_ids, chunks["generation"].tolist(),
+                                       chunks["attempt"].tolist(), chunks["end"].tolist(), _locations(chunks),
+                                       strict=True):
+        chain = chains.get((gid, gen), ())
+        if end <= (chain[-1].end if chain else 0) or (chain and att < chain[-1].attempt):
+            raise bad(f"The chain of partial generation {gid}/{gen} does not grow", "chunks in order: ends "
+                      "increasing, attempts not decreasing", f"attempt {att} ending at token {end}", "chunks")
+        chains[(gid, gen)] = (*chain, Chunk(att, end, None, loc))
+    all_ends = np.concatenate([ends, chunk_ends])
+    segs = np.concatenate([rows["segment"], chunks["segment"]])
+    uniq = np.unique(segs)
+    last = np.zeros(len(uniq), np.uint64)
+    np.maximum.at(last, np.searchsorted(uniq, segs), all_ends)
+    return Index(out, chains, [[s, e] for s, e in zip(uniq.tolist(), last.tolist(), strict=True)])
+
+
+def _columns(t: _Table, bad, name: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    n = len(t.group_ids)
+    cols = {}
+    for col, dtype in _COLUMNS.items():
+        raw = getattr(t, col)
+        width = np.dtype(dtype).itemsize
+        if len(raw) != n * width:
+            raise bad(f"The rows index column {name}.{col} has the wrong length",
+                      f"{n} x {width} bytes (one per entry)", f"{len(raw)} bytes", name)
+        cols[col] = np.frombuffer(raw, dtype)
+    for col, low in (("generation", 0), ("attempt", 0), ("end", 0), ("segment", 0), ("length", FRAME_HEADER.size)):
+        if n and int(cols[col].min()) < low:
+            raise bad(f"The rows index column {name}.{col} is out of range", f">= {low}",
+                      str(int(cols[col].min())), name)
+    return cols, cols["offset"] + cols["length"]
+
+
+def _locations(cols: dict[str, np.ndarray]):
+    return map(RowLocation, cols["segment"].tolist(), cols["offset"].tolist(), cols["length"].tolist(),
+               cols["checksum"].tolist())
 
 
 def extents(locations: Iterable[RowLocation]) -> list[list[int]]:

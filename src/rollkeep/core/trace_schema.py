@@ -61,6 +61,8 @@ class Restored(RunEvent, tag="restored"):
     steps_redone: list[int] = []  # [first, last] step trained after the checkpoint, to train again
     journal_events_replayed: int = 0  # the journal's tail after the checkpoint (docs/design.md §9)
     journal_dropped: list[list[int]] = []  # [epoch, idx] of the drops that tail kept
+    partial_generations: int = 0  # siblings cut off mid-generation that continue from their tokens
+    partial_tokens: int = 0  # the tokens they continue from (recovery.partial: resume)
 
 
 class CheckpointPublished(RunEvent, tag="checkpoint_published"):

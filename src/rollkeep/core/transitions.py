@@ -25,6 +25,7 @@ GROUP_TABLE: dict[tuple[GroupState, str], int] = {
     (_S.RESERVED, "admitted"): _S.GENERATING,
     (_S.RESERVED, "dropped"): GONE,
     (_S.GENERATING, "dispatched"): _S.GENERATING,
+    (_S.GENERATING, "progressed"): _S.GENERATING,
     (_S.GENERATING, "sealed"): _S.GENERATING,  # READY_TO_FINALIZE when the last sibling seals
     (_S.GENERATING, "failed"): _S.GENERATING,
     (_S.GENERATING, "abandoned"): _S.GENERATING,
@@ -45,6 +46,7 @@ GROUP_TABLE: dict[tuple[GroupState, str], int] = {
 #: "failed" and "abandoned" end the attempt and open a fresh RESERVED one.
 ATTEMPT_TABLE: dict[tuple[AttemptStatus, str], int] = {
     (_A.RESERVED, "dispatched"): _A.DISPATCHED,
+    (_A.DISPATCHED, "progressed"): _A.DISPATCHED,
     (_A.DISPATCHED, "sealed"): _A.SEALED,
     (_A.DISPATCHED, "failed"): _A.RESERVED,
     (_A.DISPATCHED, "abandoned"): _A.RESERVED,

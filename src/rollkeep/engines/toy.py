@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from .base import Completion, DataError, GenRequest, InfraError
+from .base import Chunk, Completion, DataError, GenRequest, InfraError, Progress
 
 VOCAB = 10  # digits: a completion's text is its token ids, so rewards can parse numbers
 
@@ -34,6 +34,7 @@ def _sample(seed: int, max_tokens: int) -> tuple[int, np.ndarray, np.ndarray]:
 
 class ToyEngine:
     name = "toy"
+    streams = True  # one chunk per token, each `token_ms` after the previous
 
     def __init__(
         self,
@@ -44,6 +45,7 @@ class ToyEngine:
         data_fail_rate: float = 0.0,
         completion_tokens: int = 8,
         hang_rate: float = 0.0,
+        token_ms: float = 0.0,
     ) -> None:
         self.latency_ms = latency_ms
         self.latency_jitter_ms = latency_jitter_ms
@@ -51,13 +53,14 @@ class ToyEngine:
         self.data_fail_rate = data_fail_rate
         self.completion_tokens = completion_tokens
         self.hang_rate = hang_rate
+        self.token_ms = token_ms
         self._version = 0
 
     @property
     def version(self) -> int:
         return self._version
 
-    async def generate(self, req: GenRequest) -> Completion:
+    async def generate(self, req: GenRequest, progress: Progress | None = None) -> Completion:
         # (Each draw is made only when its rate can matter: the control-plane benchmark runs
         # this engine at zero latency and without failures.)
         delay = self.latency_ms
@@ -73,14 +76,26 @@ class ToyEngine:
             raise InfraError(f"toy engine: injected infra failure ({req.group_id}/{req.generation})")
         if self.data_fail_rate and _unit(req.seed, "data") < self.data_fail_rate:
             raise DataError(f"toy engine: injected data failure ({req.group_id}/{req.generation})")
+        # The completion is a function of the seed alone: a prefix (an earlier attempt's first k
+        # tokens, as given) is continued with tokens k..n-1 of the same sample.
         n, ids, logprobs = _sample(req.seed, self.completion_tokens)
+        prefix = req.prefix
+        k = 0 if prefix is None else min(len(prefix), n)
+        versions = np.full(n, self._version if req.pinned_version is None else req.pinned_version, np.int32)
+        if k:
+            ids, logprobs, versions = (np.concatenate([p[:k], a[k:]]) for p, a in (
+                (prefix.completion_ids, ids), (prefix.logprobs, logprobs), (prefix.versions, versions)))
+        for i in range(k, n):
+            if self.token_ms > 0:
+                await asyncio.sleep(self.token_ms / 1000.0)
+            if progress is not None:
+                progress(Chunk(ids[i : i + 1], logprobs[i : i + 1], versions[i : i + 1]))
         prompt_ids = np.frombuffer(req.prompt.prompt.encode(), dtype=np.uint8).astype(np.int32)
-        version = self._version if req.pinned_version is None else req.pinned_version
         return Completion(
             prompt_ids=prompt_ids,
             completion_ids=ids,
             logprobs=logprobs,
-            versions=np.full(n, version, np.int32),
+            versions=versions,
             finish_reason="stop" if n < self.completion_tokens else "length",
             text="".join(map(str, ids.tolist())),
         )

@@ -56,8 +56,9 @@ from ..events import (
     Failed,
     Sealed,
 )
-from ..generation import GenRequest, sampling_seed
+from ..generation import Chunk, GenRequest, sampling_seed
 from ..ledger import AttemptStatus, GroupState, Ledger
+from ..prefixes import PrefixStore
 from ..restore import Restored, RestorePlan
 from ..rows import Row, RowId, RowStore
 from ..samplers import Sampler
@@ -82,6 +83,7 @@ from .commands import (
     WakeAt,
 )
 from .finalize import finalize
+from .partial import PartialGenerations
 from .pinning import Pinning
 from .retry import RetryPolicy, budget_reason
 
@@ -107,6 +109,8 @@ class Settings:
     retry: RetryPolicy = RetryPolicy(max_infra_attempts=3, max_data_attempts=2, backoff_ms=10.0,
                                      backoff_max_ms=2000.0)
     scale_rewards: ScaleRewards = "group_population"  # trainer.scale_rewards
+    resume_partial: bool = False  # record streamed chunks and continue from them (recovery.partial)
+    progress_every_s: float = 0.01  # an attempt records its chunks at most this often (journal.flush_ms)
 
 
 class Phase(enum.Enum):
@@ -147,8 +151,13 @@ class Scheduler:
         source: PromptSource,
         sampler: Sampler,
         settings: Settings,
+        prefixes: PrefixStore | None = None,
     ) -> None:
         self.ledger, self.rows, self.source, self.sampler, self.settings = ledger, rows, source, sampler, settings
+        self.prefixes = PrefixStore() if prefixes is None else prefixes
+        self.partial = PartialGenerations(
+            self.prefixes, enabled=settings.resume_partial and settings.recovery_mode == "sibling",
+            every_s=settings.progress_every_s)
         limits = sampler.limits
         self.pinning = Pinning(settings.deterministic, limits.window, limits.num_prompts_per_step,
                                settings.total_steps)
@@ -174,6 +183,8 @@ class Scheduler:
         self.ledger.subscribe(sink)
 
     def _on_event(self, ev: Event) -> None:
+        # The first subscriber: the prefix store follows the event before the journal sees it.
+        self.prefixes.apply(ev)
         if not isinstance(ev, Configured):  # limits alone give a checkpoint nothing new
             self._changed_since_cut = True
 
@@ -220,6 +231,9 @@ class Scheduler:
                 lost = len(lost_ids)
             plan = restored if isinstance(restored, RestorePlan) else restored.plan
             fields = restart.restored_fields(plan, lost=lost, mode=self.settings.recovery_mode)
+            if not self.partial.enabled:  # recovery.partial=regenerate (or no journal): start over
+                self.prefixes.restore({})
+            fields.update(partial_generations=len(self.prefixes), partial_tokens=self.prefixes.tokens())
             # Groups sealed but not finalized at the cut are finalized again (no side effects).
             for gid, rec in self.ledger.groups():
                 if rec.state == GroupState.READY_TO_FINALIZE:
@@ -289,12 +303,13 @@ class Scheduler:
             deadline = now + self.settings.timeout_s
             for g in gens:
                 self._not_before.pop((gid, g), None)
+                key = (gid, g, rec.attempts[g])
                 req = GenRequest(
                     group_id=gid, generation=g, attempt=rec.attempts[g], prompt=prompt,
                     seed=sampling_seed(self.settings.seed, gid, g, rec.data_failures[g]),
                     pinned_version=pinned, infra_retries=rec.infra_failures[g], data_retries=rec.data_failures[g],
+                    prefix=self.partial.prefix_for(key),
                 )
-                key = (gid, g, req.attempt)
                 self._in_flight[key] = deadline
                 heapq.heappush(self._deadlines, (deadline, key))
                 out.append(Dispatch(req))
@@ -310,14 +325,23 @@ class Scheduler:
             self.on_result(key, Failure(INFRA, f"deadline: no result within rollout.timeout_s="
                                                f"{self.settings.timeout_s:g} s"), now)
 
+    def on_progress(self, key: AttemptKey, chunk: Chunk, now: float) -> None:
+        """New tokens of an in-flight attempt, streamed by the engine; recorded as coalesced
+        `progressed` events (`partial`). Ignored for an attempt no longer in flight."""
+        if key in self._in_flight:
+            self.partial.on_chunk(key, chunk, now, self._apply)
+
     def on_result(self, key: AttemptKey, outcome: Outcome, now: float) -> None:
         """Seal or fail one attempt (one transition, plus finalize or drop). A result for an
         attempt that is no longer current (abandoned, its group dropped) is ignored."""
-        self._in_flight.pop(key, None)
+        in_flight = self._in_flight.pop(key, None) is not None
         gid, g, attempt = key
         led = self.ledger
         if not led.is_current(gid, g, attempt):
+            self.partial.forget(key)
             return
+        resumed = self.partial.before_seal(key, self._apply) if in_flight and isinstance(outcome, Generated) else 0
+        self.partial.forget(key)
         if isinstance(outcome, Generated) and not math.isfinite(outcome.reward):
             outcome = Failure(DATA, f"reward function: returned {outcome.reward} (rewards must be finite)")
         if isinstance(outcome, Generated):
@@ -326,7 +350,8 @@ class Scheduler:
                       versions=c.versions, reward=outcome.reward, finish_reason=c.finish_reason)
             self.rows.put(RowId(gid, g, attempt), row)
             version = int(row.versions.max()) if row.tokens else self.engine_version
-            self._apply(Sealed(group_id=gid, generation=g, attempt=attempt, version=version, tokens=row.tokens))
+            self._apply(Sealed(group_id=gid, generation=g, attempt=attempt, version=version, tokens=row.tokens,
+                               resumed_from=resumed))
             self.tokens_generated += row.tokens
             if led.group(gid).state == GroupState.READY_TO_FINALIZE:
                 finalize(led, self.rows, gid, self.settings.scale_rewards, self._apply)
@@ -344,6 +369,7 @@ class Scheduler:
         stale = tuple(k for k in self._in_flight if k[0] == gid and not self.ledger.is_current(*k))
         for k in stale:
             del self._in_flight[k]
+            self.partial.forget(k)
         if stale:
             self._queued.append(Cancel(stale))
 
@@ -355,6 +381,7 @@ class Scheduler:
         stale = tuple(k for k in self._in_flight if k[0] == gid)
         for k in stale:
             del self._in_flight[k]
+            self.partial.forget(k)
         if stale:
             self._queued.append(Cancel(stale))
         self._apply(ev)
@@ -425,6 +452,8 @@ class Scheduler:
     def _stop(self, out: list[Command]) -> None:
         """Abandon what is still generating (visibly, in the trace), then write the final
         cut unless nothing changed (or a signal stop with checkpoint.on_shutdown: false)."""
+        for key in self._in_flight:  # their chunks so far, kept for the rerun to continue
+            self.partial.flush(key, self._apply)
         for gid, rec in self.ledger.groups():
             gens = tuple(rec.generations_with(AttemptStatus.DISPATCHED))
             if gens and rec.state == GroupState.GENERATING:
@@ -433,6 +462,7 @@ class Scheduler:
             out.append(Cancel(tuple(self._in_flight)))
             self._in_flight.clear()
             self._deadlines.clear()
+            self.partial.forget_all()
         if self._writing:
             return  # a periodic write is still going: Stop only once nothing is in flight
         wanted = self.stopping is not Reason.SIGNAL or self.settings.checkpoint_on_shutdown
@@ -466,7 +496,7 @@ class Scheduler:
     def capture(self, now: float | None = None) -> CapturedCut:
         """The atomic cut the last Cut command asked for: call it right after the poll that
         returned the command, before any other call (the state must be the one decided)."""
-        return cut(self.ledger, self.rows, now=now)
+        return cut(self.ledger, self.rows, now=now, prefixes=self.prefixes)
 
     # ============================================================== callbacks
 
