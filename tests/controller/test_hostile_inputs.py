@@ -493,7 +493,7 @@ def test_a_failed_run_releases_the_run_dir_and_closes_the_engine(tmp_path, monke
     closed = []
 
     class BrokenEngine(ToyEngine):
-        async def generate(self, req):
+        async def generate(self, req, progress=None):
             raise TypeError("a bug in the engine")
 
         async def close(self):

@@ -23,7 +23,7 @@ from rollkeep.core.durable import (
     encode_restart,
     read_tail,
 )
-from rollkeep.core.events import Admitted, Dispatched, Dropped, Failed, Sealed, StepCommitted, Taken
+from rollkeep.core.events import Admitted, Dispatched, Dropped, Failed, Progressed, Sealed, StepCommitted, Taken
 from rollkeep.core.journal import JournalError, JournalWriter
 from rollkeep.core.replay import Restart
 from rollkeep.core.rowlog import (
@@ -82,7 +82,9 @@ def test_decode_refuses_what_is_not_one_event_or_one_restart() -> None:
     refused(b"\xff\x00 not msgpack")
     refused(enc([1, 2, 3]))  # msgpack, but not an entry
     refused(encode_entry(seal))  # a seal without its row
-    assert "must name its row" in str(refused(encode_entry(TAKEN, LOC)))  # a row on a non-seal
+    assert "must name its frame" in str(refused(encode_entry(TAKEN, LOC)))  # a row on a non-seal
+    progress = Progressed(group_id="g0", generation=0, attempt=0, tokens=3)
+    refused(encode_entry(progress))  # a progress without its chunk's frame
     refused(enc(JournalEntry(TAKEN, None, 3)))  # both an event and a restart
     assert "neither" in str(refused(enc(JournalEntry(None, None, None))))  # neither
     refused(enc(JournalEntry(None, None, -1)))  # a negative restart

@@ -41,6 +41,7 @@ appends at a power cut).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import heapq
 import itertools
 import random
@@ -59,8 +60,9 @@ from ..core import crashpoints
 from ..core.checkpoint import write_checkpoint
 from ..core.errors import ExternalError, FilesystemError
 from ..core.events import DATA, INFRA, Event
-from ..core.generation import Completion, GenRequest
+from ..core.generation import Chunk, Completion, GenRequest
 from ..core.ledger import Ledger
+from ..core.prefixes import PrefixStore
 from ..core.restore import plan as restore_plan
 from ..core.restore import restore_chain
 from ..core.rowlog import ROWS_DIR, RowLogReader
@@ -291,7 +293,8 @@ class World:
         self.run_id = f"run{next(self._run_ids)}"
         name = start_point(self.store, None, published=self._published)
         trainer = ToyTrainer()
-        rows = RowStore(reader=RowLogReader(RUN_DIR / ROWS_DIR, fs=self.fs).read)
+        reader = RowLogReader(RUN_DIR / ROWS_DIR, fs=self.fs).read
+        rows, prefixes = RowStore(reader=reader), PrefixStore(reader=reader)
         restored = None
         if name is not None:
             restored = restore_chain(self.store, name=name, source=self.source, config=None)
@@ -306,21 +309,26 @@ class World:
         resumed = restored is not None or tail is not None
         if tail is not None:
             ledger, restored_rows = Ledger.from_state(tail.state), tail.rows
+            prefixes.restore(tail.prefixes)
             self.out.journal_restores += 1
             self.out.journal_replayed += tail.events
         elif restored is not None:
             ledger, restored_rows = Ledger.from_state(restored.ledger), restored.rows
+            prefixes.restore(restored.prefixes)
         else:
             ledger, restored_rows = Ledger(n_rows=self.source.n_rows, seed=self.source.seed,
                                            epochs=self.source.epochs), {}
         rows.restore(restored_rows)
         self.store.cleanup_tmp()
         self.trace = Trace(TRACE, self.run_id, fs=self.fs, clock=lambda: self.now)
+        # With the journal, the engine streams and cut-off siblings continue (recovery.partial: resume).
+        s = dataclasses.replace(s, resume_partial=plan.journal, progress_every_s=plan.journal_ms / 1000)
         sched = Scheduler(ledger=ledger, rows=rows, source=self.source,
-                          sampler=make_sampler(plan.sampler, plan.limits), settings=s)
+                          sampler=make_sampler(plan.sampler, plan.limits), settings=s, prefixes=prefixes)
         sched.subscribe(self.trace.ledger_event)
         if plan.journal:
-            self.journal = JournalThread(RUN_DIR, next_seq=next_seq, rows=rows, flush_ms=plan.journal_ms,
+            self.journal = JournalThread(RUN_DIR, next_seq=next_seq, rows=rows, prefixes=prefixes,
+                                         flush_ms=plan.journal_ms,
                                          flush_events=plan.flush_events, fs=self.fs, threaded=False)
             self.journal.restart(ledger.version)
             sched.subscribe(self.journal.sink)
@@ -458,18 +466,39 @@ class _Process:
             outcome = Failure(DATA, "simulated data failure")
         else:
             outcome = None  # a completion, built on arrival (the engine may have been refit)
-        self.later(_between(script.latency, seed, req.seed, "latency", req.attempt),
-                   lambda: self._deliver(key, req, outcome))
+        latency = _between(script.latency, seed, req.seed, "latency", req.attempt)
+        if outcome is None and self.sched.partial.enabled:  # it streams: one chunk per token, as it goes
+            n = 1 + int(_unit(req.seed, "len") * script.completion_tokens)
+            made = [] if req.prefix is None else [req.prefix]
+            k = 0 if req.prefix is None else len(req.prefix)
+            for i in range(k, n):
+                self.later(latency * (i - k + 1) / (n - k + 1), lambda i=i: self._chunk(key, req, i, made))
+            self.later(latency, lambda: self._deliver(key, req, None, made))
+            return
+        self.later(latency, lambda: self._deliver(key, req, outcome))
 
-    def _deliver(self, key, req: GenRequest, outcome) -> None:
+    def _chunk(self, key, req: GenRequest, i: int, made: list) -> None:
+        if key in self.cancelled:
+            return
+        version = self.engine_version if req.pinned_version is None else req.pinned_version
+        chunk = Chunk(np.array([int(_unit(req.seed, "tok", i) * 10)], np.int32), np.full(1, -0.5, np.float32),
+                      np.full(1, version, np.int32))
+        made.append(chunk)
+        self.sched.on_progress(key, chunk, self.w.now)
+
+    def _deliver(self, key, req: GenRequest, outcome, made: list | None = None) -> None:
         if key in self.cancelled:
             return
         if outcome is None:
             n = 1 + int(_unit(req.seed, "len") * self.w.plan.script.completion_tokens)
             ids = np.array([int(_unit(req.seed, "tok", i) * 10) for i in range(n)], np.int32)
             version = self.engine_version if req.pinned_version is None else req.pinned_version
+            logprobs, versions = np.full(n, -0.5, np.float32), np.full(n, version, np.int32)
+            if made:  # streamed: the prefix's tokens and the chunks, as reported
+                ids, logprobs, versions = (np.concatenate([getattr(c, f) for c in made])
+                                           for f in ("completion_ids", "logprobs", "versions"))
             completion = Completion(prompt_ids=np.arange(3, dtype=np.int32), completion_ids=ids,
-                                    logprobs=np.full(n, -0.5, np.float32), versions=np.full(n, version, np.int32),
+                                    logprobs=logprobs, versions=versions,
                                     finish_reason="stop", text="".join(map(str, ids.tolist())))
             outcome = Generated(completion, float(ids[0] % 2))
         self.sched.on_result(key, outcome, self.w.now)
