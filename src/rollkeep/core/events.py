@@ -160,6 +160,7 @@ class StepCommitted(Event, tag="step_committed"):
     weight_version: int  # = step: the version this commit creates
     group_ids: tuple[str, ...]
     prompts: tuple[tuple[int, int], ...]
+    tokens: int = 0  # completion tokens trained in the step (a measure: custody ignores it)
 
 
 class Released(Event, tag="released"):

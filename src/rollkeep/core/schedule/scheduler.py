@@ -36,6 +36,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from .. import crashpoints
 from ..advantages import ScaleRewards
 from ..batch import Batch, TrainGroup
@@ -506,7 +508,11 @@ class Scheduler:
             raise CustodyError(f"scheduler: trained step {step}", expected=f"step {self._step}",
                                found=str(step), remedy="this is a bug in the runner")
         crashpoints.hit("train.before_commit")
-        self._apply(self.ledger.commit_event(step))
+        ev = self.ledger.commit_event(step)
+        rows = self.rows
+        tokens = sum(rows.get(RowId(gid, g, rec.attempts[g])).tokens
+                     for gid in ev.group_ids for rec in (self.ledger.group(gid),) for g in range(rec.group_size))
+        self._apply(msgspec.structs.replace(ev, tokens=tokens))
         crashpoints.hit("train.after_commit")
         self._step = None
         self._go("trained")

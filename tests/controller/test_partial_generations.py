@@ -1,0 +1,123 @@
+"""Partial generations across real kills (issue 11, docs/design.md §9): a sibling cut off
+mid-generation continues from its durable tokens, and the run still trains on exactly the
+prompts (and, in deterministic mode, ends with exactly the weights) of a run never killed."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+from run_harness import (
+    DEFAULTS,
+    FAST,
+    check,
+    config,
+    final_sha,
+    killed,
+    run_child,
+    run_to_end,
+    trace_lines,
+)
+
+from rollkeep.cli import main
+from rollkeep.core.rowindex import ROWS_INDEX, decode_index
+from rollkeep.core.rowlog import segment_path
+from rollkeep.core.store import CheckpointStore
+
+STOPPED = 128 + signal.SIGTERM
+LONG = ["engine.completion_tokens=24", "engine.token_ms=0.2"]  # streamed one token at a time
+DET = ["deterministic=true", "rollout.on_dropped_prompt=shrink", "sampler.name=in_order", *LONG]
+
+
+def events(cfg, name: str) -> list[dict]:
+    return [x for x in trace_lines(cfg) if x["event"] == name]
+
+
+def reference(tmp_path, *over: str) -> str:
+    ref = config(tmp_path / "reference", *over)
+    run_to_end(ref)
+    return final_sha(ref)
+
+
+@pytest.mark.parametrize("sampler", ["in_order", "weight_fifo"])
+def test_kills_mid_generation_resume_from_the_tokens_and_end_exactly_once(tmp_path, sampler) -> None:
+    over = [*LONG, f"sampler.name={sampler}"]
+    cfg = config(tmp_path / "run", *over)
+    # A graceful stop first (what it keeps does not depend on how far the journal's thread
+    # got), then SIGKILLs mid-generation and mid-seal.
+    assert run_child(cfg, "ledger.progressed:150", crash_signal="TERM") == STOPPED
+    for at in ("ledger.progressed:80", "ledger.sealed:10"):
+        assert killed(run_child(cfg, at))
+    run_to_end(cfg)
+    check(cfg)
+    resumed = [x for x in events(cfg, "restored") if x["partial_generations"]]
+    assert resumed, "the stop mid-generation left siblings to continue"
+    seals = [x for x in events(cfg, "sealed") if x["resumed_from"]]
+    assert seals and all(0 < x["resumed_from"] <= x["tokens"] for x in seals)
+
+
+def test_deterministic_kills_mid_generation_end_byte_identical(tmp_path) -> None:
+    sha = reference(tmp_path, *DET)
+    cfg = config(tmp_path / "run", *DET)
+    assert run_child(cfg, "ledger.progressed:120", crash_signal="TERM") == STOPPED
+    assert killed(run_child(cfg, "ledger.progressed:80"))
+    assert run_child(cfg, "ledger.progressed:40", crash_signal="TERM") == STOPPED
+    run_to_end(cfg)
+    check(cfg, sha)
+    assert sum(x["partial_tokens"] for x in events(cfg, "restored")) > 0
+
+
+def test_every_attempt_traces_its_first_and_last_chunk(tmp_path) -> None:
+    cfg = config(tmp_path / "run", *LONG)
+    run_to_end(cfg)
+    by_attempt: dict[tuple, list[dict]] = {}
+    for x in events(cfg, "progressed"):
+        by_attempt.setdefault((x["group_id"], x["generation"], x["attempt"]), []).append(x)
+    for seal in events(cfg, "sealed"):
+        chunks = by_attempt[(seal["group_id"], seal["generation"], seal["attempt"])]
+        assert chunks[0]["tokens"] == 1, "the first chunk (one token) is recorded at once"
+        assert chunks[-1]["tokens"] == seal["tokens"], "the last chunk is recorded before the seal"
+        assert [c["tokens"] for c in chunks] == sorted({c["tokens"] for c in chunks})
+    commits = events(cfg, "step_committed")
+    trained = {g for c in commits for g in c["group_ids"]}
+    assert sum(c["tokens"] for c in commits) == sum(s["tokens"] for s in events(cfg, "sealed")
+                                                   if s["group_id"] in trained), "step_committed counts its tokens"
+
+
+def test_regenerate_and_the_journal_off_record_no_progress_and_resume_nothing(tmp_path) -> None:
+    for name, over in (("regenerate", ["recovery.partial=regenerate"]), ("off", ["journal.enabled=false"])):
+        sha = reference(tmp_path / name, *DET, *over)
+        cfg = config(tmp_path / name / "run", *DET, *over)
+        assert killed(run_child(cfg, "ledger.sealed:40"))
+        run_to_end(cfg)
+        check(cfg, sha)
+        assert not events(cfg, "progressed"), name
+        assert not [x for x in events(cfg, "sealed") if x["resumed_from"]], name
+
+
+def test_a_graceful_stop_keeps_the_tokens_in_flight_for_the_rerun(tmp_path) -> None:
+    """(Not deterministic mode: there a stop with pinned work unfinished keeps the previous
+    checkpoint, and the journal's tail carries the tokens.)"""
+    cfg = config(tmp_path / "run", *LONG)
+    assert run_child(cfg, "ledger.progressed:200", crash_signal="TERM") == STOPPED
+    ck = CheckpointStore(Path(cfg.run_dir) / "checkpoints").open()
+    assert ck.manifest["rows"]["partial"] > 0, "the final checkpoint names the partial generations"
+    run_to_end(cfg)
+    check(cfg)
+    (restored,) = events(cfg, "restored")
+    assert restored["partial_generations"] == ck.manifest["rows"]["partial"]
+    assert restored["partial_tokens"] == ck.manifest["rows"]["partial_tokens"]
+
+
+def test_a_partial_generation_whose_segment_is_damaged_is_refused(tmp_path, capsys) -> None:
+    cfg = config(tmp_path / "run", *LONG)
+    run_dir = Path(cfg.run_dir)
+    assert run_child(cfg, "ledger.progressed:200", crash_signal="TERM") == STOPPED
+    chains = decode_index(CheckpointStore(run_dir / "checkpoints").open().read(ROWS_INDEX)).chains
+    last = max((ch.at for chain in chains.values() for ch in chain), key=lambda at: (at.segment, at.offset))
+    seg = segment_path(run_dir / "rows", last.segment)
+    seg.write_bytes(seg.read_bytes()[: last.offset + last.length - 1])  # its last chunk cut short
+    code = main(["train", DEFAULTS, *FAST, *LONG, f"run_dir={run_dir}"])
+    err = capsys.readouterr().err
+    assert code == 3 and f"segment {last.segment}" in err and "Traceback" not in err
