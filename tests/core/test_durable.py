@@ -23,7 +23,16 @@ from rollkeep.core.durable import (
     encode_restart,
     read_tail,
 )
-from rollkeep.core.events import Admitted, Dispatched, Dropped, Failed, Progressed, Sealed, StepCommitted, Taken
+from rollkeep.core.events import (
+    Admitted,
+    Dispatched,
+    Dropped,
+    Failed,
+    Progressed,
+    Sealed,
+    StepCommitted,
+    Taken,
+)
 from rollkeep.core.journal import JournalError, JournalWriter
 from rollkeep.core.replay import Restart
 from rollkeep.core.rowlog import (
