@@ -5,11 +5,19 @@ beside the trainer's thread). The asyncio side only puts requests and weight upd
 the engine's `Inbox` and awaits their futures; the worker answers with `settle`
 (engines/inbox.py, the handoff the hf and vllm engines use too).
 
-    generate(req)   tokenize → queue → await the future. Cancelling the awaiting task
+    generate(req, progress)
+                    tokenize → queue → await the future. Cancelling the awaiting task
                     cancels the future: a queued request is dropped, a running row leaves
-                    the batch at the worker's next step.
+                    the batch at the worker's next step. The engine streams (`streams`):
+                    with `progress`, the worker hands every token it samples for the row to
+                    the loop as a one-token Chunk (`loop.call_soon_threadsafe`), in order,
+                    the last one before it settles the future, so the loop runs all of a
+                    row's chunks before `generate` returns (both go through the loop's FIFO
+                    queue); a chunk that reaches the loop after the request was cancelled or
+                    answered is dropped. With `req.prefix` the row continues that prefix
+                    (see "Continuing a prefix").
     worker          take the oldest pending request and up to `max_batch_size - 1` more
-                    of the same prompt length (oldest first; no padding tokens), prefill
+                    of the same prefill length (oldest first; no padding tokens), prefill
                     with a fresh cache, then one token per step for every live row.
                     A row leaves the batch when it stops (EOS or length) or is cancelled;
                     its future is completed at once. A batch that raises fails its
@@ -26,15 +34,41 @@ request's seed and the token's position (models.sampling), so the same request g
 same tokens, log-probabilities and versions whatever else shares its batch. That needs the
 model's logits for one row to be bitwise independent of the other rows, which the matmul
 kernels do not give for free; see `_ROW_QUANTUM`.
+
+Continuing a prefix (`GenRequest.prefix`, k tokens an earlier attempt generated): the
+prefix is fed as token ids after the prompt (never re-rendered text) and the row's first
+new token is sampled at completion position k, so every row carries its own position. The
+completion returned is the prefix's ids, log-probs and versions exactly as given, then the
+new ones; its length (prefix included) is at most `max_new_tokens`, and prompt + completion
+fit `block_size`. A prefix that already ends the completion (last token EOS: "stop"; that
+length: "length") is returned at once, without the worker. How the prefix's keys and values
+are rebuilt depends on the mode:
+  - default (not pinned): one prefill of prompt + prefix (k + P tokens in one pass). Its
+    logits can differ from those token-by-token decoding computed in the last bits (float32:
+    at most 4.8e-7 in the continuation's log-probs over 60 continuations of the test model,
+    tests/engines/test_torch_stream.py), so the continuation samples the same tokens unless
+    a draw falls within that of a boundary, with log-probs equal to rounding.
+  - pinned (deterministic mode, `pinned_version` set): the cache is rebuilt the way the
+    uninterrupted run built it: a prefill of the prompt alone, then the prefix fed one
+    decode step at a time (logits computed and discarded, no sampling), then decoding goes
+    on; with the same padded batch rows (`_padded`) the continuation is bit-identical to
+    the uninterrupted one. The cost: k extra sequential decode steps for a k-token prefix
+    (each a full forward of the batch, shared with its other rows) instead of one wider
+    prefill. Such a row joins a batch of its prompt length: rows of one batch then sit at
+    different steps (a replaying row feeds its prefix token while the others feed what they
+    sampled), which the per-row positions allow.
+So a job's prefill (`_Job.prompt_ids`, the batching key of `inbox.take_batch`) is the
+prompt, or prompt + prefix in default mode; the real prompt is kept for the Completion.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import itertools
 import threading
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,7 +80,7 @@ from ..core.errors import CustodyError, UserInputError
 from ..models.gpt import GPT
 from ..models.sampling import sample
 from ..models.tokenizer import EOS
-from .base import Completion, DataError, GenRequest, InfraError
+from .base import Chunk, Completion, DataError, GenRequest, InfraError, Prefix, Progress
 from .inbox import Inbox, Refit, settle, take_batch, take_refits
 
 # Rows of every matmul the model runs are padded to a multiple of this (with duplicates
@@ -68,13 +102,19 @@ class _Job:
     """One queued request: what the worker needs, and how to answer."""
 
     req: GenRequest
-    prompt_ids: list[int]
+    prompt_ids: list[int]  # what the prefill feeds (prompt, + prefix in default mode): the batching key
     future: Future  # of Completion; cancelled when the awaiting task is
+    prompt: list[int]  # the real prompt, for the Completion
+    prefix: Prefix | None
+    replay: list[int]  # prefix tokens fed one decode step each before sampling starts (pinned)
+    offset: int  # completion position of the token the prefill predicts (the prefix fed in it)
+    budget: int  # most completion tokens, prefix included
+    report: Callable[[Chunk], None] | None  # schedules a chunk on the loop; None: no progress
 
 
 @dataclass(eq=False)
 class _Row:
-    """A live row of a running batch: its tokens so far."""
+    """A live row of a running batch: its new tokens so far."""
 
     job: _Job
     tokens: list[int] = field(default_factory=list)
@@ -84,6 +124,7 @@ class _Row:
 
 class TorchEngine:
     name = "torch"
+    streams = True  # generate(req, progress) reports every new token as it is sampled
 
     def __init__(
         self,
@@ -122,16 +163,59 @@ class TorchEngine:
 
     # ================================================================== asyncio side
 
-    async def generate(self, req: GenRequest) -> Completion:
+    async def generate(self, req: GenRequest, progress: Progress | None = None) -> Completion:
+        """One sibling; see the module docstring (streaming, continuing `req.prefix`)."""
         ids = self.tokenizer.encode(req.prompt.prompt)
-        if len(ids) >= self.model.cfg.block_size:
+        block = self.model.cfg.block_size
+        if len(ids) >= block:
             raise DataError(
                 f"torch engine: prompt of {len(ids)} tokens (with BOS) leaves no room to generate "
-                f"in block_size {self.model.cfg.block_size} ({req.group_id}/{req.generation})"
+                f"in block_size {block} ({req.group_id}/{req.generation})"
             )
-        job = _Job(req, ids, Future())
+        budget = min(self.max_new_tokens, block - len(ids))  # prompt + completion fit
+        prefix = req.prefix if req.prefix is not None and len(req.prefix) > 0 else None
+        replay: list[int] = []
+        context, offset = ids, 0
+        if prefix is not None:
+            pids = self._check_prefix(req, prefix)
+            if pids[-1] == EOS or len(pids) >= budget:  # the prefix already ends the completion
+                return self._completion(ids, prefix, [], [], [], "stop" if pids[-1] == EOS else "length")
+            if req.pinned_version is not None:  # rebuild the cache as the uninterrupted run did
+                replay = pids
+            else:  # one prefill of prompt + prefix
+                context, offset = ids + pids, len(pids)
+        future: Future = Future()
+        waiter = asyncio.wrap_future(future)
+        report = None
+        if progress is not None:
+            loop = asyncio.get_running_loop()
+
+            def deliver(chunk: Chunk) -> None:  # on the loop
+                if not waiter.done():  # cancelled or answered: report nothing more
+                    progress(chunk)
+
+            def report(chunk: Chunk) -> None:  # on the worker
+                loop.call_soon_threadsafe(deliver, chunk)
+
+        job = _Job(req, context, future, ids, prefix, replay, offset, budget, report)
         self._inbox.put(self._jobs, job)
-        return await asyncio.wrap_future(job.future)
+        return await waiter
+
+    def _check_prefix(self, req: GenRequest, prefix: Prefix) -> list[int]:
+        """The prefix's token ids, once its arrays are seen to fit together and the model."""
+        ids = [int(t) for t in prefix.completion_ids]
+        if not len(ids) == len(prefix.logprobs) == len(prefix.versions):
+            raise ValueError(
+                f"torch engine: the prefix of {req.group_id}/{req.generation} has {len(ids)} tokens, "
+                f"{len(prefix.logprobs)} log-probs and {len(prefix.versions)} versions"
+            )
+        vocab = self.model.cfg.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise ValueError(
+                f"torch engine: the prefix of {req.group_id}/{req.generation} holds a token id "
+                f"outside the vocabulary of {vocab}"
+            )
+        return ids
 
     async def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         """Load a state_dict snapshot as `version`; returns once it is loaded.
@@ -256,59 +340,106 @@ class TorchEngine:
             self._decode(rows)
 
     def _decode(self, rows: list[_Row]) -> None:
-        """Prefill, then one token per step, until every row has stopped or left."""
-        P = len(rows[0].job.prompt_ids)
-        n_new = min(self.max_new_tokens, self.model.cfg.block_size - P)  # prompt + completion fit
+        """Prefill, then one token per step, until every row has stopped or left.
+
+        Step s (s = 0: the prefill) predicts completion position `offset + s` of each row. A
+        row still replaying its prefix (s < len(replay)) is not sampled: its next input is
+        its prefix token s. Every row stops at its own budget, so every forward fits
+        block_size."""
         live = list(range(len(rows)))  # rows[i] sits at batch position live.index(i)
-        x = torch.tensor([rows[i].job.prompt_ids for i in _padded(live)], dtype=torch.long)  # (B, P)
+        x = torch.tensor([rows[i].job.prompt_ids for i in _padded(live)], dtype=torch.long)  # (B, C)
         cache = self.model.new_cache()
         start = 0
         pinned = any(r.job.req.pinned_version is not None for r in rows)
-        for position in range(n_new):
+        for step in itertools.count():
             # In-flight update, between decode steps: later tokens carry the new version,
             # while the keys and values cached for earlier tokens stay those computed by the
             # old weights (the usual in-flight update: no recomputation). Never inside a
             # batch holding pinned (deterministic) requests.
-            if position > 0 and self.update_weights_in_flight and not pinned:
+            if step > 0 and self.update_weights_in_flight and not pinned:
                 self._refit_in_flight()
             version = self._version
             logits = self.model(x, cache, start)[: len(live), -1, :]  # (live, V), duplicates dropped
-            seeds = [rows[i].job.req.seed for i in live]
-            tokens, logprobs = sample(logits, seeds, position, temperature=self.temperature, top_p=self.top_p)
+            drawn = [p for p, i in enumerate(live) if step >= len(rows[i].job.replay)]  # batch positions
+            sampled: dict[int, tuple[int, float]] = {}  # batch position → (token, log-prob)
+            if drawn:
+                if len(drawn) < len(live):  # sampling is per row: the subset changes no row's draw
+                    logits = logits.index_select(0, torch.tensor(drawn, dtype=torch.long))
+                seeds = [rows[live[p]].job.req.seed for p in drawn]
+                positions = [rows[live[p]].job.offset + step for p in drawn]
+                tokens, logprobs = sample(logits, seeds, positions, temperature=self.temperature, top_p=self.top_p)
+                sampled = dict(zip(drawn, zip(tokens.tolist(), logprobs.tolist(), strict=True), strict=True))
             keep = []  # batch positions of rows that go on
-            last = position + 1 == n_new
-            for pos, (i, tok, lp) in enumerate(zip(live, tokens.tolist(), logprobs.tolist(), strict=True)):
+            feed = []  # and the token each feeds next
+            for pos, i in enumerate(live):
                 row = rows[i]
-                if row.job.future.cancelled():
+                job = row.job
+                if job.future.cancelled():
                     continue
+                if pos not in sampled:  # replaying the prefix: its token is the next input
+                    keep.append(pos)
+                    feed.append(job.replay[step])
+                    continue
+                tok, lp = sampled[pos]
                 row.tokens.append(tok)
                 row.logprobs.append(lp)
                 row.versions.append(version)
-                if tok == EOS or last:
+                if job.report is not None:  # before `_finish` settles: the loop sees it first
+                    self._report(job, tok, lp, version)
+                if tok == EOS or job.offset + step + 1 == job.budget:
                     self._finish(row, "stop" if tok == EOS else "length")
                 else:
                     keep.append(pos)
+                    feed.append(tok)
             if not keep:
                 return
-            sel = torch.tensor(_padded(keep), dtype=torch.long)  # batch positions of the next step
             if len(keep) != len(live):  # rows left: shrink the cache (O(cache), once per exit)
+                sel = torch.tensor(_padded(keep), dtype=torch.long)  # batch positions of the next step
                 cache = [(k.index_select(0, sel), v.index_select(0, sel)) for k, v in cache]
                 live = [live[p] for p in keep]
             start += x.size(1)
-            x = tokens.index_select(0, sel).unsqueeze(1)  # (B, 1)
+            x = torch.tensor(_padded(feed), dtype=torch.long).unsqueeze(1)  # (B, 1)
+
+    def _report(self, job: _Job, tok: int, lp: float, version: int) -> None:
+        chunk = Chunk(
+            completion_ids=np.asarray([tok], dtype=np.int32),
+            logprobs=np.asarray([lp], dtype=np.float32),
+            versions=np.asarray([version], dtype=np.int32),
+        )
+        try:
+            job.report(chunk)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            job.report = None
 
     def _finish(self, row: _Row, reason: str) -> None:
         job = row.job
-        ids = np.asarray(row.tokens, dtype=np.int32)
-        completion = Completion(
-            prompt_ids=np.asarray(job.prompt_ids, dtype=np.int32),
+        settle(job.future, self._completion(job.prompt, job.prefix, row.tokens, row.logprobs, row.versions, reason))
+
+    def _completion(
+        self,
+        prompt: list[int],
+        prefix: Prefix | None,
+        tokens: list[int],
+        logprobs: list[float],
+        versions: list[int],
+        reason: str,
+    ) -> Completion:
+        """The prefix as given (if any), then the new tokens."""
+        ids = np.asarray(tokens, dtype=np.int32)
+        lps = np.asarray(logprobs, dtype=np.float32)
+        vs = np.asarray(versions, dtype=np.int32)
+        if prefix is not None:
+            ids = np.concatenate([np.asarray(prefix.completion_ids, dtype=np.int32), ids])
+            lps = np.concatenate([np.asarray(prefix.logprobs, dtype=np.float32), lps])
+            vs = np.concatenate([np.asarray(prefix.versions, dtype=np.int32), vs])
+        return Completion(
+            prompt_ids=np.asarray(prompt, dtype=np.int32),
             completion_ids=ids,  # EOS included when it stopped the row: the trainer learns to stop
-            logprobs=np.asarray(row.logprobs, dtype=np.float32),
-            versions=np.asarray(row.versions, dtype=np.int32),
+            logprobs=lps,
+            versions=vs,
             finish_reason=reason,
             text=self.tokenizer.decode(ids),  # decode ends at EOS
         )
-        settle(job.future, completion)
 
 
 def _padded(positions: list[int]) -> list[int]:

@@ -11,6 +11,7 @@ change, or regenerated rollouts stop reproducing the lost ones: the formula of
 from __future__ import annotations
 
 from collections.abc import Sequence
+from numbers import Integral
 
 import torch
 from torch.nn import functional as F
@@ -29,7 +30,7 @@ def _mix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
-def counter_uniform(seeds: Sequence[int], position: int) -> torch.Tensor:
+def counter_uniform(seeds: Sequence[int], position: int | Sequence[int]) -> torch.Tensor:
     """A uniform number in [0, 1) per seed, a pure function of (seed, position).
 
     The formula (part of reproducibility; never change it):
@@ -43,17 +44,32 @@ def counter_uniform(seeds: Sequence[int], position: int) -> torch.Tensor:
     (seed, position) and (seed + increment, position - 1) from colliding. The top 53 bits
     make u an exact float64 in [0, 1).
 
-    Returns float64 [B].
+    `position` is one int for every seed, or one per seed (rows continuing prefixes of
+    different lengths sit at different completion positions); either way row b's number
+    depends only on (seeds[b], its position). Returns float64 [B].
     """
-    step = ((position + 1) * _GOLDEN) & _MASK64
-    out = [(_mix64((_mix64(int(s) & _MASK64) + step) & _MASK64) >> 11) / 2.0**53 for s in seeds]
+    positions = _positions(position, len(seeds))
+    out = [
+        (_mix64((_mix64(int(s) & _MASK64) + (((p + 1) * _GOLDEN) & _MASK64)) & _MASK64) >> 11) / 2.0**53
+        for s, p in zip(seeds, positions, strict=True)
+    ]
     return torch.tensor(out, dtype=torch.float64)
+
+
+def _positions(position: int | Sequence[int], n: int) -> list[int]:
+    """`position` as one int per row: repeated if it is one int, checked if it is a list."""
+    if isinstance(position, Integral):
+        return [int(position)] * n
+    positions = [int(p) for p in position]
+    if len(positions) != n:
+        raise ValueError(f"sampling: {len(positions)} positions for {n} rows")
+    return positions
 
 
 def sample(
     logits: torch.Tensor,
     seeds: Sequence[int],
-    position: int,
+    position: int | Sequence[int],
     *,
     temperature: float,
     top_p: float,
@@ -61,12 +77,14 @@ def sample(
     """One token per row by nucleus sampling with counter-based randomness.
 
     logits (B, V) of any float dtype; seeds: B ints; position: the index of the token in
-    its completion (0 for the first generated token). All math is float64:
+    its completion (0 for the first generated token), one int for all rows or one per row
+    (a row continuing a prefix of k tokens samples its first new token at k). All math is
+    float64:
 
         probs  = softmax(logits / temperature)
         sort probs descending (stable: ties keep vocabulary order); keep the smallest
         prefix whose cumulative mass is >= top_p (always at least one token)
-        u      = counter_uniform(seeds, position)
+        u      = counter_uniform(seeds, position)   (row b: its own position)
         token  = the first kept token (in sorted order) whose cumulative kept mass
                  exceeds u * (kept mass)  -- inverse CDF of the renormalised nucleus
 
@@ -78,6 +96,7 @@ def sample(
     """
     if logits.dim() != 2 or logits.size(0) != len(seeds):
         raise ValueError(f"sample: logits {tuple(logits.shape)} do not match {len(seeds)} seeds")
+    positions = _positions(position, len(seeds))
     x = logits.to(torch.float64) / temperature  # (B, V)
     logp = F.log_softmax(x, dim=-1)  # (B, V): the reported log-probabilities
     probs = F.softmax(x, dim=-1)
@@ -87,7 +106,7 @@ def sample(
     keep = before < top_p  # the smallest prefix reaching top_p; token 0 always (top_p > 0)
     kept_cum = (sorted_p * keep).cumsum(dim=-1)  # (B, V), constant past the nucleus
     mass = kept_cum[:, -1:]  # (B, 1)
-    u = counter_uniform(seeds, position).unsqueeze(1)  # (B, 1)
+    u = counter_uniform(seeds, positions).unsqueeze(1)  # (B, 1)
     idx = (kept_cum <= u * mass).sum(dim=-1, keepdim=True)  # first index with kept_cum > u * mass
     # u * mass can round up to mass itself: fall back to the last kept token of non-zero mass.
     last = (keep & (sorted_p > 0)).sum(dim=-1, keepdim=True) - 1
