@@ -121,3 +121,27 @@ def test_a_partial_generation_whose_segment_is_damaged_is_refused(tmp_path, caps
     code = main(["train", DEFAULTS, *FAST, *LONG, f"run_dir={run_dir}"])
     err = capsys.readouterr().err
     assert code == 3 and f"segment {last.segment}" in err and "Traceback" not in err
+
+
+TORCH = [
+    "engine.name=torch", "trainer.name=torch", "engine.max_new_tokens=10",
+    "trainer.model.n_layer=1", "trainer.model.n_head=2", "trainer.model.n_embd=32",
+    "trainer.model.block_size=24", "trainer.micro_batch_size=8", "rollout.group_size=4",
+    "train.num_prompts_per_step=4", "train.total_steps=6", "warmup.sft_steps=0",
+    "data.generated.n_rows=64", "data.epochs=null", *DET[:3],
+]
+
+
+def test_the_built_in_gpt_resumes_mid_generation_and_ends_byte_identical(tmp_path) -> None:
+    """The torch engine streams; a sibling stopped mid-generation continues from its tokens
+    (its cache rebuilt token by token in deterministic mode), and the weights end as a run
+    never stopped."""
+    sha = reference(tmp_path, *TORCH)
+    cfg = config(tmp_path / "run", *TORCH)
+    assert run_child(cfg, "ledger.progressed:60", crash_signal="TERM") == STOPPED
+    assert killed(run_child(cfg, "ledger.progressed:50"))
+    assert run_child(cfg, "ledger.progressed:30", crash_signal="TERM") == STOPPED
+    run_to_end(cfg)
+    check(cfg, sha)
+    assert sum(x["partial_tokens"] for x in events(cfg, "restored")) > 0
+    assert [x for x in events(cfg, "sealed") if x["resumed_from"]], "some completion was continued"
