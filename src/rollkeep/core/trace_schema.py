@@ -21,6 +21,7 @@ from .events import (
     Dropped,
     Evicted,
     Failed,
+    Progressed,
     Sealed,
     StepCommitted,
     Taken,
@@ -114,8 +115,9 @@ def name(event_type: type[Any]) -> str:
 RUN_STARTED, RESTORED, CHECKPOINT_PUBLISHED, CHECKPOINT_SKIPPED, EVAL, RUN_FINISHED, RUN_FAILED = (
     name(t) for t in RUN_EVENTS
 )
-STEP_COMMITTED, DROPPED, SEALED, DISPATCHED, TAKEN, ADMITTED, FAILED, EVICTED, ABANDONED = (
-    name(t) for t in (StepCommitted, Dropped, Sealed, Dispatched, Taken, Admitted, Failed, Evicted, Abandoned)
+STEP_COMMITTED, DROPPED, SEALED, DISPATCHED, TAKEN, ADMITTED, FAILED, EVICTED, ABANDONED, PROGRESSED = (
+    name(t) for t in (StepCommitted, Dropped, Sealed, Dispatched, Taken, Admitted, Failed, Evicted, Abandoned,
+                      Progressed)
 )
 
 #: The ledger's events (the ones the journal records too), and every event name a trace may hold.

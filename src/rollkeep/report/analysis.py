@@ -19,6 +19,7 @@ from ..core.trace_schema import (
     EVICTED,
     FAILED,
     LEDGER_EVENTS,
+    PROGRESSED,
     RESTORED,
     RUN_FINISHED,
     RUN_STARTED,
@@ -298,6 +299,16 @@ def _restart(
         r.tokens_thrown_away = r.tokens_sealed_after_cut + discarded_tokens
         r.tokens_reused = reused
         r.thrown_away_generation_seconds = seconds
+        # Partial generations: how far each abandoned sibling had got, as the trace saw it
+        # (the journal is never ahead of the trace), against what the restart continues from.
+        progress: dict[tuple[str, int], int] = {}
+        for _, x in surviving:
+            if x["event"] == PROGRESSED:
+                progress[(x["group_id"], int(x["generation"]))] = int(x["tokens"])
+            elif x["event"] == SEALED:
+                progress.pop((x["group_id"], int(x["generation"])), None)
+        r.tokens_resumed = int((restored or {}).get("partial_tokens") or 0)
+        r.tokens_in_flight_regenerated = max(0, sum(progress.get(k, 0) for k in set(abandoned)) - r.tokens_resumed)
 
     # Lost progress: from the kill until the resumed run is back where the killed run was.
     # A graceful stop is a pause, not a loss: its idle time does not count, and a final

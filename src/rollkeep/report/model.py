@@ -140,6 +140,10 @@ class Restart:
     journal_events_replayed: int = 0
     seals_kept_by_journal: int | None = None
     tokens_kept_by_journal: int | None = None
+    # recovery.partial: tokens the siblings cut off mid-generation continue from, and the
+    # tokens the killed run traced for them that were not durable (generated again)
+    tokens_resumed: int = 0
+    tokens_in_flight_regenerated: int = 0
     attempts_without_dispatch: int = 0  # abandoned, but no live dispatch found before the cut
     kill_t: float | None = None  # the previous run's last trace line
     lost_progress_seconds: float | None = None
