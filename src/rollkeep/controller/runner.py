@@ -187,7 +187,7 @@ class Runner:
         the scheduler's). Anything else is a bug and stops the run, never a silent retry."""
         key = (req.group_id, req.generation, req.attempt)
         loop, sched = asyncio.get_running_loop(), self.sched
-        streamed = getattr(self.engine, "streams", False) and sched.partial.enabled  # recovery.partial
+        streamed = getattr(self.engine, "streams", False) and sched.partial.enabled  # the journal on
         try:
             try:
                 completion = await (self.engine.generate(req, lambda c: sched.on_progress(key, c, loop.time()))

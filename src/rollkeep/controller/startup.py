@@ -59,7 +59,7 @@ def settings(cfg: Config) -> Settings:
                                                  r.backoff_max_ms),
         scale_rewards=cfg.trainer.scale_rewards,
         # Prefixes are durable only through the journal; without it attempts regenerate.
-        resume_partial=cfg.recovery.partial == "resume" and cfg.journaled,
+        record_partial=cfg.journaled, resume_partial=cfg.recovery.partial == "resume",
         progress_every_s=cfg.journal.flush_ms / 1000,
     )
 

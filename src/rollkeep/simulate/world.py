@@ -322,7 +322,8 @@ class World:
         self.store.cleanup_tmp()
         self.trace = Trace(TRACE, self.run_id, fs=self.fs, clock=lambda: self.now)
         # With the journal, the engine streams and cut-off siblings continue (recovery.partial: resume).
-        s = dataclasses.replace(s, resume_partial=plan.journal, progress_every_s=plan.journal_ms / 1000)
+        s = dataclasses.replace(s, record_partial=plan.journal, resume_partial=True,
+                                progress_every_s=plan.journal_ms / 1000)
         sched = Scheduler(ledger=ledger, rows=rows, source=self.source,
                           sampler=make_sampler(plan.sampler, plan.limits), settings=s, prefixes=prefixes)
         sched.subscribe(self.trace.ledger_event)

@@ -1,12 +1,14 @@
 """The scheduler's side of partial generations (`recovery.partial: resume`, docs/design.md §9).
 
-A streaming engine reports chunks of new tokens; they are recorded as `progressed` events,
+A streaming engine reports chunks of new tokens; with the journal on (sibling granularity)
+they are recorded as `progressed` events whatever `recovery.partial` says (the trace then
+shows what a kill cut off, and `rollkeep bench` counts it as generated),
 coalesced: an attempt records at most once per `every_s` (the journal's flush interval, so
 at most one record per attempt per flush), and once more, with what is left, just before
 its seal, so the trace shows every attempt's first and last chunk. A chunk's tokens go to
-the prefix store, and from there, with the journal, to the row log. When a sibling whose
-chain is kept (a restart, a graceful stop, an infra failure) is dispatched again, its new
-attempt continues from the chain's tokens.
+the prefix store, and from there to the row log. With `recovery.partial: resume`, when a
+sibling whose chain is kept (a restart, a graceful stop, an infra failure) is dispatched
+again, its new attempt continues from the chain's tokens; with `regenerate` it starts over.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from .commands import AttemptKey
 
 
 class PartialGenerations:
-    def __init__(self, prefixes: PrefixStore, *, enabled: bool, every_s: float) -> None:
+    def __init__(self, prefixes: PrefixStore, *, enabled: bool, resume: bool, every_s: float) -> None:
         self.prefixes = prefixes
-        self.enabled = enabled  # recovery.partial=resume, sibling granularity, journal on
+        self.enabled = enabled  # record chunks: sibling granularity, the journal on
+        self.resume = resume  # and continue from them: recovery.partial=resume
         self.every_s = every_s
         self._resumed: dict[AttemptKey, int] = {}  # in-flight attempt -> prefix tokens it started from
         self._pending: dict[AttemptKey, list[Chunk]] = {}  # chunks not recorded yet
@@ -33,7 +36,7 @@ class PartialGenerations:
 
     def prefix_for(self, key: AttemptKey) -> Prefix | None:
         """At dispatch: the sibling's kept chain, which the attempt continues (or None)."""
-        if not self.enabled:
+        if not self.resume:
             return None
         gid, g, _ = key
         prefix = self.prefixes.prefix(gid, g)

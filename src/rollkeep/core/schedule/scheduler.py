@@ -111,7 +111,8 @@ class Settings:
     retry: RetryPolicy = RetryPolicy(max_infra_attempts=3, max_data_attempts=2, backoff_ms=10.0,
                                      backoff_max_ms=2000.0)
     scale_rewards: ScaleRewards = "group_population"  # trainer.scale_rewards
-    resume_partial: bool = False  # record streamed chunks and continue from them (recovery.partial)
+    record_partial: bool = False  # record streamed chunks as `progressed` events (the journal on)
+    resume_partial: bool = False  # and continue cut-off siblings from them (recovery.partial: resume)
     progress_every_s: float = 0.01  # an attempt records its chunks at most this often (journal.flush_ms)
 
 
@@ -157,9 +158,10 @@ class Scheduler:
     ) -> None:
         self.ledger, self.rows, self.source, self.sampler, self.settings = ledger, rows, source, sampler, settings
         self.prefixes = PrefixStore() if prefixes is None else prefixes
+        sibling = settings.recovery_mode == "sibling"
         self.partial = PartialGenerations(
-            self.prefixes, enabled=settings.resume_partial and settings.recovery_mode == "sibling",
-            every_s=settings.progress_every_s)
+            self.prefixes, enabled=settings.record_partial and sibling,
+            resume=settings.record_partial and settings.resume_partial and sibling, every_s=settings.progress_every_s)
         limits = sampler.limits
         self.pinning = Pinning(settings.deterministic, limits.window, limits.num_prompts_per_step,
                                settings.total_steps)
@@ -233,7 +235,7 @@ class Scheduler:
                 lost = len(lost_ids)
             plan = restored if isinstance(restored, RestorePlan) else restored.plan
             fields = restart.restored_fields(plan, lost=lost, mode=self.settings.recovery_mode)
-            if not self.partial.enabled:  # recovery.partial=regenerate (or no journal): start over
+            if not self.partial.resume:  # recovery.partial=regenerate (or no journal): start over
                 self.prefixes.restore({})
             fields.update(partial_generations=len(self.prefixes), partial_tokens=self.prefixes.tokens())
             # Groups sealed but not finalized at the cut are finalized again (no side effects).
