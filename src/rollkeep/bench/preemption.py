@@ -1,6 +1,8 @@
 """Goodput under preemption: the same job killed at the same instants, once per variant:
-`journal` (the default: recovery.mode=sibling with the journal), and each `recovery.mode`
-restoring from its checkpoint alone (`journal.enabled=false`).
+`journal` (the default: recovery.mode=sibling with the journal, partial generations
+resumed), and each `recovery.mode` restoring from its checkpoint alone
+(`journal.enabled=false`); on the long-generation workloads, `journal` against
+`regenerate` (the journal on, cut-off generations started over).
 
     run_preempted(config, overrides, kill_delays=..., workdir=..., timeout=...)
         `rollkeep train` as a subprocess in WORKDIR/run (WORKDIR wiped first); segment i is
@@ -18,10 +20,10 @@ The measures of one killed-and-resumed job:
                       per restart, as a real preemption pays it)
   run_s               the same, start-up excluded: the sum over runs of run_started → the
                       run's last trace line
-  tokens_generated    sum of `sealed.tokens` over every run in the trace (a SIGKILL can
-                      lose the last ~50 ms of buffered `sealed` lines of a killed run, whose
-                      rows no checkpoint and no journal kept either: the journal is never
-                      ahead of the trace)
+  tokens_generated    `tokens_generated`: every attempt's new tokens, sealed or cut off
+                      (a SIGKILL can lose the last ~50 ms of buffered lines of a killed
+                      run, whose work no checkpoint and no journal kept either: the
+                      journal is never ahead of the trace)
   tokens_trained      sum of `tokens` of the metrics.jsonl step lines of the surviving
                       lineage: the steps the final weights were trained on
   goodput             tokens_trained / tokens_generated
@@ -48,20 +50,25 @@ from typing import Any
 
 from ..chaos import _env, _trace_mark, _train_cmd, _wait_started
 from ..core.errors import RollkeepError
-from ..core.trace_schema import DROPPED, SEALED, STEP_COMMITTED
+from ..core.trace_schema import DROPPED, PROGRESSED, SEALED, STEP_COMMITTED
 from ..lineage import lineage
 from ..trace import read_trace
 
 #: What each variant runs with: `journal` keeps the work since the last checkpoint (the
 #: default of `rollkeep train`), the others restore from the checkpoint alone, per mode.
 VARIANTS: dict[str, tuple[str, ...]] = {
-    "journal": ("recovery.mode=sibling", "journal.enabled=true"),
+    "journal": ("recovery.mode=sibling", "journal.enabled=true", "recovery.partial=resume"),
+    "regenerate": ("recovery.mode=sibling", "journal.enabled=true", "recovery.partial=regenerate"),
     "sibling": ("recovery.mode=sibling", "journal.enabled=false"),
     "prompt_group": ("recovery.mode=prompt_group", "journal.enabled=false"),
     "cursor_only": ("recovery.mode=cursor_only",),
 }
-MODES = tuple(VARIANTS)
+MODES = ("journal", "sibling", "prompt_group", "cursor_only")  # what a workload compares by default
 WORKLOADS = ("toy", "model")
+#: Long generations: partial generations resumed (`journal`, the default) against started
+#: over (`regenerate`), both with the journal, at the same kill instants (issue 11).
+LONG_WORKLOADS = ("toy_long", "model_long")
+LONG_MODES = ("journal", "regenerate")
 KILL_WINDOW = 0.7  # kill instants are uniform in [0, KILL_WINDOW x the reference run time]
 MEASURES = (
     "wall_s",
@@ -128,7 +135,38 @@ def workload(name: str, *, quick: bool = False) -> Workload:
             steps,
             f"built-in GPT (torch, CPU) on arith, P=16, G=8, {steps} steps, checkpoint every {every}",
         )
-    raise ValueError(f"unknown workload {name!r} (expected one of {', '.join(WORKLOADS)})")
+    if name == "toy_long":
+        steps = 20 if quick else 40
+        every = 10
+        return Workload(
+            "toy_long",
+            str(files("rollkeep") / "configs" / "toy.yaml"),
+            (
+                "engine.latency_ms=5", "engine.latency_jitter_ms=0", "engine.completion_tokens=64",
+                "engine.token_ms=2", "trainer.step_sleep_ms=5", "sampler.name=in_order",
+                "sampler.max_lookahead_versions=1", f"train.total_steps={steps}",
+                f"checkpoint.every_steps={every}", "data.generated.n_rows=1024",
+            ),
+            steps,
+            f"toy engine streaming up to 64 tokens at 2 ms each (5 ms + ~130 ms per generation), "
+            f"trainer 5 ms/step, P=8, G=4, {steps} steps, checkpoint every {every}",
+        )
+    if name == "model_long":
+        steps = 6 if quick else 12
+        every = 4
+        return Workload(
+            "model_long",
+            str(files("rollkeep") / "configs" / "arith.yaml"),
+            (
+                "warmup.sft_steps=0", "eval.every_steps=0", "engine.max_new_tokens=24",
+                "sampler.name=in_order", "sampler.max_lookahead_versions=1",
+                f"train.total_steps={steps}", f"checkpoint.every_steps={every}",
+            ),
+            steps,
+            f"built-in GPT (torch, CPU) from scratch on arith with up to 24 new tokens (it rarely "
+            f"stops early), P=16, G=8, {steps} steps, checkpoint every {every}",
+        )
+    raise ValueError(f"unknown workload {name!r} (expected one of {', '.join(WORKLOADS + LONG_WORKLOADS)})")
 
 
 # ------------------------------------------------------------------------- one job
@@ -214,7 +252,7 @@ def measure(run_dir: Path) -> dict[str, Any]:
     lin = lineage(lines)
     if lin.finished is None:
         raise RollkeepError("benchmark: the last run of the job did not finish", path=str(run_dir))
-    generated = sum(x["tokens"] for x in lines if x["event"] == SEALED)
+    generated = tokens_generated(lines)
     # The surviving commit of a surviving step is its last commit in the trace: a later
     # run that forgot it would have committed it again.
     survivors = {
@@ -256,6 +294,19 @@ def measure(run_dir: Path) -> dict[str, Any]:
         "restarts": len(lin.runs) - 1,
         "steps": len(lin.steps),
     }
+
+
+def tokens_generated(lines: list[dict[str, Any]]) -> int:
+    """Tokens the engines generated, as the trace saw them: each attempt's tokens beyond
+    the prefix it continued (`resumed_from`), through its seal, or through its last
+    `progressed` event if it was cut off (a kill, a stop, a failure). Without progress
+    events (the journal off, an engine that does not stream) only sealed attempts count."""
+    last: dict[tuple, int] = {}
+    for x in lines:
+        if x["event"] in (SEALED, PROGRESSED):
+            key = (x["run_id"], x["group_id"], x["generation"], x["attempt"])
+            last[key] = int(x["tokens"]) - int(x.get("resumed_from", 0))
+    return sum(last.values())
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
@@ -303,10 +354,15 @@ def goodput(
     kill_window: float = KILL_WINDOW,
     workdir: Path | None = None,
     timeout: float = 600.0,
+    modes: tuple[str, ...] | None = None,
 ) -> dict[str, Any]:
-    """Per `recovery.mode`: the median over repeats of each measure of `run_preempted`,
-    and the medians of the per-repeat ratios to `sibling` (same kill instants)."""
+    """Per variant (`modes`: the workload's default, `MODES` or `LONG_MODES`): the median
+    over repeats of each measure of `run_preempted`, and the medians of the per-repeat
+    ratios to the baseline (`sibling`, else the last variant) at the same kill instants."""
     w = workload(workload_name, quick=quick)
+    if modes is None:
+        modes = LONG_MODES if workload_name in LONG_WORKLOADS else MODES
+    base = "sibling" if "sibling" in modes else modes[-1]
     with tempfile.TemporaryDirectory(prefix="rollkeep-goodput-") as tmp:
         root = Path(workdir) if workdir is not None else Path(tmp)
         ref = run_preempted(
@@ -320,12 +376,12 @@ def goodput(
             f"goodput {w.name}: uninterrupted reference {ref['run_s']:.2f} s "
             f"({ref['wall_s']:.2f} s with start-up), goodput {ref['goodput']:.3f}"
         )
-        runs: dict[str, list[dict]] = {m: [] for m in MODES}
+        runs: dict[str, list[dict]] = {m: [] for m in modes}
         schedules = []
         for r in range(repeats):
             delays = kill_schedule(seed, r, kills, ref["run_s"], kill_window)
             schedules.append(delays)
-            for mode in MODES:
+            for mode in modes:
                 res = run_preempted(
                     w.config,
                     [*w.overrides, *VARIANTS[mode]],
@@ -340,18 +396,18 @@ def goodput(
                     f"goodput {res['goodput']:.3f}, lost {res['prompts_lost']}, "
                     f"wall {res['wall_s']:.1f} s"
                 )
-    modes = {}
-    for mode in MODES:
+    medians = {}
+    for mode in modes:
         med = {k: statistics.median(x[k] for x in runs[mode]) for k in MEASURES}
         med["goodput_vs_sibling"] = statistics.median(
             _ratio(x["goodput"], s["goodput"])
-            for x, s in zip(runs[mode], runs["sibling"], strict=True)
+            for x, s in zip(runs[mode], runs[base], strict=True)
         )
         med["wall_vs_sibling"] = statistics.median(
             _ratio(x["wall_s"], s["wall_s"])
-            for x, s in zip(runs[mode], runs["sibling"], strict=True)
+            for x, s in zip(runs[mode], runs[base], strict=True)
         )
-        modes[mode] = med
+        medians[mode] = med
     return {
         "workload": w.name,
         "describe": w.describe,
@@ -361,7 +417,8 @@ def goodput(
         "kill_window_s": round(kill_window * ref["run_s"], 3),
         "schedules": schedules,
         "reference": ref,
-        "modes": modes,
+        "baseline": base,
+        "modes": medians,
         "runs": runs,
     }
 

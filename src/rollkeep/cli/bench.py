@@ -20,7 +20,9 @@ Run the benchmark suite and print what it measured, side by side, in one invocat
               the built-in GPT) SIGKILLed K times at the same random instants for each
               variant (journal; sibling, prompt_group, cursor_only from the checkpoint
               alone): fraction of generated tokens that end up trained, prompts lost,
-              prompts duplicated, wall time
+              prompts duplicated, wall time; then long generations (toy_long: 64 streamed
+              tokens; model_long: the GPT with 24 new tokens) with partial generations
+              resumed (journal) against started over (regenerate)
   speedup     async speedup: the same jobs uninterrupted with sampler.max_lookahead_versions
               0 vs 1 (and 2)
   waste       wasted generation: the same uneven toy job, uninterrupted and without
@@ -109,13 +111,13 @@ def run(args: argparse.Namespace) -> int:
         print("== controller")
         results["controller"] = controller.run(args.quick)
     if "preemption" in suites:
-        from ..bench.preemption import WORKLOADS, goodput
+        from ..bench.preemption import LONG_WORKLOADS, WORKLOADS, goodput
 
         print(
             f"== goodput under preemption ({kills} kill(s), {repeats} repeat(s), seed {args.seed})"
         )
         results["preemption"] = {}
-        for name in WORKLOADS:
+        for name in WORKLOADS + LONG_WORKLOADS:
             r = goodput(
                 name, kills=kills, repeats=repeats, seed=args.seed, quick=args.quick, log=_note
             )
@@ -165,20 +167,21 @@ def preemption_table(r: dict) -> tuple[str, Any]:
         f"medians of {r['repeats']} repeat(s)"
     )
     t = Table()
+    base = r.get("baseline", "sibling")
     for col in (
-        "recovery.mode",
+        "variant",
         "goodput\ntrained/gen",
-        "vs sibling\n(goodput)",
+        f"vs {base}\n(goodput)",
         "tokens\ngenerated",
         "tokens\ntrained",
         "prompts\nlost",
         "prompts\nduplicated",
         "kills\nlanded",
         "wall s\n(w/ start-up)",
-        "vs sibling\n(wall)",
+        f"vs {base}\n(wall)",
         "run s\n(no start-up)",
     ):
-        t.add_column(col, justify="left" if col == "recovery.mode" else "right")
+        t.add_column(col, justify="left" if col == "variant" else "right")
     ref = r["reference"]
     t.add_row(
         "uninterrupted",
