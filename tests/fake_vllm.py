@@ -70,8 +70,13 @@ class RequestOutput:
 
 
 class Tokenizer:
+    eos_token_id = 2  # never drawn by `token_at` (ids 3..42)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) % 50 + 3 for c in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(chr(i + 45) for i in ids if not (skip_special_tokens and i == self.eos_token_id))
 
 
 def token_at(seed: int, position: int) -> int:

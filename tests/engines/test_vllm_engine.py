@@ -5,6 +5,7 @@ end needs vllm and CUDA (scripts/gpu_check.sh checks much more there); neither h
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.util
 import random
 import sys
@@ -392,10 +393,43 @@ def test_a_prefix_is_continued_from_exact_ids_with_the_same_seed(fake):
     np.testing.assert_array_equal(cont.logprobs[:2], full.logprobs[:2])
 
 
-def test_a_prefix_must_leave_something_to_generate(fake):
-    eng = build(fake, max_new_tokens=2)
-    with pytest.raises(ValueError, match="nothing to"):
-        run(closing(eng, eng.generate(request(), prefix=Prefix([1, 2], [0.0, 0.0], [0, 0]))))
+@pytest.mark.parametrize(("ids", "reason"), [([5, 6], "length"), ([5, 2], "stop")])
+def test_a_prefix_that_already_ends_the_completion_is_returned_as_is(fake, ids, reason):
+    """Cut off between its last token and its seal: nothing is left to generate (it is
+    max_new_tokens long, or ends with EOS), so vLLM is not asked."""
+    eng = build(fake, max_new_tokens=2 if reason == "length" else 6)
+    out = run(closing(eng, eng.generate(request(), prefix=Prefix(ids, [-0.5, -0.25], [0, 1]))))
+    assert out.completion_ids.tolist() == ids and out.finish_reason == reason
+    assert out.logprobs.tolist() == [-0.5, -0.25] and out.versions.tolist() == [0, 1]
+    assert fake.instances[0].added == []
+
+
+def test_the_engine_protocol_streams_chunks_to_the_loop_and_continues_req_prefix(fake):
+    """`generate(req, progress)`: every new token reaches `progress` on the loop's thread
+    as a Chunk before the result; `req.prefix` (the scheduler's Prefix) is continued."""
+    import threading
+
+    from rollkeep.core.generation import Tokens
+
+    eng = build(fake, max_new_tokens=6)
+    seen: list = []
+
+    def progress(chunk):
+        seen.append((threading.current_thread() is threading.main_thread(), chunk))
+
+    async def body():
+        full = await eng.generate(request(seed=11), progress)
+        cut = Tokens(full.completion_ids[:2], full.logprobs[:2], full.versions[:2])
+        streamed = list(seen)
+        seen.clear()
+        cont = await eng.generate(dataclasses.replace(request(seed=11), prefix=cut), progress)
+        return full, streamed, cont
+
+    full, streamed, cont = run(closing(eng, body()))
+    assert all(on_loop for on_loop, _ in streamed + seen)
+    assert np.concatenate([c.completion_ids for _, c in streamed]).tolist() == full.completion_ids.tolist()
+    assert cont.completion_ids.tolist() == full.completion_ids.tolist()
+    assert np.concatenate([c.completion_ids for _, c in seen]).tolist() == full.completion_ids[2:].tolist()
 
 
 def test_a_prompt_that_does_not_fit_the_context_is_a_data_failure(fake):

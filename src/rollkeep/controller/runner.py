@@ -98,7 +98,8 @@ class Runner:
         opened = open_run(self.cfg, store=self.store, source=self.source, trainer=self.trainer,
                           limits=self.limits, semantic=self.semantic, resume=self.resume,
                           allow_config_change=self.allow_config_change,
-                          allow_dataset_change=self.allow_dataset_change)
+                          allow_dataset_change=self.allow_dataset_change,
+                          streams=getattr(self.engine, "streams", False))
         self.sched, self.trace, self._metrics, self._progress, self._journal = opened
         self.sched.subscribe(_crash_point)
         # The RL loop starts now: step 1's `step_seconds` and the throughput count from here.
@@ -187,7 +188,7 @@ class Runner:
         the scheduler's). Anything else is a bug and stops the run, never a silent retry."""
         key = (req.group_id, req.generation, req.attempt)
         loop, sched = asyncio.get_running_loop(), self.sched
-        streamed = getattr(self.engine, "streams", False) and sched.partial.enabled  # the journal on
+        streamed = sched.partial.enabled  # the engine streams and the journal is on
         try:
             try:
                 completion = await (self.engine.generate(req, lambda c: sched.on_progress(key, c, loop.time()))

@@ -48,7 +48,9 @@ from .journaling import JournalThread
 from .metrics import MetricsLog
 
 
-def settings(cfg: Config) -> Settings:
+def settings(cfg: Config, *, streams: bool = True) -> Settings:
+    """The scheduler's settings. `streams`: the engine reports tokens as it goes (without
+    that no partial generation is recorded or continued)."""
     r = cfg.rollout
     return Settings(
         seed=cfg.seed, group_size=r.group_size, total_steps=cfg.train.total_steps,
@@ -59,7 +61,7 @@ def settings(cfg: Config) -> Settings:
                                                  r.backoff_max_ms),
         scale_rewards=cfg.trainer.scale_rewards,
         # Prefixes are durable only through the journal; without it attempts regenerate.
-        record_partial=cfg.journaled, resume_partial=cfg.recovery.partial == "resume",
+        record_partial=cfg.journaled and streams, resume_partial=cfg.recovery.partial == "resume",
         progress_every_s=cfg.journal.flush_ms / 1000,
     )
 
@@ -76,6 +78,7 @@ def open_run(
     resume: str | None,
     allow_config_change: tuple[str, ...],
     allow_dataset_change: bool,
+    streams: bool = True,
 ) -> tuple[Scheduler, Trace, MetricsLog, RunProgress, JournalThread | None]:
     """Restore (or start fresh) and open the run; see the module docstring."""
     run_dir = Path(cfg.run_dir)
@@ -113,7 +116,7 @@ def open_run(
     with open(run_dir / "config-history.jsonl", "a") as f:
         f.write(json.dumps({"t": time.time(), "run_id": trace.run_id, "config": cfg.to_dict()}) + "\n")
     sched = Scheduler(ledger=ledger, rows=rows, source=source, sampler=make_sampler(cfg.sampler.name, limits),
-                      settings=settings(cfg), prefixes=prefixes)
+                      settings=settings(cfg, streams=streams), prefixes=prefixes)
     sched.subscribe(trace.ledger_event)
     journal = None
     if cfg.journaled:

@@ -128,7 +128,7 @@ from typing import Any
 import numpy as np
 
 from ..core.errors import CustodyError, UserInputError
-from .base import Completion, DataError, GenRequest, InfraError
+from .base import Chunk, Completion, DataError, GenRequest, InfraError, Progress
 from .inbox import Inbox, Refit, settle
 
 SUPPORTED = ">=0.22,<0.34"  # keep equal to the `vllm` extra in pyproject.toml
@@ -345,6 +345,7 @@ class _Job:
 
 class VLLMEngine:
     name = "vllm"
+    streams = True  # DELTA outputs: each step's new tokens reach `progress` (9.)
 
     def __init__(
         self,
@@ -423,19 +424,31 @@ class VLLMEngine:
     async def generate(
         self,
         req: GenRequest,
+        progress: Progress | None = None,
         *,
         prefix: Prefix | None = None,
         on_delta: Callable[[Delta], None] | None = None,
     ) -> Completion:
-        """One sibling. `prefix` continues a partial generation (9.); `on_delta` is called
-        on the engine's worker thread with each step's new tokens (keep it quick;
-        hand over to the loop with `loop.call_soon_threadsafe`)."""
+        """One sibling (the engine protocol: `progress` gets each step's new tokens as a
+        `Chunk` on the loop's thread; `req.prefix` is continued). `prefix` continues a
+        partial generation (9.; default `req.prefix`); `on_delta` is called on the engine's
+        worker thread with each step's new tokens (keep it quick; hand over to the loop with
+        `loop.call_soon_threadsafe`). A prefix that already ends the completion (its last
+        token is EOS, or it is `max_new_tokens` long) is returned as is."""
+        if prefix is None and req.prefix is not None:
+            p = req.prefix
+            prefix = Prefix(p.completion_ids.tolist(), p.logprobs.tolist(), p.versions.tolist())
         prefix = prefix or Prefix((), (), ())
         if not len(prefix.token_ids) == len(prefix.logprobs) == len(prefix.versions):
             raise ValueError("vllm engine: a prefix needs one log-prob and one version per token")
-        if len(prefix.token_ids) >= self.max_new_tokens:
-            raise ValueError(f"vllm engine: a prefix of {len(prefix.token_ids)} tokens leaves nothing to "
-                             f"generate (max_new_tokens {self.max_new_tokens})")
+        if progress is not None and on_delta is None:
+            loop = asyncio.get_running_loop()
+
+            def on_delta(d: Delta) -> None:  # the worker's thread; FIFO before the result's settle
+                n = len(d.token_ids)
+                loop.call_soon_threadsafe(progress, Chunk(np.asarray(d.token_ids, np.int32),
+                                                          np.asarray(d.logprobs, np.float32),
+                                                          np.full(n, d.version, np.int32)))
         rid = f"{req.group_id}/{req.generation}/{req.attempt}/{next(self._ids)}"
         job = _Job(req, rid, Future(), prefix, on_delta)
         self._inbox.put(self._adds, job)
@@ -553,6 +566,17 @@ class VLLMEngine:
         except Exception as e:
             settle(job.future, exception=DataError(f"vllm engine: the prompt of {req.group_id} does not "
                                                    f"tokenize: {type(e).__name__}: {e}"))
+            return False
+        ids = job.prefix.token_ids
+        stopped = bool(len(ids)) and ids[-1] == self._tokenizer.eos_token_id
+        if stopped or len(ids) >= self.max_new_tokens:  # cut off between its last token and its seal
+            settle(job.future, Completion(
+                prompt_ids=np.asarray(job.prompt_ids, dtype=np.int32),
+                completion_ids=np.asarray(job.tokens, dtype=np.int32),
+                logprobs=np.asarray(job.logprobs, dtype=np.float32),
+                versions=np.asarray(job.versions, dtype=np.int32),
+                finish_reason="stop" if stopped else "length",
+                text=self._tokenizer.decode(job.tokens, skip_special_tokens=True)))
             return False
         n_prompt = len(job.prompt_ids) + len(job.prefix.token_ids)
         if not job.prompt_ids or n_prompt >= self._max_model_len:
