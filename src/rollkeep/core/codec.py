@@ -84,6 +84,16 @@ class _Header(msgspec.Struct):
 _encoder = msgspec.msgpack.Encoder()
 
 
+def _canonical(bm: BitMap) -> bytes:
+    """The bitmap's serialization as a function of its members alone: a roaring bitmap's
+    bytes also depend on how it was built (a copy may hold run containers where the
+    original holds arrays), and the same ledger must encode to the same bytes (found by the
+    replay property test). Rebuilt from its sorted members, then run-optimised."""
+    c = BitMap(bm.to_array())
+    c.run_optimize()
+    return c.serialize()
+
+
 def encode(state: LedgerState) -> bytes:
     """Canonical msgpack bytes of a captured ledger state. Safe off the loop thread."""
     groups = sorted(state.groups.values(), key=lambda r: (r.epoch, r.ordinal))
@@ -96,7 +106,7 @@ def encode(state: LedgerState) -> bytes:
         version=state.version,
         spare=[tuple(k) for k in state.spare],
         groups=groups,
-        trained={e: state.trained[e].serialize() for e in sorted(state.trained)},
+        trained={e: _canonical(state.trained[e]) for e in sorted(state.trained)},
         dropped=[DroppedEntry(k[0], k[1], r, s) for k, (r, s) in sorted(state.dropped.items())],
         shortfall={s: state.shortfall[s] for s in sorted(state.shortfall)},
         steps=list(state.steps),
