@@ -26,9 +26,17 @@ from rollkeep.core.errors import (
     RowsMismatch,
 )
 from rollkeep.core.events import Admitted, Dispatched, Finalizing, Ready, Sealed
+from rollkeep.core.generation import Tokens
 from rollkeep.core.ledger import Ledger
+from rollkeep.core.prefixes import Chunk, PrefixStore, chunk_row
 from rollkeep.core.restore import restore_chain
-from rollkeep.core.rowindex import ROWS_INDEX, decode_index, encode_index, referenced_segments
+from rollkeep.core.rowindex import (
+    ROWS_INDEX,
+    decode_index,
+    encode_index,
+    extents,
+    referenced_segments,
+)
 from rollkeep.core.rowlog import (
     ROWS_DIR,
     RowLocation,
@@ -421,3 +429,49 @@ def test_retention_keeps_every_segment_a_checkpoint_names_and_nothing_when_a_man
     assert referenced_segments(store) == {0}
     (run / "checkpoints" / "step_000000" / "MANIFEST.json").write_text("{")  # unreadable: keep everything
     assert referenced_segments(store) is None
+
+
+def _with_chain(run: Path, source, gid: str, gen: int, attempt: int = 0, ends=(2, 4)) -> CheckpointStore:
+    """The by-reference checkpoint with a forged partial generation of sibling `gid`/`gen`
+    in its index (frames appended for real, the manifest resealed)."""
+    store, _, rows = publish_by_reference(run, source)
+    log = RowLogWriter(run / ROWS_DIR)
+    chain, start = [], 0
+    for end in ends:
+        n = max(end - start, 1)  # (a forged chain that does not grow still has frames)
+        tokens = Tokens(np.arange(start, start + n, dtype=np.int32), np.zeros(n, np.float32), np.zeros(n, np.int32))
+        chain.append(Chunk(attempt, end, None, log.append(RowId(gid, gen, attempt), chunk_row(tokens))))
+        start = end
+    log.close()
+    ck = store.open()
+    index = decode_index(ck.read(ROWS_INDEX))
+    blob = encode_index(index.rows.items(), {(gid, gen): tuple(chain)})
+    locations = [*index.rows.values(), *(c.at for c in chain)]
+    _forged(run, index=blob, edit_manifest=lambda m: m["rows"].update(segments=extents(locations)))
+    return store
+
+
+def test_a_partial_generation_of_a_sibling_still_generating_is_restored_by_reference(tmp_path, source) -> None:
+    run = tmp_path / "run"
+    store = _with_chain(run, source, "e0.1", 1)  # e0.1: sibling 0 sealed, 1 and 2 dispatched
+    r = restore_chain(store, source=source, config=CONFIG)
+    chain = r.prefixes[("e0.1", 1)]
+    assert [c.end for c in chain] == [2, 4] and all(c.tokens is None for c in chain)
+    prefixes = PrefixStore(reader=RowLogReader(run / ROWS_DIR).read)
+    prefixes.restore(r.prefixes)
+    assert prefixes.prefix("e0.1", 1).completion_ids.tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(("gid", "gen", "attempt", "ends", "found"), [
+    ("e0.1", 0, 0, (2, 4), "SEALED"),  # a sealed sibling has its row
+    ("e0.0", 1, 0, (2, 4), "READY"),  # a group no longer generating
+    ("e0.9", 0, 0, (2, 4), "no generating group"),
+    ("e0.1", 1, 5, (2, 4), "attempt 0"),  # a later attempt than the ledger's
+    ("e0.1", 1, 0, (4, 2), "does not grow"),
+])
+def test_a_partial_generation_the_ledger_has_no_place_for_is_refused(tmp_path, source, gid, gen, attempt, ends,
+                                                                     found) -> None:
+    store = _with_chain(tmp_path / "run", source, gid, gen, attempt, ends)
+    with pytest.raises(RowsMismatch, match=found) as e:
+        restore_chain(store, source=source, config=CONFIG)
+    assert exit_code(e.value) == 3

@@ -225,6 +225,8 @@ def report(target: Target, r: Restored) -> dict[str, Any]:
         "custody": custody(r.ledger),
         "rows": len(r.rows),
         "rows_by_reference": sum(not isinstance(x, Row) for x in r.rows.values()),
+        "partial_generations": len(r.prefixes),
+        "partial_tokens": sum(chain[-1].end for chain in r.prefixes.values()),
         "plan": {**asdict(r.plan), "source_cursor": list(r.plan.source_cursor), "lines": r.plan.lines()},
         "store": store_listing(target.store),
     }
@@ -327,6 +329,9 @@ def render(rep: dict[str, Any]) -> str:
     by_ref = rep["rows_by_reference"]
     row("", f"{'rows':<9}{rep['rows']:>7}   rows of sealed attempts: {by_ref} named in the row log (read when "
             f"first needed), {rep['rows'] - by_ref} copied into the checkpoint")
+    if rep["partial_generations"]:
+        row("", f"{'partial':<9}{rep['partial_generations']:>7}   sibling(s) cut off mid-generation, continued from "
+                f"their {rep['partial_tokens']} token(s) (recovery.partial: resume)")
 
     out.append("")
     j = rep.get("journal")
