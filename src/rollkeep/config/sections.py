@@ -92,8 +92,9 @@ class ToyEngineConfig(_Section):
     completion_tokens: int = Field(8, ge=1)
     """Tokens in each fake completion, at most (each completion's length is a function of its seed)."""
     token_ms: float = Field(0.0, ge=0.0)
-    """Simulated time per generated token, in milliseconds, on top of `latency_ms`; the engine
-    streams one chunk per token, so long generations are cheap to test."""
+    """Simulated time per generated token, in milliseconds, on top of `latency_ms`; with it the
+    engine streams one chunk per token, so long generations are cheap to test (at 0 a
+    generation is instant and reports only its result)."""
     hang_rate: float = Field(0.0, ge=0.0, le=1.0)
     """Probability that an attempt never returns (until `rollout.timeout_s` aborts it);
     keyed by the sibling's infra-retry count like `infra_fail_rate`, so the same hangs

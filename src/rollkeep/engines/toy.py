@@ -34,7 +34,7 @@ def _sample(seed: int, max_tokens: int) -> tuple[int, np.ndarray, np.ndarray]:
 
 class ToyEngine:
     name = "toy"
-    streams = True  # one chunk per token, each `token_ms` after the previous
+    streams = True  # one chunk per token, each `token_ms` after the previous (none if token_ms is 0)
 
     def __init__(
         self,
@@ -85,11 +85,13 @@ class ToyEngine:
         if k:
             ids, logprobs, versions = (np.concatenate([p[:k], a[k:]]) for p, a in (
                 (prefix.completion_ids, ids), (prefix.logprobs, logprobs), (prefix.versions, versions)))
-        for i in range(k, n):
-            if self.token_ms > 0:
+        # Tokens take time only with `token_ms`; without it a generation is instant and has no
+        # partial state to report (the control-plane benchmark runs it so).
+        if self.token_ms > 0:
+            for i in range(k, n):
                 await asyncio.sleep(self.token_ms / 1000.0)
-            if progress is not None:
-                progress(Chunk(ids[i : i + 1], logprobs[i : i + 1], versions[i : i + 1]))
+                if progress is not None:
+                    progress(Chunk(ids[i : i + 1], logprobs[i : i + 1], versions[i : i + 1]))
         prompt_ids = np.frombuffer(req.prompt.prompt.encode(), dtype=np.uint8).astype(np.int32)
         return Completion(
             prompt_ids=prompt_ids,
