@@ -22,9 +22,7 @@ and adds 5–8. The result says what a restart will reuse, regenerate and read a
 
 from __future__ import annotations
 
-import contextlib
-import gc
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +36,7 @@ from .checkpoint import (
     SUPPORTED_SCHEMAS,
     TRAINER_DIR,
     declared_step_in,
+    gc_paused,
     referenced_set,
 )
 from .configdiff import check_compatible
@@ -361,20 +360,6 @@ def restore_chain(
     with gc_paused():
         return _restore_chain(target, name, source, config, allow_config_change, allow_dataset_change,
                               extend_epochs, config_added)
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """No cyclic garbage collection while a restore builds O(groups) small objects: the
-    collector would walk the growing ledger again and again (a third of a restore's time at
-    10 k groups). Nothing a restore builds is cyclic garbage."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def _restore_chain(target, name, source, config, allow_config_change, allow_dataset_change, extend_epochs,

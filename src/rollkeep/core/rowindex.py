@@ -34,7 +34,7 @@ import numpy as np
 from .errors import RowsMismatch
 from .prefixes import Chunk
 from .rowlog import FRAME_HEADER, ROWS_DIR, RowLocation
-from .rows import RowId, _check_row_id
+from .rows import RowId
 from .store import CheckpointStore
 
 __all__ = ["INDEX_SCHEMA", "ROWS_INDEX", "decode_index", "encode_index", "extents", "referenced_segments",
@@ -83,10 +83,7 @@ def encode_index(entries: Iterable[tuple[RowId, RowLocation]],
                  chains: Mapping[tuple[str, int], Iterable[Chunk]] | None = None) -> bytes:
     """`entries`: the rows named by reference; `chains`: the partial generations, every
     chunk with its place (`Chunk.at`)."""
-    rows = []
-    for rid, loc in entries:
-        rid = _check_row_id(rid)
-        rows.append((rid.group_id, rid.generation, rid.attempt, 0, loc))
+    rows = [(gid, gen, att, 0, loc) for (gid, gen, att), loc in entries]  # ids: the ledger's, checked
     chunks = [(gid, gen, ch.attempt, ch.end, ch.at) for (gid, gen), chain in (chains or {}).items() for ch in chain]
     return _encode(_Index(INDEX_SCHEMA, _table(rows), _table(chunks)))
 

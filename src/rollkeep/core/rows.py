@@ -260,6 +260,12 @@ class RowPin:
         """`store.location(row_id)`: where the row is in the row log, or None."""
         return self._store.location(row_id)
 
+    @property
+    def locations(self) -> Callable[[RowId], Any]:
+        """`location` without the two calls per row, for a checkpoint naming 100 k rows:
+        the row log's map's own `get` (plain lookups: safe from the writer's thread)."""
+        return self._store._where.get
+
     def release(self) -> None:
         """Drop this pin; the last one out applies the deferred deletes. Idempotent, and
         callable from the checkpoint writer thread."""
