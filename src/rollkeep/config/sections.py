@@ -327,7 +327,7 @@ class RecoveryConfig(_Section):
     """What a restart reuses (docs/design.md §1 granularity; issue: restart cost made visible)."""
 
     partial: Literal["resume", "regenerate"] = "resume"
-    """What a restart does with a generation cut off mid-way (docs/design.md §9). `resume`: a
+    """What a restart does with a generation cut off mid-way (docs/design.md §5.3). `resume`: a
     streaming engine's tokens are recorded as they come (coalesced to one `progressed` event
     per attempt per journal flush) and the sibling's next attempt continues from them, as
     token ids, with their behaviour log-probs and versions. `regenerate`: it starts over.
@@ -363,7 +363,7 @@ class CheckpointConfig(_Section):
 
 
 class JournalConfig(_Section):
-    """The custody journal (docs/design.md §9): every ledger event and every finished
+    """The custody journal (docs/design.md §5.1): every ledger event and every finished
     generation is made durable every few milliseconds, so a kill loses only the last
     flush instead of everything since the last checkpoint."""
 

@@ -1,6 +1,6 @@
 """The journal thread: every ledger event of the run goes to the journal, every sealed row to
 the row log, and a thread of its own makes them durable by group commit, so the loop never
-waits on the disk (docs/design.md §9).
+waits on the disk (docs/design.md §5.1).
 
     on the loop   `sink(event)`, subscribed to the scheduler: a seal's row (or a progress's
                   chunk) to the row log's buffer, then the encoded record to ours (no IO); `release()`, after each

@@ -177,7 +177,7 @@ def journal_tail(run_dir: Path, restored: restore.Restored | None, *, newest: bo
     """(the checkpoint with the journal's tail replayed, or None if there is none; the seq the
     journal goes on at; whether the journal on disk belongs to another lineage and is set
     aside). Only LATEST's tail is replayed; a run that never checkpointed replays from the
-    empty ledger, once `check_config()` accepted the run's config (docs/design.md §9).
+    empty ledger, once `check_config()` accepted the run's config (docs/design.md §5.1).
     `rollkeep simulate` calls it on its simulated disk (`fs`)."""
     position = {"seq": 0} if restored is None else restored.manifest.get("journal")
     if position is None or not newest:  # written with the journal off, or an older one resumed on purpose

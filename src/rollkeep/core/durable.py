@@ -1,4 +1,4 @@
-"""What a run keeps between checkpoints (docs/design.md §9): one journal record per ledger
+"""What a run keeps between checkpoints (docs/design.md §5.1): one journal record per ledger
 event, the record of a seal naming its row's place in the row log; read back as the tail a
 restore replays.
 

@@ -84,7 +84,7 @@ class Dispatched(Event, tag="dispatched"):
 class Progressed(Event, tag="progressed"):
     """The current, DISPATCHED attempt has generated `tokens` completion tokens so far (its
     prefix included); the new ones since its last `progressed` are a chunk in the prefix
-    store (docs/design.md §9). No custody changes: it makes a partial generation durable."""
+    store (docs/design.md §5.3). No custody changes: it makes a partial generation durable."""
 
     group_id: str
     generation: int

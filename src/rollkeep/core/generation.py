@@ -37,7 +37,7 @@ def sampling_seed(run_seed: int, group_id: str, generation: int, data_retries: i
 class Tokens:
     """Generated tokens, in order: their ids, behaviour log-probabilities and the weight
     version each was generated under. A `Chunk` is the tokens a streaming engine reports as
-    it goes; a `Prefix` the tokens an attempt resumes from (docs/design.md §9)."""
+    it goes; a `Prefix` the tokens an attempt resumes from (docs/design.md §5.3)."""
 
     completion_ids: np.ndarray  # int32 [n]
     logprobs: np.ndarray  # float32 [n]
@@ -64,7 +64,7 @@ class GenRequest:
     # The tokens an earlier attempt of this sibling generated before it was cut off (a
     # restart, a graceful stop, an infra failure), to continue from rather than start over:
     # the engine feeds them as token ids after the prompt and samples the next token at
-    # position len(prefix) (`recovery.partial: resume`, docs/design.md §9).
+    # position len(prefix) (`recovery.partial: resume`, docs/design.md §5.3).
     prefix: Prefix | None = None
 
 

@@ -1,5 +1,5 @@
 """The custody journal on disk: records appended to segment files, fsynced by group commit,
-read back up to a torn tail (docs/design.md §9).
+read back up to a torn tail (docs/design.md §5.1).
 
 The journal stores opaque byte payloads (the caller puts one msgpack-encoded ledger event
 in each) under a sequence number `seq`: 1, 2, 3, ... over the whole run directory, never

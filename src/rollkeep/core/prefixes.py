@@ -1,4 +1,4 @@
-"""Partial generations: the tokens an attempt generated before it was cut off (docs/design.md §9).
+"""Partial generations: the tokens an attempt generated before it was cut off (docs/design.md §5.3).
 
 A sibling's *prefix* is a chain of chunks, each tokens [start, end) of its completion as a
 streaming engine reported them: in memory while the run that generated them lives, and, once

@@ -1,4 +1,4 @@
-"""Restore = a checkpoint + the journal's tail after it (docs/design.md §9).
+"""Restore = a checkpoint + the journal's tail after it (docs/design.md §5.1).
 
 `replay(base, rows, tail)` applies the events a killed process made durable after its
 checkpoint, each through the same `Ledger.apply` that validated it the first time, so a

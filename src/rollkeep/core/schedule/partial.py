@@ -1,4 +1,4 @@
-"""The scheduler's side of partial generations (`recovery.partial: resume`, docs/design.md §9).
+"""The scheduler's side of partial generations (`recovery.partial: resume`, docs/design.md §5.3).
 
 A streaming engine reports chunks of new tokens; with the journal on (sibling granularity)
 they are recorded as `progressed` events whatever `recovery.partial` says (the trace then

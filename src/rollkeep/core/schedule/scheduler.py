@@ -170,7 +170,7 @@ class Scheduler:
         self.phase = Phase.START
         self.stopping: Reason | None = None
         self.engine_version: int | None = None  # the weights the engine holds (on_refit)
-        self.tokens_generated = 0  # completion tokens sealed by this run
+        self.tokens_generated = 0  # completion tokens this run's sealed attempts generated
         self._step: int | None = None  # the step being trained
         self._writing = False  # a cut is being written (one at a time)
         self._changed_since_cut = True
@@ -344,6 +344,7 @@ class Scheduler:
         if not led.is_current(gid, g, attempt):
             self.partial.forget(key)
             return
+        # Its last chunks are recorded before its seal (or forgotten with a failure).
         resumed = self.partial.before_seal(key, self._apply) if in_flight and isinstance(outcome, Generated) else 0
         self.partial.forget(key)
         if isinstance(outcome, Generated) and not math.isfinite(outcome.reward):
@@ -356,7 +357,7 @@ class Scheduler:
             version = int(row.versions.max()) if row.tokens else self.engine_version
             self._apply(Sealed(group_id=gid, generation=g, attempt=attempt, version=version, tokens=row.tokens,
                                resumed_from=resumed))
-            self.tokens_generated += row.tokens
+            self.tokens_generated += row.tokens - resumed  # a continued prefix was generated before
             if led.group(gid).state == GroupState.READY_TO_FINALIZE:
                 finalize(led, self.rows, gid, self.settings.scale_rewards, self._apply)
             return
