@@ -196,3 +196,16 @@ def test_a_second_writer_on_the_same_run_dir_is_refused(tmp_path) -> None:
     assert out.returncode == 2 and "another process is running in" in out.stderr
     assert list(run.iterdir()) == []
     assert rollkeep("train", DEFAULTS, *FAST, f"run_dir={run}").returncode == 0
+
+
+def test_chaos_random_sigkills_in_long_generations_pass(tmp_path) -> None:
+    """`rollkeep chaos` on streamed generations (issue 11): random SIGKILLs and crash points,
+    among them `progressed` events, cut generations off mid-way; the resumed runs continue
+    them from their tokens and the weights still end as a run never killed."""
+    out = rollkeep("chaos", DEFAULTS, *FAST, "deterministic=true", "rollout.on_dropped_prompt=shrink",
+                   "engine.completion_tokens=24", "engine.token_ms=0.3", "engine.infra_fail_rate=0.05",
+                   "train.total_steps=10", "data.epochs=2", "data.generated.n_rows=20",
+                   "--kills", "6", "--seed", "3", "--workdir", str(tmp_path / "chaos"), timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "PASS" in out.stdout and "duplicates: 0   lost: 0" in out.stdout
+    assert "(== uninterrupted run)" in out.stdout
