@@ -26,7 +26,8 @@ from rollkeep.core.rowlog import segment_path
 from rollkeep.core.store import CheckpointStore
 
 STOPPED = 128 + signal.SIGTERM
-LONG = ["engine.completion_tokens=24", "engine.token_ms=0.2"]  # streamed one token at a time
+# Streamed one token at a time, recorded at most every millisecond.
+LONG = ["engine.completion_tokens=24", "engine.token_ms=0.2", "recovery.progress_ms=1"]
 DET = ["deterministic=true", "rollout.on_dropped_prompt=shrink", "sampler.name=in_order", *LONG]
 
 
@@ -68,17 +69,25 @@ def test_deterministic_kills_mid_generation_end_byte_identical(tmp_path) -> None
     assert sum(x["partial_tokens"] for x in events(cfg, "restored")) > 0
 
 
-def test_every_attempt_traces_its_first_and_last_chunk(tmp_path) -> None:
+def test_an_attempt_records_its_chunks_coalesced_and_its_last_chunk_before_its_seal(tmp_path) -> None:
     cfg = config(tmp_path / "run", *LONG)
     run_to_end(cfg)
     by_attempt: dict[tuple, list[dict]] = {}
     for x in events(cfg, "progressed"):
         by_attempt.setdefault((x["group_id"], x["generation"], x["attempt"]), []).append(x)
+    assert by_attempt, "generations longer than recovery.progress_ms record progress"
     for seal in events(cfg, "sealed"):
-        chunks = by_attempt[(seal["group_id"], seal["generation"], seal["attempt"])]
-        assert chunks[0]["tokens"] == 1, "the first chunk (one token) is recorded at once"
-        assert chunks[-1]["tokens"] == seal["tokens"], "the last chunk is recorded before the seal"
-        assert [c["tokens"] for c in chunks] == sorted({c["tokens"] for c in chunks})
+        chunks = by_attempt.get((seal["group_id"], seal["generation"], seal["attempt"]), [])
+        if chunks:
+            assert chunks[-1]["tokens"] == seal["tokens"], "the last chunk is recorded before the seal"
+            assert chunks[0]["tokens"] > 1, "the first record waits one interval after the first chunk"
+            assert [c["tokens"] for c in chunks] == sorted({c["tokens"] for c in chunks})
+
+
+def test_generations_shorter_than_the_interval_record_only_their_seal(tmp_path) -> None:
+    cfg = config(tmp_path / "run", *LONG[:2], "recovery.progress_ms=60000")
+    run_to_end(cfg)
+    assert not events(cfg, "progressed") and events(cfg, "sealed")
     commits = events(cfg, "step_committed")
     trained = {g for c in commits for g in c["group_ids"]}
     assert sum(c["tokens"] for c in commits) == sum(s["tokens"] for s in events(cfg, "sealed")
@@ -134,7 +143,7 @@ TORCH = [
     "trainer.model.n_layer=1", "trainer.model.n_head=2", "trainer.model.n_embd=32",
     "trainer.model.block_size=24", "trainer.micro_batch_size=8", "rollout.group_size=4",
     "train.num_prompts_per_step=4", "train.total_steps=6", "warmup.sft_steps=0",
-    "data.generated.n_rows=64", "data.epochs=null", *DET[:3],
+    "data.generated.n_rows=64", "data.epochs=null", "recovery.progress_ms=1", *DET[:3],
 ]
 
 

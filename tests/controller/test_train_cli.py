@@ -203,7 +203,8 @@ def test_chaos_random_sigkills_in_long_generations_pass(tmp_path) -> None:
     among them `progressed` events, cut generations off mid-way; the resumed runs continue
     them from their tokens and the weights still end as a run never killed."""
     out = rollkeep("chaos", DEFAULTS, *FAST, "deterministic=true", "rollout.on_dropped_prompt=shrink",
-                   "engine.completion_tokens=24", "engine.token_ms=0.3", "engine.infra_fail_rate=0.05",
+                   "engine.completion_tokens=24", "engine.token_ms=0.3", "recovery.progress_ms=1",
+                   "engine.infra_fail_rate=0.05",
                    "train.total_steps=10", "data.epochs=2", "data.generated.n_rows=20",
                    "--kills", "6", "--seed", "3", "--workdir", str(tmp_path / "chaos"), timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -143,13 +143,14 @@ def workload(name: str, *, quick: bool = False) -> Workload:
             str(files("rollkeep") / "configs" / "toy.yaml"),
             (
                 "engine.latency_ms=5", "engine.latency_jitter_ms=0", "engine.completion_tokens=64",
-                "engine.token_ms=2", "trainer.step_sleep_ms=5", "sampler.name=in_order",
+                "engine.token_ms=2", "recovery.progress_ms=10", "trainer.step_sleep_ms=5", "sampler.name=in_order",
                 "sampler.max_lookahead_versions=1", f"train.total_steps={steps}",
                 f"checkpoint.every_steps={every}", "data.generated.n_rows=1024",
             ),
             steps,
-            f"toy engine streaming up to 64 tokens at 2 ms each (5 ms + ~130 ms per generation), "
-            f"trainer 5 ms/step, P=8, G=4, {steps} steps, checkpoint every {every}",
+            f"toy engine streaming up to 64 tokens at 2 ms each (5 ms + ~130 ms per generation, "
+            f"progress recorded every 10 ms: a 1-minute generation recorded every ~5 s, scaled "
+            f"down), trainer 5 ms/step, P=8, G=4, {steps} steps, checkpoint every {every}",
         )
     if name == "model_long":
         steps = 6 if quick else 12
@@ -158,13 +159,13 @@ def workload(name: str, *, quick: bool = False) -> Workload:
             "model_long",
             str(files("rollkeep") / "configs" / "arith.yaml"),
             (
-                "warmup.sft_steps=0", "eval.every_steps=0", "engine.max_new_tokens=24",
+                "warmup.sft_steps=0", "eval.every_steps=0", "engine.max_new_tokens=24", "recovery.progress_ms=20",
                 "sampler.name=in_order", "sampler.max_lookahead_versions=1",
                 f"train.total_steps={steps}", f"checkpoint.every_steps={every}",
             ),
             steps,
             f"built-in GPT (torch, CPU) from scratch on arith with up to 24 new tokens (it rarely "
-            f"stops early), P=16, G=8, {steps} steps, checkpoint every {every}",
+            f"stops early), progress recorded every 20 ms, P=16, G=8, {steps} steps, checkpoint every {every}",
         )
     raise ValueError(f"unknown workload {name!r} (expected one of {', '.join(WORKLOADS + LONG_WORKLOADS)})")
 

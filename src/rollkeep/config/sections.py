@@ -332,6 +332,12 @@ class RecoveryConfig(_Section):
     per attempt per journal flush) and the sibling's next attempt continues from them, as
     token ids, with their behaviour log-probs and versions. `regenerate`: it starts over.
     Applies to `mode: sibling` with the journal on (prefixes are durable only through it)."""
+    progress_ms: float = Field(250.0, ge=1.0)
+    """How often an attempt records the tokens it has streamed, at most, in milliseconds: its
+    first record comes once it has generated for this long, then at most one per interval,
+    and the rest just before its seal. So a generation shorter than this records nothing but
+    its seal, and a kill loses at most this much of each longer one (plus the journal's last
+    flush)."""
     mode: Literal["sibling", "prompt_group", "cursor_only"] = "sibling"
     """`sibling`: a restart keeps finished siblings and regenerates only those in flight.
     `prompt_group`: a group is all-or-nothing; an unfinished group regenerates every

@@ -62,7 +62,7 @@ def settings(cfg: Config, *, streams: bool = True) -> Settings:
         scale_rewards=cfg.trainer.scale_rewards,
         # Prefixes are durable only through the journal; without it attempts regenerate.
         record_partial=cfg.journaled and streams, resume_partial=cfg.recovery.partial == "resume",
-        progress_every_s=cfg.journal.flush_ms / 1000,
+        progress_every_s=cfg.recovery.progress_ms / 1000,
     )
 
 

@@ -113,7 +113,7 @@ class Settings:
     scale_rewards: ScaleRewards = "group_population"  # trainer.scale_rewards
     record_partial: bool = False  # record streamed chunks as `progressed` events (the journal on)
     resume_partial: bool = False  # and continue cut-off siblings from them (recovery.partial: resume)
-    progress_every_s: float = 0.01  # an attempt records its chunks at most this often (journal.flush_ms)
+    progress_every_s: float = 0.25  # an attempt records its chunks at most this often (recovery.progress_ms)
 
 
 class Phase(enum.Enum):
