@@ -18,7 +18,7 @@ from rollkeep.core.events import (
     Sealed,
 )
 from rollkeep.core.generation import Tokens
-from rollkeep.core.prefixes import Chunk, PrefixStore, chunk_row
+from rollkeep.core.prefixes import Link, PrefixStore, chunk_row
 from rollkeep.core.rowlog import RowLogReader, RowLogWriter
 from rollkeep.core.rows import RowId
 
@@ -84,9 +84,9 @@ def test_a_chain_held_by_reference_is_read_back_and_its_lengths_checked(tmp_path
     log.close()
     reader = RowLogReader(tmp_path / "rows").read
     store = PrefixStore(reader=reader)
-    store.restore({("e0.1", 0): (Chunk(0, 2, None, at_a), Chunk(1, 5, None, at_b))})
+    store.restore({("e0.1", 0): (Link(0, 2, None, at_a), Link(1, 5, None, at_b))})
     p = store.prefix("e0.1", 0)
     assert p.completion_ids.tolist() == [1, 2, 3, 4, 5] and p.versions.tolist() == [0, 0, 1, 1, 1]
-    store.restore({("e0.1", 0): (Chunk(0, 3, None, at_a),)})  # says 3 tokens, the frame holds 2
+    store.restore({("e0.1", 0): (Link(0, 3, None, at_a),)})  # says 3 tokens, the frame holds 2
     with pytest.raises(RowsMismatch, match="wrong length"):
         store.prefix("e0.1", 0)

@@ -28,7 +28,7 @@ from rollkeep.core.errors import (
 from rollkeep.core.events import Admitted, Dispatched, Finalizing, Ready, Sealed
 from rollkeep.core.generation import Tokens
 from rollkeep.core.ledger import Ledger
-from rollkeep.core.prefixes import Chunk, PrefixStore, chunk_row
+from rollkeep.core.prefixes import Link, PrefixStore, chunk_row
 from rollkeep.core.restore import restore_chain
 from rollkeep.core.rowindex import (
     ROWS_INDEX,
@@ -440,7 +440,7 @@ def _with_chain(run: Path, source, gid: str, gen: int, attempt: int = 0, ends=(2
     for end in ends:
         n = max(end - start, 1)  # (a forged chain that does not grow still has frames)
         tokens = Tokens(np.arange(start, start + n, dtype=np.int32), np.zeros(n, np.float32), np.zeros(n, np.int32))
-        chain.append(Chunk(attempt, end, None, log.append(RowId(gid, gen, attempt), chunk_row(tokens))))
+        chain.append(Link(attempt, end, None, log.append(RowId(gid, gen, attempt), chunk_row(tokens))))
         start = end
     log.close()
     ck = store.open()

@@ -30,7 +30,7 @@ from ..core.durable import JOURNAL_DIR, ROWS_DIR, read_tail
 from ..core.fs import DEFAULT_FS, DIR, FS
 from ..core.journal import JournalError
 from ..core.ledger import Ledger, LedgerState
-from ..core.prefixes import Chunk, PrefixStore
+from ..core.prefixes import Link, PrefixStore
 from ..core.replay import Restart, replay
 from ..core.restore import plan, restore_chain
 from ..core.rowlog import RowLocation, RowLogReader
@@ -153,7 +153,7 @@ def open_run(
 class _Tail:
     state: LedgerState  # the checkpoint's ledger with the journal's tail replayed
     rows: dict[RowId, Row | RowLocation]
-    prefixes: dict[tuple[str, int], tuple[Chunk, ...]]
+    prefixes: dict[tuple[str, int], tuple[Link, ...]]
     events: int
     dropped: list[list[int]]
 

@@ -34,7 +34,7 @@ from .audit import audit
 from .errors import AuditFailure
 from .ledger import AttemptStatus, Ledger, LedgerState
 from .manifest import OpenedCheckpoint
-from .prefixes import Chunk, PrefixStore
+from .prefixes import Link, PrefixStore
 from .rowindex import ROWS_INDEX, encode_index, extents
 from .rows import RowId, RowPin, RowStore, encode_rows
 from .store import CheckpointStore, Published
@@ -117,7 +117,7 @@ class Cut:
     rows: RowPin
     time: float  # unix time of the cut (the trace measures thrown-away work against it)
     hold_seconds: float  # how long the loop was held
-    prefixes: Mapping[tuple[str, int], tuple[Chunk, ...]] = field(default_factory=dict)  # partial generations
+    prefixes: Mapping[tuple[str, int], tuple[Link, ...]] = field(default_factory=dict)  # partial generations
 
 
 def cut(ledger: Ledger, rows: RowStore, *, now: float | None = None, prefixes: PrefixStore | None = None) -> Cut:

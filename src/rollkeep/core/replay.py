@@ -38,7 +38,7 @@ from pyroaring import BitMap
 from .errors import IllegalTransition
 from .events import Event, Sealed, StepCommitted
 from .ledger import GroupRecord, GroupState, Ledger, LedgerState, StepRun
-from .prefixes import Chunk, PrefixStore
+from .prefixes import Link, PrefixStore
 from .records import _copy_record
 from .rows import RowId
 
@@ -55,7 +55,7 @@ class Restart(msgspec.Struct, array_like=True, forbid_unknown_fields=True, froze
 class Replayed:
     state: LedgerState  # the ledger as of the tail's last event, its later steps taken back
     rows: dict[RowId, Any]  # every row the state references: a Row, or its RowLocation
-    prefixes: dict[tuple[str, int], tuple[Chunk, ...]]  # the partial generations as of the tail's end
+    prefixes: dict[tuple[str, int], tuple[Link, ...]]  # the partial generations as of the tail's end
     events: int  # tail events applied
     steps_taken_back: list[int]  # [first, last] committed after the checkpoint, or []
     groups_returned: int  # their groups, READY again: trained again, not regenerated
@@ -63,7 +63,7 @@ class Replayed:
 
 def replay(base: LedgerState, rows: Mapping[RowId, Any],
            tail: Iterable[tuple[Event | Restart, Any]],
-           prefixes: Mapping[tuple[str, int], tuple[Chunk, ...]] | None = None) -> Replayed:
+           prefixes: Mapping[tuple[str, int], tuple[Link, ...]] | None = None) -> Replayed:
     """`tail`: the events after the checkpoint whose state is `base`, in order, each
     `Sealed` with its row (None for every other event), and the `Restart` markers of the
     processes that wrote them. A row is a `Row` or where it is (a `RowLocation`): replay

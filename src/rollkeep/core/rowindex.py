@@ -32,7 +32,7 @@ import msgspec
 import numpy as np
 
 from .errors import RowsMismatch
-from .prefixes import Chunk
+from .prefixes import Link
 from .rowlog import FRAME_HEADER, ROWS_DIR, RowLocation
 from .rows import RowId
 from .store import CheckpointStore
@@ -80,9 +80,9 @@ def _table(entries: list[tuple[str, int, int, int, RowLocation]]) -> _Table:
 
 
 def encode_index(entries: Iterable[tuple[RowId, RowLocation]],
-                 chains: Mapping[tuple[str, int], Iterable[Chunk]] | None = None) -> bytes:
+                 chains: Mapping[tuple[str, int], Iterable[Link]] | None = None) -> bytes:
     """`entries`: the rows named by reference; `chains`: the partial generations, every
-    chunk with its place (`Chunk.at`)."""
+    chunk with its place (`Link.at`)."""
     rows = [(gid, gen, att, 0, loc) for (gid, gen, att), loc in entries]  # ids: the ledger's, checked
     chunks = [(gid, gen, ch.attempt, ch.end, ch.at) for (gid, gen), chain in (chains or {}).items() for ch in chain]
     return _encode(_Index(INDEX_SCHEMA, _table(rows), _table(chunks)))
@@ -94,7 +94,7 @@ class Index:
     generations, and `[segment, end]` of every segment either names."""
 
     rows: dict[RowId, RowLocation]
-    chains: dict[tuple[str, int], tuple[Chunk, ...]]
+    chains: dict[tuple[str, int], tuple[Link, ...]]
     extents: list[list[int]]
 
 
@@ -123,7 +123,7 @@ def decode_index(data: bytes, *, path: str = ROWS_INDEX) -> Index:
         dup = next(rid for rid, c in Counter(ids).items() if c > 1)
         raise bad("The rows index names a row twice", "each (group_id, generation, attempt) once",
                   f"{tuple(dup)} more than once")
-    chains: dict[tuple[str, int], tuple[Chunk, ...]] = {}
+    chains: dict[tuple[str, int], tuple[Link, ...]] = {}
     for gid, gen, att, end, loc in zip(index.chunks.group_ids, chunks["generation"].tolist(),
                                        chunks["attempt"].tolist(), chunks["end"].tolist(), _locations(chunks),
                                        strict=True):
@@ -131,7 +131,7 @@ def decode_index(data: bytes, *, path: str = ROWS_INDEX) -> Index:
         if end <= (chain[-1].end if chain else 0) or (chain and att < chain[-1].attempt):
             raise bad(f"The chain of partial generation {gid}/{gen} does not grow", "chunks in order: ends "
                       "increasing, attempts not decreasing", f"attempt {att} ending at token {end}", "chunks")
-        chains[(gid, gen)] = (*chain, Chunk(att, end, None, loc))
+        chains[(gid, gen)] = (*chain, Link(att, end, None, loc))
     all_ends = np.concatenate([ends, chunk_ends])
     segs = np.concatenate([rows["segment"], chunks["segment"]])
     uniq = np.unique(segs)
