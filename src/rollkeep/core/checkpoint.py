@@ -132,20 +132,21 @@ def cut(ledger: Ledger, rows: RowStore, *, now: float | None = None, prefixes: P
                prefixes=chains)
 
 
+def _sealed(groups) -> Iterator[RowId]:
+    """The row of every sealed current attempt of `groups` ((id, record) pairs), in order."""
+    sealed, new = AttemptStatus.SEALED, tuple.__new__  # (a NamedTuple's own __new__ is Python)
+    return (new(RowId, (gid, g, rec.attempts[g])) for gid, rec in groups
+            for g, s in enumerate(rec.status) if s == sealed)
+
+
 def referenced_rows(state: LedgerState) -> list[RowId]:
     """Rows a restore needs: every sealed current attempt, in key order."""
-    sealed, new = AttemptStatus.SEALED, tuple.__new__  # (a NamedTuple's own __new__ is Python)
-    return [new(RowId, (gid, g, rec.attempts[g]))
-            for gid, rec in sorted(state.groups.items(), key=lambda kv: (kv[1].epoch, kv[1].ordinal))  # = .key
-            for g, s in enumerate(rec.status) if s == sealed]
+    return list(_sealed(sorted(state.groups.items(), key=lambda kv: (kv[1].epoch, kv[1].ordinal))))  # = .key
 
 
-def referenced_set(state: LedgerState) -> set[tuple[str, int, int]]:
-    """`referenced_rows` as a set of plain tuples (equal to, and hashing as, their RowIds):
-    what a restore compares against, without sorting."""
-    sealed = AttemptStatus.SEALED
-    return {(gid, g, rec.attempts[g]) for gid, rec in state.groups.items()
-            for g, st in enumerate(rec.status) if st == sealed}
+def referenced_set(state: LedgerState) -> set[RowId]:
+    """`referenced_rows` as a set, without sorting: what a restore compares against."""
+    return set(_sealed(state.groups.items()))
 
 
 def checkpoint_files(c: Cut, trainer_files: Mapping[str, bytes]) -> tuple[dict[str, bytes], dict[str, Any]]:

@@ -28,6 +28,7 @@ from .events import ALL_EVENTS, Dropped, Event, Progressed, Sealed
 from .fs import DEFAULT_FS, FS
 from .journal import JournalError, JournalReader, JournalSummary
 from .replay import Restart
+from .rowindex import extents
 from .rowlog import ROWS_DIR, RowLocation, RowLogReader
 
 __all__ = ["JOURNAL_DIR", "ROWS_DIR", "JournalEntry", "Tail", "decode_entry", "encode_entry", "encode_restart",
@@ -98,18 +99,14 @@ def read_tail(run_dir: Path, *, after: int, fs: FS = DEFAULT_FS) -> Tail:
                                expected=f"records through seq {after}", found="no journal directory")
         return tail
     reader = JournalReader(journal, after=after, fs=fs)
-    ends: dict[int, int] = {}  # segment -> end of the last frame the tail names in it
     for seq, payload in reader:
         entry = decode_entry(payload, seq=seq, path=str(journal))
         ev = entry.event if entry.event is not None else Restart(entry.restart)
-        if isinstance(ev, Sealed | Progressed):  # a row, or a chunk of a partial generation
-            loc = entry.row
-            ends[loc.segment] = max(ends.get(loc.segment, 0), loc.offset + loc.length)
-        elif isinstance(ev, Dropped):
+        if isinstance(ev, Dropped):
             tail.dropped.append(list(ev.prompt))
         tail.events.append((ev, entry.row))
     row_reader = RowLogReader(rows, fs=fs)
-    for seg, end in sorted(ends.items()):
+    for seg, end in extents(loc for _, loc in tail.events if loc is not None):  # rows and chunks
         row_reader.check_extent(seg, end)
     tail.summary = reader.summary
     return tail

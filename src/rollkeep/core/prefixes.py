@@ -82,6 +82,8 @@ class PrefixStore:
     def apply(self, ev: Event, at: Any = None) -> None:
         """Follow one applied ledger event. A replayed `progressed` comes with `at`, the
         place of its chunk frame; a live one with its staged tokens."""
+        if not self._chains and not isinstance(ev, Progressed):  # the common case: nothing to end
+            return
         if isinstance(ev, Progressed):
             key = (ev.group_id, ev.generation)
             chain = self._chains.get(key, ())

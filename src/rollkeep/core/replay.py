@@ -35,6 +35,7 @@ from typing import Any
 import msgspec
 from pyroaring import BitMap
 
+from .checkpoint import referenced_set
 from .errors import IllegalTransition
 from .events import Event, Sealed, StepCommitted
 from .ledger import GroupRecord, GroupState, Ledger, LedgerState, StepRun
@@ -108,8 +109,7 @@ def replay(base: LedgerState, rows: Mapping[RowId, Any],
     killed = ledger.capture()
     state = take_back(killed, base.version, returned)
     steps = [base.version + 1, killed.version] if killed.version > base.version else []
-    referenced = {RowId(gid, g, rec.attempts[g]) for gid, rec in state.groups.items()
-                  for g, s in enumerate(rec.status) if s == 2}  # AttemptStatus.SEALED
+    referenced = referenced_set(state)
     return Replayed(state, {rid: r for rid, r in live.items() if rid in referenced}, chains.capture(), n, steps,
                     len(returned))
 

@@ -132,12 +132,8 @@ def decode_index(data: bytes, *, path: str = ROWS_INDEX) -> Index:
             raise bad(f"The chain of partial generation {gid}/{gen} does not grow", "chunks in order: ends "
                       "increasing, attempts not decreasing", f"attempt {att} ending at token {end}", "chunks")
         chains[(gid, gen)] = (*chain, Link(att, end, None, loc))
-    all_ends = np.concatenate([ends, chunk_ends])
-    segs = np.concatenate([rows["segment"], chunks["segment"]])
-    uniq = np.unique(segs)
-    last = np.zeros(len(uniq), np.uint64)
-    np.maximum.at(last, np.searchsorted(uniq, segs), all_ends)
-    return Index(out, chains, [[s, e] for s, e in zip(uniq.tolist(), last.tolist(), strict=True)])
+    return Index(out, chains, _extents(np.concatenate([rows["segment"], chunks["segment"]]),
+                                       np.concatenate([ends, chunk_ends])))
 
 
 def _columns(t: _Table, bad, name: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
@@ -165,12 +161,16 @@ def _locations(cols: dict[str, np.ndarray]):
 def extents(locations: Iterable[RowLocation]) -> list[list[int]]:
     """`[segment, end]` for each segment the locations name, in order: `end` is the end of
     the last frame named there."""
-    ends: dict[int, int] = {}
-    for loc in locations:
-        end = loc.offset + loc.length
-        if end > ends.get(loc.segment, 0):
-            ends[loc.segment] = end
-    return [[seg, ends[seg]] for seg in sorted(ends)]
+    locs = list(locations)
+    return _extents(np.array([x.segment for x in locs], np.int64),
+                    np.array([x.offset + x.length for x in locs], np.uint64))
+
+
+def _extents(segments: np.ndarray, ends: np.ndarray) -> list[list[int]]:
+    uniq = np.unique(segments)
+    last = np.zeros(len(uniq), np.uint64)
+    np.maximum.at(last, np.searchsorted(uniq, segments), ends)
+    return [[s, e] for s, e in zip(uniq.tolist(), last.tolist(), strict=True)]
 
 
 def segments_listed(manifest: Mapping[str, Any]) -> list[list[int]] | None:

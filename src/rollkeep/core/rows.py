@@ -14,7 +14,7 @@ Threading (docs/design.md §2, §3)
 `put`, `put_ref`, `locate`, `delete`, `pin`, `ids`, `len` and `in` run on the controller's
 loop thread. A checkpoint writer on a background thread holds a `RowPin` taken during the
 cut and calls only `location` and `get` (or the pin's) with ids it knows were present when
-the pin was taken, and `get` only for rows without a location, which are in memory. While
+the pin was taken (`RowPin.locations`, `RowPin.get`), and `get` only for rows without a location, which are in memory. While
 any pin is held, `delete` is deferred: the row leaves the store's logical view at once but
 stays readable by `get` and `location`, and is removed when the last pin is released.
 
@@ -256,13 +256,9 @@ class RowPin:
             )
         return self._store.get(row_id)
 
-    def location(self, row_id: RowId) -> Any:
-        """`store.location(row_id)`: where the row is in the row log, or None."""
-        return self._store.location(row_id)
-
     @property
     def locations(self) -> Callable[[RowId], Any]:
-        """`location` without the two calls per row, for a checkpoint naming 100 k rows:
+        """`store.location`, for a checkpoint naming 100 k rows without two calls per row:
         the row log's map's own `get` (plain lookups: safe from the writer's thread)."""
         return self._store._where.get
 

@@ -44,7 +44,6 @@ class PartialGenerations:
         self._pending: dict[AttemptKey, list[Chunk]] = {}  # chunks not recorded yet
         self._due: dict[AttemptKey, float] = {}  # when the attempt records next
         self._recorded: set[AttemptKey] = set()  # attempts that recorded a chunk
-        self.tokens_resumed = 0  # prefix tokens handed to engines by this run
 
     def prefix_for(self, key: AttemptKey) -> Prefix | None:
         """At dispatch: the sibling's kept chain, which the attempt continues (or None)."""
@@ -54,7 +53,6 @@ class PartialGenerations:
         prefix = self.prefixes.prefix(gid, g)
         if prefix is not None:
             self._resumed[key] = len(prefix)
-            self.tokens_resumed += len(prefix)
         return prefix
 
     def on_chunk(self, key: AttemptKey, chunk: Chunk, now: float, apply: Apply) -> None:

@@ -345,8 +345,11 @@ class Scheduler:
             self.partial.forget(key)
             return
         # Its last chunks are recorded before its seal (or forgotten with a failure).
-        resumed = self.partial.before_seal(key, self._apply) if in_flight and isinstance(outcome, Generated) else 0
-        self.partial.forget(key)
+        resumed = 0
+        if in_flight and isinstance(outcome, Generated):
+            resumed = self.partial.before_seal(key, self._apply)
+        else:
+            self.partial.forget(key)
         if isinstance(outcome, Generated) and not math.isfinite(outcome.reward):
             outcome = Failure(DATA, f"reward function: returned {outcome.reward} (rewards must be finite)")
         if isinstance(outcome, Generated):
