@@ -1,0 +1,80 @@
+"""The environment protocol: multi-turn episodes (docs/design.md §5.4).
+
+An episode starts from a dataset row and a seed, then alternates model turns and the
+environment's responses until the environment says it is done or `env.max_turns` turns
+were taken:
+
+    env = factory(**env.kwargs)          one object per episode
+    env.reset(row, seed)
+    step = env.step(model_text)          the model's turn, decoded (EOS ended)
+    ... step.response is appended to the trajectory (its tokens masked out of the loss)
+    ... until step.done; the episode's reward is the sum of every step's reward
+
+The trajectory a trainer sees is the prompt, then each model turn and environment response
+in order; environment tokens carry `ENV_VERSION` instead of a weight version, and that is
+what masks them out of the loss.
+
+How an episode's state comes back after a restore (`recovery`):
+
+    replay     (the default) a fresh environment is reset and given the recorded model
+               turns again; it must answer them as it did (a deterministic function of
+               row, seed and turns). The runner checks the replayed responses against the
+               recorded ones: a difference is a data failure of the attempt.
+    snapshot   the environment exports its state as bytes after each finished turn
+               (`snapshot()`, at most `env.max_snapshot_bytes`), stored with the turn; a
+               restore calls `restore(data)` on a fresh environment instead of replaying.
+               For environments with state outside the process.
+
+An exception from `reset`, `step`, `snapshot` or `restore`, or a step past `env.timeout_s`,
+is a data failure of that attempt (within `rollout.max_data_attempts`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+__all__ = ["ENV_VERSION", "RECOVERY_MODES", "REPLAY", "SNAPSHOT", "Environment", "EnvFactory", "Step"]
+
+#: In a trajectory's `versions`: a token the environment wrote, not the model. Masked out of
+#: the loss; its behaviour log-probability is 0.
+ENV_VERSION = -1
+
+REPLAY = "replay"
+SNAPSHOT = "snapshot"
+RECOVERY_MODES = (REPLAY, SNAPSHOT)
+
+
+class Step(NamedTuple):
+    """The environment's answer to one model turn."""
+
+    response: str = ""  # appended after the model's turn when the episode goes on
+    done: bool = False  # the episode ends with this turn
+    reward: float = 0.0  # this turn's reward; the episode's is the sum over its turns
+
+
+@runtime_checkable
+class Environment(Protocol):
+    recovery: str  # REPLAY or SNAPSHOT
+
+    def reset(self, row: Mapping[str, Any], seed: int) -> None:
+        """Start an episode on dataset row `row` (every field) with seed `seed`."""
+        ...
+
+    def step(self, text: str) -> Step:
+        """The model's turn, decoded: the environment's response, whether the episode is
+        done, and the turn's reward."""
+        ...
+
+
+class SnapshotEnvironment(Environment, Protocol):
+    def snapshot(self) -> bytes:
+        """The episode's state after the last step, as bytes."""
+        ...
+
+    def restore(self, data: bytes) -> None:
+        """Continue from a `snapshot()` (on a fresh environment, instead of `reset`)."""
+        ...
+
+
+EnvFactory = Callable[..., Environment]  # called as factory(**env.kwargs), once per episode
