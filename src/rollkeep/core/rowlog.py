@@ -22,7 +22,7 @@ JSON header parsed per read; a row here costs 12 + ~40 bytes beyond its arrays a
 in one msgspec call plus four zero-copy `np.frombuffer` views. Decoding is as strict as the
 rows codec: exact field count and types, non-empty group id, ids in [0, 2**31), a known
 finish reason, array byte lengths a multiple of 4, and then `Row.__post_init__` itself
-(dtypes, one logprob and one version per completion token, non-negative ids and versions).
+(dtypes, one logprob and one version per completion token, non-negative ids, versions >= ENV_VERSION).
 
 A `RowLocation(segment, offset, length, checksum)` names one frame: it occupies bytes
 [offset, offset + length) of the segment and its payload hashes to `checksum`.

@@ -62,6 +62,7 @@ __all__ = [
 ]
 
 ROWS_SCHEMA = "1"
+ENV_VERSION = -1  # the `versions` entry of a token an environment wrote (rollkeep.envs.base)
 FINISH_REASONS: tuple[str, ...] = ("stop", "length")  # index = code in the file
 _FINISH_CODE = {name: code for code, name in enumerate(FINISH_REASONS)}
 _INT32_MAX = 2**31 - 1
@@ -143,7 +144,9 @@ class Row:
     prompt_ids      int32 [P]   prompt token ids
     completion_ids  int32 [C]   generated token ids (C may be 0)
     logprobs        float32 [C] behaviour log-probability of each completion token
-    versions        int32 [C]   weight version each completion token was generated under
+    versions        int32 [C]   weight version each completion token was generated under, or
+                                ENV_VERSION (-1) for a token an environment wrote (a multi-turn
+                                trajectory: masked out of the loss, log-prob 0)
     reward          float       the reward of the whole completion
     finish_reason   "stop" | "length"
     """
@@ -176,9 +179,12 @@ class Row:
                 f"Row.{name} has length {len(getattr(self, name))}, "
                 f"but completion_ids has length {n}: one value per completion token"
             )
-        for name, arr in (("prompt_ids", arrays[0]), ("completion_ids", arrays[1]), ("versions", arrays[3])):
+        for name, arr in (("prompt_ids", arrays[0]), ("completion_ids", arrays[1])):
             if arr.size and arr.min() < 0:
                 raise ValueError(f"Row.{name} must be non-negative, found {int(arr.min())}")
+        if arrays[3].size and arrays[3].min() < ENV_VERSION:
+            raise ValueError(f"Row.versions must be >= 0 (or {ENV_VERSION}, an environment's token), "
+                             f"found {int(arrays[3].min())}")
         reward = self.reward
         if isinstance(reward, bool) or not isinstance(
             reward, (int, float, np.integer, np.floating)
@@ -648,7 +654,7 @@ def decode_rows(data: bytes, *, path: str = "rows.safetensors") -> dict[RowId, R
                     found=f"{size} values",
                 )
 
-    # 6. Values: finish codes known, ids and versions non-negative.
+    # 6. Values: finish codes known, ids non-negative, versions too (or ENV_VERSION).
     fin = t["finish_reason"]
     if fin.size and fin.max() >= len(FINISH_REASONS):
         raise bad(
@@ -658,10 +664,10 @@ def decode_rows(data: bytes, *, path: str = "rows.safetensors") -> dict[RowId, R
             found=str(int(fin.max())),
         )
     for field in ("prompt_ids", "completion_ids", "versions", "generation", "attempt"):
-        arr = t[field]
-        if arr.size and arr.min() < 0:
+        arr, low = t[field], ENV_VERSION if field == "versions" else 0
+        if arr.size and arr.min() < low:
             raise bad(
-                f"{field} has a negative value", field, expected=">= 0", found=str(int(arr.min()))
+                f"{field} has a negative value", field, expected=f">= {low}", found=str(int(arr.min()))
             )
 
     # 7. Rows, keyed by their attempt; ids must be unique.

@@ -34,11 +34,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
+from ..core.rows import ENV_VERSION
+
 __all__ = ["ENV_VERSION", "RECOVERY_MODES", "REPLAY", "SNAPSHOT", "Environment", "EnvFactory", "Step"]
 
-#: In a trajectory's `versions`: a token the environment wrote, not the model. Masked out of
-#: the loss; its behaviour log-probability is 0.
-ENV_VERSION = -1
+# ENV_VERSION, in a trajectory's `versions`: a token the environment wrote, not the model.
+# Masked out of the loss; its behaviour log-probability is 0. (Defined with the row it marks.)
 
 REPLAY = "replay"
 SNAPSHOT = "snapshot"
