@@ -87,6 +87,14 @@ def _cross_field_problems(get: Callable[[str], Any]) -> list[_Problem]:
             )
         )
 
+    name, factory = get("env.name"), get("env.factory")
+    if isinstance(name, str) and isinstance(factory, str):
+        problems.append(_Problem("env.factory", f"set `env.name` or `env.factory`, not both; found "
+                                                f"`env.name: {name}` and `env.factory: {factory}`"))
+    if isinstance(name, str) and name not in ("calc",):
+        problems.append(_Problem("env.name", f"`env.name` must be a built-in environment (calc) or null; found "
+                                             f"`{name}` (your own environment goes in `env.factory`)"))
+
     if get("trainer.name") == "torch":
         embd, head = get("trainer.model.n_embd"), get("trainer.model.n_head")
         if _is_int(embd) and _is_int(head) and head > 0 and embd % head:

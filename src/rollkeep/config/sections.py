@@ -468,6 +468,34 @@ class RewardConfig(_Section):
     the current directory or the Python path; null = the built-in rewards."""
 
 
+_ENV_FACTORY = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
+class EnvConfig(_Section):
+    """Multi-turn environments (docs/design.md §5.4): each sibling is an episode of model turns
+    and environment responses. Unset (`name` and `factory` null): single-turn generation
+    rewarded by `reward.fn` or the task's built-in reward."""
+
+    name: str | None = None
+    """A built-in environment: `calc` (a calculator tool: `CALC(expr)` turns are answered
+    with the value, any other turn is the answer); null = none (single-turn), unless
+    `factory` is set."""
+    factory: str | None = Field(None, pattern=_ENV_FACTORY.pattern)
+    """`"package.module:callable"`: your own environment, called as `callable(**kwargs)` once
+    per episode (a class works); imported at start-up from the current directory or the
+    Python path. Set `name` or `factory`, not both."""
+    kwargs: dict[str, Any] = {}
+    """Keyword arguments of the environment's constructor (`factory` or the built-in)."""
+    max_turns: int = Field(4, ge=1, le=1024)
+    """Most model turns per episode; the last one ends it whatever the environment says."""
+    timeout_s: float = Field(30.0, gt=0.0)
+    """Deadline of one environment call (reset, step, snapshot, restore); past it, a data
+    failure of the attempt."""
+    max_snapshot_bytes: int = Field(65536, ge=0)
+    """Largest environment snapshot (environments recovering by `snapshot`); a larger one
+    is a data failure of the attempt. Snapshots live in the journal and the trace."""
+
+
 class WarmupConfig(_Section):
     """Supervised warm-up before RL, so a tiny model starts from non-zero reward."""
 
@@ -534,6 +562,8 @@ class Config(_Section):
     """Most finished groups waiting for the trainer; null = the sampler's buffer capacity."""
     reward: RewardConfig = RewardConfig()
     """Reward functions from your own code."""
+    env: EnvConfig = EnvConfig()
+    """Multi-turn environments."""
     eval: EvalConfig = EvalConfig()
     """Evaluation."""
     warmup: WarmupConfig = WarmupConfig()

@@ -37,6 +37,10 @@ _SEMANTIC = (
     "sampler",
     "warmup",
     "reward.fn",
+    "env.name",
+    "env.factory",
+    "env.kwargs",
+    "env.max_turns",
 )
 _NOT_SEMANTIC = (
     "run_dir",
@@ -68,6 +72,8 @@ _NOT_SEMANTIC = (
     "max_buffered_rollouts",
     "eval",
     "logger",
+    "env.timeout_s",
+    "env.max_snapshot_bytes",
 )
 
 
@@ -126,6 +132,10 @@ ADDED_KEYS: dict[str, Any] = {
     "trainer.lr_decay_steps": 0,
     "trainer.lr_final_ratio": 0.1,
     "reward.fn": None,
+    "env.name": None,
+    "env.factory": None,
+    "env.kwargs": {},
+    "env.max_turns": 4,
     "trainer.scale_rewards": "group_population",
     "trainer.loss_type": "dapo",
     "trainer.dual_clip": None,

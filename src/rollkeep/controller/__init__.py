@@ -70,6 +70,7 @@ def _run(cfg: Config, parts: Parts, *, allow_config_change: tuple[str, ...], all
                 allow_dataset_change=allow_dataset_change,
                 on_step=on_step,
                 evaluator=parts.evaluator,
+                env=parts.env,
             )
             warmup_seconds = 0.0
             if start is None:  # once RL has a checkpoint, the trainer state comes from it

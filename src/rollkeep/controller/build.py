@@ -15,6 +15,7 @@ from ..config import Config
 from ..core.errors import ConfigError
 from ..core.source import Dataset, PromptSource, SequenceDataset, load_dataset
 from ..engines import Engine, make_engine
+from ..envs import EnvSpec, resolve
 from ..tasks import arith, check_tasks, use_rewards
 from ..trainers import Trainer, make_trainer
 from .metrics import check_logger
@@ -30,6 +31,7 @@ class Parts:
     tokenizer: Any = None
     evaluator: Any = None
     notes: list[str] = field(default_factory=list)  # said at start-up (`warning: ...`)
+    env: EnvSpec | None = None  # the multi-turn environment (`env.*`), None = single-turn
 
 
 def build_data(cfg: Config) -> tuple[Dataset, list[dict] | None]:
@@ -44,24 +46,33 @@ def build_data(cfg: Config) -> tuple[Dataset, list[dict] | None]:
 
 def _generated(cfg: Config) -> tuple[Dataset, list[dict]]:
     gen = cfg.data.generated
-    if gen.task not in (arith.TASK, arith.TASK_PARTIAL):
+    if gen.task not in (arith.TASK, arith.TASK_PARTIAL, "calc"):
         raise ConfigError(
             f"unknown built-in dataset task {gen.task!r}",
             field="data.generated.task",
-            expected=f"{arith.TASK} (exact match) or {arith.TASK_PARTIAL} (partial credit)",
+            expected=f"{arith.TASK} (exact match), {arith.TASK_PARTIAL} (partial credit) or calc (multiplication "
+                     "with a calculator tool, for env.name=calc)",
             found=repr(gen.task),
             remedy="set data.generated.task=arith or point data.path at a JSONL file",
         )
+    if gen.task == "calc":
+        from ..tasks import calc
+
+        make = lambda n: calc.make_rows(n, digits=gen.digits, seed=cfg.seed)  # noqa: E731
+        hold = lambda n, train: calc.held_out_rows(n, digits=gen.digits, seed=cfg.seed, exclude=train)  # noqa: E731
+    else:
+        make = lambda n: arith.make_rows(n, digits=gen.digits, seed=cfg.seed, task=gen.task,  # noqa: E731
+                                         fmt=gen.format)
+        hold = lambda n, train: arith.held_out_rows(n, digits=gen.digits, seed=cfg.seed,  # noqa: E731
+                                                    exclude=train, task=gen.task, fmt=gen.format)
     # The training rows are the first n_rows of a stream of n_rows + eval_rows problems (as
     # they always were: a run started by an older rollkeep resumes on the same rows). The
     # held-out rows are problems that appear in no training row: greedy accuracy on them
     # measures what the policy learned, not what it memorised.
-    rows = arith.make_rows(gen.n_rows + gen.eval_rows, digits=gen.digits, seed=cfg.seed, task=gen.task,
-                           fmt=gen.format)
+    rows = make(gen.n_rows + gen.eval_rows)
     train = rows[: gen.n_rows]
     try:
-        held_out = arith.held_out_rows(gen.eval_rows, digits=gen.digits, seed=cfg.seed, exclude=train,
-                                       task=gen.task, fmt=gen.format)
+        held_out = hold(gen.eval_rows, train)
     except ValueError as e:
         raise ConfigError(
             f"the built-in dataset cannot hold out {gen.eval_rows} problems: {e}",
@@ -81,12 +92,21 @@ def build(cfg: Config) -> Parts:
     if eval_rows:
         check_tasks(str(r.get("task", "default")) for r in eval_rows)
     source = PromptSource(dataset, seed=cfg.seed, epochs=cfg.data.epochs)
+    env = resolve(cfg.env)  # imports the user's environment: exit 2 on any problem
     if cfg.trainer.name == "torch":
-        parts = _build_torch(cfg, dataset, source, eval_rows)
+        parts = _build_torch(cfg, dataset, source, eval_rows, env)
     elif cfg.trainer.name == "hf":
-        parts = _build_hf(cfg, dataset, source, eval_rows)
-    else:
-        parts = Parts(dataset, source, eval_rows, make_engine(cfg.engine), make_trainer(cfg.trainer))
+        parts = _build_hf(cfg, dataset, source, eval_rows, env)
+    else:  # the toy engine speaks the tool protocol: a call on every turn but the last
+        engine = make_engine(cfg.engine, tool_turns=0 if env is None else env.max_turns - 1)
+        parts = Parts(dataset, source, eval_rows, engine, make_trainer(cfg.trainer))
+    parts.env = env
+    # A turn continues the trajectory so far as a prefix, which only streaming engines do.
+    if env is not None and not (getattr(parts.engine, "streams", False) and hasattr(parts.engine, "tokenizer")):
+        raise ConfigError(
+            f"the {cfg.engine.name} engine cannot run multi-turn episodes", field="env",
+            expected="an engine that continues a prefix and has a tokenizer (toy, torch, vllm)",
+            found=f"engine.name={cfg.engine.name}", remedy="use another engine, or unset env.name and env.factory")
     parts.notes.extend(eval_notes(cfg, eval_rows, evaluates=parts.evaluator is not None))
     return parts
 
@@ -115,7 +135,7 @@ def eval_notes(cfg: Config, eval_rows: list[dict] | None, *, evaluates: bool) ->
             f"runs: {why} (or set eval.every_steps=0 to silence this)"]
 
 
-def _build_torch(cfg: Config, dataset: Dataset, source: PromptSource, eval_rows) -> Parts:
+def _build_torch(cfg: Config, dataset: Dataset, source: PromptSource, eval_rows, env: EnvSpec | None) -> Parts:
     import torch
 
     from ..models.gpt import GPT, GPTConfig
@@ -152,7 +172,7 @@ def _build_torch(cfg: Config, dataset: Dataset, source: PromptSource, eval_rows)
     return Parts(dataset, source, eval_rows, engine, trainer, tokenizer, evaluator)
 
 
-def _build_hf(cfg: Config, dataset: Dataset, source: PromptSource, eval_rows) -> Parts:
+def _build_hf(cfg: Config, dataset: Dataset, source: PromptSource, eval_rows, env: EnvSpec | None) -> Parts:
     import torch
 
     if not torch.cuda.is_available():

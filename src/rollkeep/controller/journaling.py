@@ -36,7 +36,7 @@ from typing import Any
 
 from ..core.durable import JOURNAL_DIR, ROWS_DIR, encode_entry, encode_restart
 from ..core.errors import FilesystemError
-from ..core.events import Event, Progressed, Sealed
+from ..core.events import Event, Progressed, Sealed, TurnSealed
 from ..core.fs import DEFAULT_FS, FS
 from ..core.journal import JournalWriter, delete_covered
 from ..core.prefixes import PrefixStore, chunk_row
@@ -82,7 +82,7 @@ class JournalThread:
             rid = RowId(ev.group_id, ev.generation, ev.attempt)
             loc = self.rowlog.append(rid, self._rows.get(rid))
             self._rows.locate(rid, loc)  # checkpoints from now on name it instead of copying it
-        elif isinstance(ev, Progressed):  # the chunk the prefix store just added
+        elif isinstance(ev, Progressed | TurnSealed):  # the chunk the prefix store just added
             chunk = self._prefixes.last(ev.group_id, ev.generation)
             loc = self.rowlog.append(RowId(ev.group_id, ev.generation, ev.attempt), chunk_row(chunk.tokens))
             self._prefixes.locate(ev.group_id, ev.generation, loc)

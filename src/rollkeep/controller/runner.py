@@ -53,6 +53,8 @@ from ..progress import RunProgress
 from ..tasks import reward_fn
 from ..trace import Trace
 from ..trainers import Trainer
+from ..envs import EnvSpec
+from .episodes import run_episode
 from .journaling import JournalThread
 from .metrics import MetricsLog, Throughput, progress_fields, step_record
 from .startup import checkpoint_meta, open_run
@@ -67,8 +69,10 @@ _TRACE_FLUSH_S = 0.05  # buffered trace lines reach the file at least this often
 class Runner:
     def __init__(self, cfg: Config, *, source: PromptSource, engine: Engine, trainer: Trainer,
                  resume: str | None = None, allow_config_change: tuple[str, ...] = (),
-                 allow_dataset_change: bool = False, on_step: Any = None, evaluator: Any = None) -> None:
+                 allow_dataset_change: bool = False, on_step: Any = None, evaluator: Any = None,
+                 env: EnvSpec | None = None) -> None:
         self.cfg, self.source, self.engine, self.trainer = cfg, source, engine, trainer
+        self.env = env  # a multi-turn environment (`envs.resolve`), None = single-turn
         self.resume = resume  # the checkpoint to restore (`rundir.start_point`), None = fresh
         self.allow_config_change, self.allow_dataset_change = allow_config_change, allow_dataset_change
         self.on_step, self.evaluator = on_step, evaluator  # callback(step, metrics); held-out eval
@@ -188,16 +192,22 @@ class Runner:
         the scheduler's). Anything else is a bug and stops the run, never a silent retry."""
         key = (req.group_id, req.generation, req.attempt)
         loop, sched = asyncio.get_running_loop(), self.sched
-        streamed = sched.partial.enabled  # the engine streams and the journal is on
+        # Chunks go to the scheduler when the engine streams and the journal is on.
+        progress = (lambda c: sched.on_progress(key, c, loop.time())) if sched.partial.enabled else None
         try:
             try:
-                completion = await (self.engine.generate(req, lambda c: sched.on_progress(key, c, loop.time()))
-                                    if streamed else self.engine.generate(req))
-                try:
-                    reward = float(reward_fn(req.prompt.task)(completion.text, req.prompt.row))
-                    outcome = Generated(completion, reward)
-                except Exception as e:  # a reward function's error is a data failure (docs/design.md §6)
-                    outcome = Failure(DATA, f"reward function: {type(e).__name__}: {e}")
+                if self.env is not None:  # a multi-turn episode: the environment gives the reward
+                    outcome = Generated(*await run_episode(
+                        self.engine, self.env, req, progress,
+                        lambda traj, turn, snapshot: sched.on_turn(key, traj, turn, snapshot)))
+                else:
+                    completion = await (self.engine.generate(req, progress) if progress is not None
+                                        else self.engine.generate(req))
+                    try:
+                        reward = float(reward_fn(req.prompt.task)(completion.text, req.prompt.row))
+                        outcome = Generated(completion, reward)
+                    except Exception as e:  # a reward function's error is a data failure (docs/design.md §6)
+                        outcome = Failure(DATA, f"reward function: {type(e).__name__}: {e}")
             except DataError as e:
                 outcome = Failure(DATA, str(e))
             except (InfraError, ConnectionError) as e:

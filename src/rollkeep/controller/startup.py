@@ -256,6 +256,8 @@ def restore_banner(name: str, counts: dict[str, Any], steps_redone: list[int], *
     if counts.get("partial_generations"):
         line += (f"; {counts['partial_generations']} of them continue from {counts['partial_tokens']} token(s) "
                  "generated before the stop")
+        if counts.get("turns_reused"):
+            line += f" ({counts['turns_reused']} finished turn(s) of multi-turn episodes)"
     if counts["groups_lost"]:
         line += f"; LOST {counts['groups_lost']} group(s) in flight (recovery.mode=cursor_only)"
     return line

@@ -24,7 +24,7 @@ from typing import Union
 
 import msgspec
 
-from .events import ALL_EVENTS, Dropped, Event, Progressed, Sealed
+from .events import ALL_EVENTS, Dropped, Event, Progressed, Sealed, TurnSealed
 from .fs import DEFAULT_FS, FS
 from .journal import JournalError, JournalReader, JournalSummary
 from .replay import Restart
@@ -66,9 +66,9 @@ def decode_entry(payload: bytes, *, seq: int, path: str) -> JournalEntry:
     if (entry.event is None) == (entry.restart is None) or (entry.restart is not None and entry.restart < 0):
         raise JournalError(f"journal record {seq} is neither one event nor one restart marker", path=path,
                            expected="an event, or a restart step >= 0", found=f"{entry}")
-    if isinstance(entry.event, Sealed | Progressed) != (entry.row is not None):
+    if isinstance(entry.event, Sealed | Progressed | TurnSealed) != (entry.row is not None):
         raise JournalError(f"journal record {seq}: a seal or a progress must name its frame, and only they do",
-                           path=path, expected="a row location exactly with a sealed or progressed event",
+                           path=path, expected="a row location exactly with a sealed, progressed or turn_sealed event",
                            found=f"{type(entry.event).__name__} with row {entry.row}")
     return entry
 

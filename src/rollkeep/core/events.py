@@ -93,6 +93,23 @@ class Progressed(Event, tag="progressed"):
     resumed_from: int = 0  # the prefix's tokens the attempt started from in this run
 
 
+class TurnSealed(Event, tag="turn_sealed"):
+    """The current, DISPATCHED attempt finished turn `turn` (0 = the first) of a multi-turn
+    episode: its trajectory is now `tokens` tokens long, the environment's response to the
+    turn included. The tokens since the sibling's chain ended are a chunk in the prefix store
+    that ends a turn (docs/design.md §5.4); `snapshot` is the environment's state after the
+    turn, for an environment that recovers by snapshot. No custody changes: it makes a
+    finished turn durable, so a restore continues the episode after it."""
+
+    group_id: str
+    generation: int
+    attempt: int
+    turn: int
+    tokens: int
+    resumed_from: int = 0  # the trajectory's tokens the attempt started from in this run
+    snapshot: bytes | None = None
+
+
 class Sealed(Event, tag="sealed"):
     """Current attempt DISPATCHED → SEALED: its row is in the row store."""
 
@@ -208,6 +225,7 @@ ALL_EVENTS: tuple[type[Event], ...] = (
     Admitted,
     Dispatched,
     Progressed,
+    TurnSealed,
     Sealed,
     Failed,
     Abandoned,

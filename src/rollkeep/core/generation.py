@@ -66,6 +66,12 @@ class GenRequest:
     # the engine feeds them as token ids after the prompt and samples the next token at
     # position len(prefix) (`recovery.partial: resume`, docs/design.md §5.3).
     prefix: Prefix | None = None
+    # A multi-turn episode continued after its finished turns (docs/design.md §5.4): the
+    # offsets of `prefix` where each finished turn ends (its environment response included),
+    # and the environment's snapshot after the last one (environments recovering by
+    # snapshot). The attempt generates turn len(turns).
+    turns: tuple[int, ...] = ()
+    snapshot: bytes | None = None
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,7 @@ from .events import (
     Spared,
     StepCommitted,
     Taken,
+    TurnSealed,
 )
 from .keys import Key, exhausted, group_id, next_key
 from .records import (  # re-exported: what the ledger holds is read through this module too
@@ -186,6 +187,7 @@ class Ledger:
             Admitted: self._admitted,
             Dispatched: self._dispatched,
             Progressed: self._progressed,
+            TurnSealed: self._turn_sealed,
             Sealed: self._sealed,
             Failed: self._failed,
             Abandoned: self._abandoned,
@@ -730,6 +732,17 @@ class Ledger:
         if not 0 <= ev.resumed_from < ev.tokens:
             raise self._illegal(ev, "token count", expected="0 <= resumed_from < tokens",
                                 found=f"resumed_from {ev.resumed_from}, tokens {ev.tokens}")
+        return _NO_ROWS
+
+    def _turn_sealed(self, ev: TurnSealed) -> FreedRows:
+        """Only checks, as for `progressed`: the attempt is current and DISPATCHED, the turn
+        and the count are sane."""
+        rec = self._require_group(ev, ev.group_id, "turn_sealed")
+        self._require_current(ev, rec, ev.generation, ev.attempt)
+        self._require_attempts(ev, rec, ev.group_id, (ev.generation,), "turn_sealed")
+        if not (0 <= ev.turn and 0 <= ev.resumed_from <= ev.tokens):
+            raise self._illegal(ev, "turn or token count", expected="turn >= 0, 0 <= resumed_from <= tokens",
+                                found=f"turn {ev.turn}, resumed_from {ev.resumed_from}, tokens {ev.tokens}")
         return _NO_ROWS
 
     def _sealed(self, ev: Sealed) -> FreedRows | None:

@@ -6,12 +6,15 @@ the extent of every segment it names. Rows without a location (a run with the jo
 or rows restored from a checkpoint that copied them) are still copied into
 `rows.safetensors`; a row is in exactly one of the two files.
 
-Format: msgpack `[1 (schema), rows, chunks]`, each a table `[group_ids, generation, attempt,
+Format: msgpack `[2 (schema), rows, chunks, turns]`, each a table `[group_ids, generation, attempt,
 end, segment, offset, length, checksum]`: a list of str and then one column per field as raw
 little-endian arrays (int32 x 4, uint64, uint32, uint64 = xxh3_64 of the frame's payload),
 entry i across them. `rows` are the rows named by reference, in the order the checkpoint
 lists them (`end` 0); `chunks` the partial generations' chains (`core/prefixes.py`), each
-sibling's chunks in order, `end` the completion's tokens through the chunk. Columns, not one array per row: 100 k rows
+sibling's chunks in order, `end` the completion's tokens through the chunk; `turns` lists
+the chunks that end a turn of a multi-turn episode (docs/design.md §5.4) as `[chunk's
+position in chunks, turn, the environment's snapshot bytes or nil]`. (Schema 1, written
+before episodes existed, has no `turns` and is still read.) Columns, not one array per row: 100 k rows
 decode in a few msgspec and numpy calls. The file is bound by its
 sha256 in the manifest like every other file; the manifest's `rows.segments` lists, for each
 segment the index names, `[segment, end]` where `end` is the end of the last frame it names
@@ -41,7 +44,8 @@ __all__ = ["INDEX_SCHEMA", "ROWS_INDEX", "decode_index", "encode_index", "extent
            "rows_dir_for", "segments_listed"]
 
 ROWS_INDEX = "rows.index"
-INDEX_SCHEMA = 1
+INDEX_SCHEMA = 2
+_SCHEMAS_READ = (1, 2)
 _REMEDY = (
     "the rows index of this checkpoint is corrupt or was not written by this rollkeep; "
     "restore from an older checkpoint, or start the run fresh."
@@ -63,6 +67,7 @@ class _Index(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     schema: int
     rows: _Table
     chunks: _Table  # partial generations: each sibling's chain, in order
+    turns: list[tuple[Annotated[int, msgspec.Meta(ge=0)], Annotated[int, msgspec.Meta(ge=0)], bytes | None]] = []
 
 
 _COLUMNS = {"generation": "<i4", "attempt": "<i4", "end": "<i4", "segment": "<i4", "offset": "<u8",
@@ -84,8 +89,10 @@ def encode_index(entries: Iterable[tuple[RowId, RowLocation]],
     """`entries`: the rows named by reference; `chains`: the partial generations, every
     chunk with its place (`Link.at`)."""
     rows = [(gid, gen, att, 0, loc) for (gid, gen, att), loc in entries]  # ids: the ledger's, checked
-    chunks = [(gid, gen, ch.attempt, ch.end, ch.at) for (gid, gen), chain in (chains or {}).items() for ch in chain]
-    return _encode(_Index(INDEX_SCHEMA, _table(rows), _table(chunks)))
+    links = [(gid, gen, ch) for (gid, gen), chain in (chains or {}).items() for ch in chain]
+    chunks = [(gid, gen, ch.attempt, ch.end, ch.at) for gid, gen, ch in links]
+    turns = [(i, ch.turn, ch.snapshot) for i, (_, _, ch) in enumerate(links) if ch.turn >= 0]
+    return _encode(_Index(INDEX_SCHEMA, _table(rows), _table(chunks), turns))
 
 
 @dataclass(frozen=True)
@@ -109,10 +116,11 @@ def decode_index(data: bytes, *, path: str = ROWS_INDEX) -> Index:
     try:
         index = _decode(data)
     except msgspec.DecodeError as e:
-        raise bad("The rows index does not decode", "msgpack [schema, rows, chunks], each a table of "
-                  "group_ids, generation, attempt, end, segment, offset, length, checksum", str(e)) from None
-    if index.schema != INDEX_SCHEMA:
-        raise bad("Unsupported rows index schema", str(INDEX_SCHEMA), str(index.schema), "schema")
+        raise bad("The rows index does not decode", "msgpack [schema, rows, chunks, turns], the first two "
+                  "tables of group_ids, generation, attempt, end, segment, offset, length, checksum",
+                  str(e)) from None
+    if index.schema not in _SCHEMAS_READ:
+        raise bad("Unsupported rows index schema", f"one of {list(_SCHEMAS_READ)}", str(index.schema), "schema")
     rows, ends = _columns(index.rows, bad, "rows")
     chunks, chunk_ends = _columns(index.chunks, bad, "chunks")
     # tuple.__new__ in C: a NamedTuple's own __new__ is Python, ~5x slower per row.
@@ -123,17 +131,34 @@ def decode_index(data: bytes, *, path: str = ROWS_INDEX) -> Index:
         dup = next(rid for rid, c in Counter(ids).items() if c > 1)
         raise bad("The rows index names a row twice", "each (group_id, generation, attempt) once",
                   f"{tuple(dup)} more than once")
+    turns = _turns(index.turns, len(index.chunks.group_ids), bad)
     chains: dict[tuple[str, int], tuple[Link, ...]] = {}
-    for gid, gen, att, end, loc in zip(index.chunks.group_ids, chunks["generation"].tolist(),
-                                       chunks["attempt"].tolist(), chunks["end"].tolist(), _locations(chunks),
-                                       strict=True):
+    for i, (gid, gen, att, end, loc) in enumerate(zip(index.chunks.group_ids, chunks["generation"].tolist(),
+                                                      chunks["attempt"].tolist(), chunks["end"].tolist(),
+                                                      _locations(chunks), strict=True)):
         chain = chains.get((gid, gen), ())
-        if end <= (chain[-1].end if chain else 0) or (chain and att < chain[-1].attempt):
+        turn, snapshot = turns.get(i, (-1, None))
+        before = chain[-1].end if chain else 0
+        # A turn's chunk may be empty (its tokens were all recorded by progress, and the
+        # environment answered nothing); any other chunk adds tokens.
+        if end < before or (end == before and turn < 0) or (chain and att < chain[-1].attempt):
             raise bad(f"The chain of partial generation {gid}/{gen} does not grow", "chunks in order: ends "
                       "increasing, attempts not decreasing", f"attempt {att} ending at token {end}", "chunks")
-        chains[(gid, gen)] = (*chain, Link(att, end, None, loc))
+        if turn >= 0 and turn != sum(link.turn >= 0 for link in chain):
+            raise bad(f"The episode of sibling {gid}/{gen} skips a turn", "turns 0, 1, 2, ... in order",
+                      f"turn {turn} after {sum(link.turn >= 0 for link in chain)} finished turn(s)", "turns")
+        chains[(gid, gen)] = (*chain, Link(att, end, None, loc, turn, snapshot))
     return Index(out, chains, _extents(np.concatenate([rows["segment"], chunks["segment"]]),
                                        np.concatenate([ends, chunk_ends])))
+
+
+def _turns(entries: list[tuple[int, int, bytes | None]], n_chunks: int, bad) -> dict[int, tuple[int, bytes | None]]:
+    """chunk position -> (turn, snapshot), each position in range and listed once."""
+    out = {i: (turn, snapshot) for i, turn, snapshot in entries}
+    if len(out) != len(entries) or any(i >= n_chunks for i in out):
+        raise bad("The rows index lists a turn of no chunk, or one chunk twice",
+                  f"distinct chunk positions below {n_chunks}", str(sorted(i for i, _, _ in entries)[-3:]), "turns")
+    return out
 
 
 def _columns(t: _Table, bad, name: str) -> tuple[dict[str, np.ndarray], np.ndarray]:

@@ -22,6 +22,7 @@ from .events import (
     Evicted,
     Failed,
     Progressed,
+    TurnSealed,
     Sealed,
     StepCommitted,
     Taken,
@@ -64,6 +65,7 @@ class Restored(RunEvent, tag="restored"):
     journal_dropped: list[list[int]] = []  # [epoch, idx] of the drops that tail kept
     partial_generations: int = 0  # siblings cut off mid-generation that continue from their tokens
     partial_tokens: int = 0  # the tokens they continue from (recovery.partial: resume)
+    turns_reused: int = 0  # finished turns of multi-turn episodes they continue after (docs/design.md §5.4)
 
 
 class CheckpointPublished(RunEvent, tag="checkpoint_published"):
@@ -115,9 +117,10 @@ def name(event_type: type[Any]) -> str:
 RUN_STARTED, RESTORED, CHECKPOINT_PUBLISHED, CHECKPOINT_SKIPPED, EVAL, RUN_FINISHED, RUN_FAILED = (
     name(t) for t in RUN_EVENTS
 )
-STEP_COMMITTED, DROPPED, SEALED, DISPATCHED, TAKEN, ADMITTED, FAILED, EVICTED, ABANDONED, PROGRESSED = (
+(STEP_COMMITTED, DROPPED, SEALED, DISPATCHED, TAKEN, ADMITTED, FAILED, EVICTED, ABANDONED, PROGRESSED,
+ TURN_SEALED) = (
     name(t) for t in (StepCommitted, Dropped, Sealed, Dispatched, Taken, Admitted, Failed, Evicted, Abandoned,
-                      Progressed)
+                      Progressed, TurnSealed)
 )
 
 #: The ledger's events (the ones the journal records too), and every event name a trace may hold.

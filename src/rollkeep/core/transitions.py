@@ -26,6 +26,7 @@ GROUP_TABLE: dict[tuple[GroupState, str], int] = {
     (_S.RESERVED, "dropped"): GONE,
     (_S.GENERATING, "dispatched"): _S.GENERATING,
     (_S.GENERATING, "progressed"): _S.GENERATING,
+    (_S.GENERATING, "turn_sealed"): _S.GENERATING,
     (_S.GENERATING, "sealed"): _S.GENERATING,  # READY_TO_FINALIZE when the last sibling seals
     (_S.GENERATING, "failed"): _S.GENERATING,
     (_S.GENERATING, "abandoned"): _S.GENERATING,
@@ -47,6 +48,7 @@ GROUP_TABLE: dict[tuple[GroupState, str], int] = {
 ATTEMPT_TABLE: dict[tuple[AttemptStatus, str], int] = {
     (_A.RESERVED, "dispatched"): _A.DISPATCHED,
     (_A.DISPATCHED, "progressed"): _A.DISPATCHED,
+    (_A.DISPATCHED, "turn_sealed"): _A.DISPATCHED,
     (_A.DISPATCHED, "sealed"): _A.SEALED,
     (_A.DISPATCHED, "failed"): _A.RESERVED,
     (_A.DISPATCHED, "abandoned"): _A.RESERVED,

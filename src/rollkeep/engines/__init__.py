@@ -18,7 +18,7 @@ def make_engine(cfg: Any, **context: Any) -> Engine:
     if cfg.name == "toy":
         from .toy import ToyEngine
 
-        return ToyEngine(**fields)
+        return ToyEngine(**fields, **context)
     if cfg.name == "torch":
         from .torch_gpt import TorchEngine
 

@@ -14,6 +14,31 @@ import xxhash
 from .base import Chunk, Completion, DataError, GenRequest, InfraError, Progress
 
 VOCAB = 10  # digits: a completion's text is its token ids, so rewards can parse numbers
+# Token ids past the digits, for multi-turn episodes: the tool protocol of the built-in
+# `calc` environment (`CALC(<digits>)`, answered "=<value>;").
+_SYMBOLS = "CAL()+-*=;?"
+
+
+class ToyTokenizer:
+    """Token id = digit for 0-9 (a single-turn completion's text is its ids), then the
+    symbols; any other character encodes as "?". No BOS or EOS: the toy engine ends a
+    turn by length."""
+
+    chars = "0123456789" + _SYMBOLS
+
+    def __init__(self) -> None:
+        self._to_id = {c: i for i, c in enumerate(self.chars)}
+
+    def encode(self, text: str, *, bos: bool = False) -> list[int]:
+        unknown = self._to_id["?"]
+        return [self._to_id.get(c, unknown) for c in text]
+
+    def decode(self, ids: Any) -> str:
+        return "".join(self.chars[int(i)] for i in ids if 0 <= int(i) < len(self.chars))
+
+
+TOKENIZER = ToyTokenizer()
+_CALL_OPEN, _CALL_CLOSE = np.array(TOKENIZER.encode("CALC("), np.int32), np.array(TOKENIZER.encode(")"), np.int32)
 
 
 def _unit(*parts: object) -> float:
@@ -33,8 +58,13 @@ def _sample(seed: int, max_tokens: int) -> tuple[int, np.ndarray, np.ndarray]:
 
 
 class ToyEngine:
+    """In a multi-turn episode (`GenRequest.turns`), each of the first `tool_turns` turns is
+    a tool call `CALC(<digits>)` and the next one the answer, every turn a pure function
+    of (seed, turn) continued token by token like a single-turn completion."""
+
     name = "toy"
     streams = True  # one chunk per token, each `token_ms` after the previous (none if token_ms is 0)
+    tokenizer = TOKENIZER
 
     def __init__(
         self,
@@ -46,6 +76,7 @@ class ToyEngine:
         completion_tokens: int = 8,
         hang_rate: float = 0.0,
         token_ms: float = 0.0,
+        tool_turns: int = 0,
     ) -> None:
         self.latency_ms = latency_ms
         self.latency_jitter_ms = latency_jitter_ms
@@ -54,6 +85,7 @@ class ToyEngine:
         self.completion_tokens = completion_tokens
         self.hang_rate = hang_rate
         self.token_ms = token_ms
+        self.tool_turns = tool_turns
         self._version = 0
 
     @property
@@ -76,19 +108,29 @@ class ToyEngine:
             raise InfraError(f"toy engine: injected infra failure ({req.group_id}/{req.generation})")
         if self.data_fail_rate and _unit(req.seed, "data") < self.data_fail_rate:
             raise DataError(f"toy engine: injected data failure ({req.group_id}/{req.generation})")
-        # The completion is a function of the seed alone: a prefix (an earlier attempt's first k
-        # tokens, as given) is continued with tokens k..n-1 of the same sample.
-        n, ids, logprobs = _sample(req.seed, self.completion_tokens)
-        prefix = req.prefix
-        k = 0 if prefix is None else min(len(prefix), n)
+        # The completion is a function of the seed alone (of seed and turn in an episode): a
+        # prefix (an earlier attempt's first k tokens, as given) is continued with tokens
+        # k..n-1 of the same sample.
+        turn = len(req.turns)
+        start = req.turns[-1] if req.turns else 0  # where this turn begins in the prefix
+        seed = req.seed if not turn else xxhash.xxh3_64_intdigest(f"{req.seed}/turn/{turn}".encode())
+        n, ids, logprobs = _sample(seed, self.completion_tokens)
+        if turn < self.tool_turns:  # a tool call around the sampled digits
+            ids = np.concatenate([_CALL_OPEN, ids, _CALL_CLOSE])
+            logprobs = np.concatenate([np.full(len(_CALL_OPEN), -0.01, np.float32), logprobs,
+                                       np.full(1, -0.01, np.float32)])
+            n = len(ids)
         versions = np.full(n, self._version if req.pinned_version is None else req.pinned_version, np.int32)
-        if k:
-            ids, logprobs, versions = (np.concatenate([p[:k], a[k:]]) for p, a in (
+        prefix = req.prefix
+        before = 0 if prefix is None else len(prefix)
+        k = min(before - start, n)
+        if start or k:
+            ids, logprobs, versions = (np.concatenate([p[:start + k], a[k:]]) for p, a in (
                 (prefix.completion_ids, ids), (prefix.logprobs, logprobs), (prefix.versions, versions)))
         # Tokens take time only with `token_ms`; without it a generation is instant and has no
         # partial state to report (the control-plane benchmark runs it so).
         if self.token_ms > 0:
-            for i in range(k, n):
+            for i in range(start + k, start + n):
                 await asyncio.sleep(self.token_ms / 1000.0)
                 if progress is not None:
                     progress(Chunk(ids[i : i + 1], logprobs[i : i + 1], versions[i : i + 1]))
@@ -99,7 +141,7 @@ class ToyEngine:
             logprobs=logprobs,
             versions=versions,
             finish_reason="stop" if n < self.completion_tokens else "length",
-            text="".join(map(str, ids.tolist())),
+            text=TOKENIZER.decode(ids),
         )
 
     async def update_weights(self, weights: Any, version: int) -> None:

@@ -474,6 +474,12 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ worker thread
 
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer in the form multi-turn episodes use (`encode(text, bos=False)`,
+        `decode(ids)`): environment responses are encoded without special tokens."""
+        return _EpisodeTokenizer(self._tokenizer)
+
     def _work(self, args: dict[str, Any], ready: Future) -> None:
         import torch
 
@@ -707,3 +713,14 @@ def _driver_model(engine: Any, version: str) -> Any:
         found="neither",
         remedy=f"install a vllm release in {SUPPORTED}, or use engine.name=hf",
     )
+
+
+class _EpisodeTokenizer:
+    def __init__(self, tok: Any) -> None:
+        self._tok = tok
+
+    def encode(self, text: str, *, bos: bool = False) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=bos))
+
+    def decode(self, ids: Any) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)

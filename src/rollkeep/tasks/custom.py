@@ -39,14 +39,22 @@ _SIGNATURE = "fn(completion: str, row: dict) -> float"
 def resolve(spec: str, *, field: str = "reward.fn") -> RewardFn:
     """The function `spec` ("package.module:function", attribute paths allowed after the
     colon) names, checked to accept (completion, row), and wrapped by `checked`."""
+    obj, module = find(spec, field=field, what="function")
+    _check_signature(obj, spec, field, getattr(module, "__file__", None))
+    return checked(obj, spec)
+
+
+def find(spec: str, *, field: str, what: str) -> tuple[Callable[..., Any], Any]:
+    """The callable `spec` ("package.module:attr.path") names and its module; any problem
+    is a UserInputError (exit 2). `what` names what the user meant it to be."""
     module_name, sep, attr_path = spec.partition(":")
     if not sep or not module_name or not attr_path:
         raise UserInputError(
-            f"{field} {spec!r} does not name a function",
+            f"{field} {spec!r} does not name a {what}",
             field=field,
-            expected="`package.module:function`, e.g. `my_rewards:score`",
+            expected=f"`package.module:{what}`, e.g. `my_module:name`",
             found=repr(spec),
-            remedy=f"write {field} as the module's import path, a colon, and the function's name",
+            remedy=f"write {field} as the module's import path, a colon, and the {what}'s name",
         )
     module = _import(module_name, spec, field)
     obj: Any = module
@@ -58,7 +66,7 @@ def resolve(spec: str, *, field: str = "reward.fn") -> RewardFn:
                 f"{field} {spec!r}: {owner} has no attribute {part!r}",
                 path=getattr(module, "__file__", None),
                 field=field,
-                expected=f"a function {attr_path} in module {module_name}",
+                expected=f"a {what} {attr_path} in module {module_name}",
                 found=f"its callables: {', '.join(names[:20]) or 'none'}",
                 remedy="fix the function name after the colon",
             )
@@ -68,12 +76,11 @@ def resolve(spec: str, *, field: str = "reward.fn") -> RewardFn:
             f"{field} {spec!r} is not callable",
             path=getattr(module, "__file__", None),
             field=field,
-            expected=f"a function {_SIGNATURE}",
+            expected=f"a {what}" + (f" {_SIGNATURE}" if what == "function" else ""),
             found=f"{repr(obj)[:60]} (of type {type(obj).__name__})",
-            remedy=f"point {field} at a function",
+            remedy=f"point {field} at a {what}",
         )
-    _check_signature(obj, spec, field, getattr(module, "__file__", None))
-    return checked(obj, spec)
+    return obj, module
 
 
 def checked(fn: Callable[..., Any], spec: str) -> RewardFn:

@@ -18,6 +18,12 @@ A chunk's tokens go to the prefix store, and from there to the row log. With `re
 partial: resume`, when a sibling whose chain is kept (a restart, a graceful stop, an infra
 failure) is dispatched again, its new attempt continues from the chain's tokens; with
 `regenerate` it starts over.
+
+A finished turn of a multi-turn episode (docs/design.md §5.4) is always recorded, at once,
+as a `turn_sealed` event whose chunk is everything since the last record (the model's
+tokens and the environment's response): at sibling granularity a new attempt of the sibling
+continues after its last finished turn whatever `recovery.partial` says, which decides only
+what happens to the tokens of the turn in flight.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..events import Event, Progressed
+from ..events import Event, Progressed, TurnSealed
 from ..generation import Chunk, Prefix, Tokens
 from ..prefixes import PrefixStore
 from .commands import AttemptKey
@@ -35,25 +41,47 @@ Apply = Callable[[Event], None]
 
 
 class PartialGenerations:
-    def __init__(self, prefixes: PrefixStore, *, enabled: bool, resume: bool, every_s: float) -> None:
+    def __init__(self, prefixes: PrefixStore, *, enabled: bool, resume: bool, every_s: float,
+                 turns: bool = True) -> None:
         self.prefixes = prefixes
         self.enabled = enabled  # record chunks: sibling granularity, the journal on, a streaming engine
         self.resume = resume  # and continue from them: recovery.partial=resume
+        self.turns = turns  # continue after finished turns: sibling granularity
         self.every_s = every_s
         self._resumed: dict[AttemptKey, int] = {}  # in-flight attempt -> prefix tokens it started from
+        self._end: dict[AttemptKey, int] = {}  # in-flight attempt -> tokens its records reach
         self._pending: dict[AttemptKey, list[Chunk]] = {}  # chunks not recorded yet
         self._due: dict[AttemptKey, float] = {}  # when the attempt records next
         self._recorded: set[AttemptKey] = set()  # attempts that recorded a chunk
 
-    def prefix_for(self, key: AttemptKey) -> Prefix | None:
-        """At dispatch: the sibling's kept chain, which the attempt continues (or None)."""
-        if not self.resume:
-            return None
+    def prefix_for(self, key: AttemptKey) -> tuple[Prefix | None, tuple[int, ...], bytes | None]:
+        """At dispatch: what the attempt continues from the sibling's kept chain: its tokens
+        (all of them with `resume`, else through its last finished turn), the trajectory
+        offsets where its finished turns end, and the last one's environment snapshot."""
+        if not (self.resume or self.turns):
+            return None, (), None
         gid, g, _ = key
-        prefix = self.prefixes.prefix(gid, g)
-        if prefix is not None:
-            self._resumed[key] = len(prefix)
-        return prefix
+        whole_turns = not self.resume
+        chain = self.prefixes.chain(gid, g, whole_turns=whole_turns)
+        if not chain:
+            return None, (), None
+        prefix = self.prefixes.prefix(gid, g, whole_turns=whole_turns)
+        self._resumed[key] = self._end[key] = len(prefix)
+        ends = tuple(link.end for link in chain if link.turn >= 0)
+        snapshot = next((link.snapshot for link in reversed(chain) if link.turn >= 0), None)
+        return prefix, ends, snapshot
+
+    def on_turn(self, key: AttemptKey, trajectory: Tokens, turn: int, snapshot: bytes | None,
+                apply: Apply) -> None:
+        """The in-flight attempt `key` (the caller checked it is current) finished turn
+        `turn`: record it with what its unrecorded chunks had, as one chunk."""
+        gid, g, attempt = key
+        self._pending.pop(key, None)
+        start = self._end.get(key, 0)
+        self.prefixes.stage(gid, g, Tokens(*(getattr(trajectory, f)[start:] for f in _FIELDS)))
+        apply(TurnSealed(group_id=gid, generation=g, attempt=attempt, turn=turn, tokens=len(trajectory),
+                         resumed_from=self._resumed.get(key, 0), snapshot=snapshot))
+        self._end[key] = len(trajectory)
 
     def on_chunk(self, key: AttemptKey, chunk: Chunk, now: float, apply: Apply) -> None:
         """A chunk of the in-flight attempt `key` (the caller checked it is current)."""
@@ -83,12 +111,13 @@ class PartialGenerations:
 
     def forget(self, key: AttemptKey) -> None:
         self._resumed.pop(key, None)
+        self._end.pop(key, None)
         self._pending.pop(key, None)
         self._due.pop(key, None)
         self._recorded.discard(key)
 
     def forget_all(self) -> None:
-        for table in (self._resumed, self._pending, self._due, self._recorded):
+        for table in (self._resumed, self._end, self._pending, self._due, self._recorded):
             table.clear()
 
     def _record(self, key: AttemptKey, apply: Apply) -> None:
@@ -96,8 +125,12 @@ class PartialGenerations:
         self._recorded.add(key)
         chunks = self._pending.pop(key)
         tokens = chunks[0] if len(chunks) == 1 else Tokens(
-            *(np.concatenate([getattr(c, f) for c in chunks]) for f in ("completion_ids", "logprobs", "versions")))
-        total = self.prefixes.length(gid, g) + len(tokens)
+            *(np.concatenate([getattr(c, f) for c in chunks]) for f in _FIELDS))
+        total = self._end.get(key, 0) + len(tokens)
         self.prefixes.stage(gid, g, tokens)
         apply(Progressed(group_id=gid, generation=g, attempt=attempt, tokens=total,
                          resumed_from=self._resumed.get(key, 0)))
+        self._end[key] = total
+
+
+_FIELDS = ("completion_ids", "logprobs", "versions")

@@ -161,7 +161,8 @@ class Scheduler:
         sibling = settings.recovery_mode == "sibling"
         self.partial = PartialGenerations(
             self.prefixes, enabled=settings.record_partial and sibling,
-            resume=settings.record_partial and settings.resume_partial and sibling, every_s=settings.progress_every_s)
+            resume=settings.record_partial and settings.resume_partial and sibling, every_s=settings.progress_every_s,
+            turns=sibling)
         limits = sampler.limits
         self.pinning = Pinning(settings.deterministic, limits.window, limits.num_prompts_per_step,
                                settings.total_steps)
@@ -235,9 +236,13 @@ class Scheduler:
                 lost = len(lost_ids)
             plan = restored if isinstance(restored, RestorePlan) else restored.plan
             fields = restart.restored_fields(plan, lost=lost, mode=self.settings.recovery_mode)
-            if not self.partial.resume:  # recovery.partial=regenerate (or no journal): start over
-                self.prefixes.restore({})
-            fields.update(partial_generations=len(self.prefixes), partial_tokens=self.prefixes.tokens())
+            if not self.partial.resume:  # recovery.partial=regenerate (or no journal): the turn in flight starts over
+                if self.partial.turns:
+                    self.prefixes.keep_whole_turns()
+                else:
+                    self.prefixes.restore({})
+            fields.update(partial_generations=len(self.prefixes), partial_tokens=self.prefixes.tokens(),
+                          turns_reused=self.prefixes.turns())
             # Groups sealed but not finalized at the cut are finalized again (no side effects).
             for gid, rec in self.ledger.groups():
                 if rec.state == GroupState.READY_TO_FINALIZE:
@@ -308,11 +313,12 @@ class Scheduler:
             for g in gens:
                 self._not_before.pop((gid, g), None)
                 key = (gid, g, rec.attempts[g])
+                prefix, turns, snapshot = self.partial.prefix_for(key)
                 req = GenRequest(
                     group_id=gid, generation=g, attempt=rec.attempts[g], prompt=prompt,
                     seed=sampling_seed(self.settings.seed, gid, g, rec.data_failures[g]),
                     pinned_version=pinned, infra_retries=rec.infra_failures[g], data_retries=rec.data_failures[g],
-                    prefix=self.partial.prefix_for(key),
+                    prefix=prefix, turns=turns, snapshot=snapshot,
                 )
                 self._in_flight[key] = deadline
                 heapq.heappush(self._deadlines, (deadline, key))
@@ -334,6 +340,13 @@ class Scheduler:
         `progressed` events (`partial`). Ignored for an attempt no longer in flight."""
         if key in self._in_flight:
             self.partial.on_chunk(key, chunk, now, self._apply)
+
+    def on_turn(self, key: AttemptKey, trajectory: Chunk, turn: int, snapshot: bytes | None = None) -> None:
+        """An in-flight attempt finished turn `turn` of its episode: `trajectory` is every
+        token so far (the environment's response to the turn last), recorded as a
+        `turn_sealed` event. Ignored for an attempt no longer in flight."""
+        if key in self._in_flight:
+            self.partial.on_turn(key, trajectory, turn, snapshot, self._apply)
 
     def on_result(self, key: AttemptKey, outcome: Outcome, now: float) -> None:
         """Seal or fail one attempt (one transition, plus finalize or drop). A result for an

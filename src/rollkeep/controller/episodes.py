@@ -1,0 +1,138 @@
+"""Multi-turn episodes (docs/design.md §5.4): the runner's part, which only waits.
+
+One attempt of a sibling is one episode. `run_episode` rebuilds the environment after the
+turns the attempt continues (`GenRequest.turns`: replayed, or restored from the snapshot),
+then alternates an engine call for the model's turn and an environment step for its
+response, reporting every finished turn (`on_turn`, which the scheduler records as a
+`turn_sealed` event) before the next model call. Any engine works: a turn is a generation
+that continues the trajectory so far (`GenRequest.prefix`), so an engine needs nothing but
+prefix continuation and its tokenizer (`engine.tokenizer`: `encode(text, bos=False)`,
+`decode(ids)`).
+
+The trajectory's budget is the engine's `max_new_tokens` (prefix included): an episode ends
+when a turn generates nothing (the budget is spent or the context is full), when the
+environment says it is done, or after `env.max_turns` turns. Environment calls run on a
+worker thread, each within `env.timeout_s`; any failure of theirs is a `DataError` (a data
+failure of the attempt).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..core.generation import Completion, DataError, GenRequest, Tokens
+from ..envs import ENV_VERSION, SNAPSHOT, EnvSpec, Step
+
+OnTurn = Callable[[Tokens, int, bytes | None], None]  # (trajectory, turn, snapshot)
+_EMPTY = Tokens(np.zeros(0, np.int32), np.zeros(0, np.float32), np.zeros(0, np.int32))
+
+
+async def run_episode(engine: Any, spec: EnvSpec, req: GenRequest, progress: Any,
+                      on_turn: OnTurn) -> tuple[Completion, float]:
+    """One episode: the trajectory as a Completion (environment tokens carry ENV_VERSION)
+    and its reward, the last step's (an environment that scores turns adds them in)."""
+    tok = engine.tokenizer
+    env = await _call(spec, "building the environment", spec.factory)
+    traj = req.prefix if req.prefix is not None else _EMPTY
+    turns = list(req.turns)
+    texts = await _rebuild(spec, env, req, traj, tok)
+    step, finish = Step(), "length"
+    while len(turns) < spec.max_turns:
+        turn_req = dataclasses.replace(req, prefix=traj if len(traj) else None, turns=tuple(turns))
+        c = await (engine.generate(turn_req, progress) if progress is not None else engine.generate(turn_req))
+        traj = Tokens(c.completion_ids, c.logprobs, c.versions)
+        turn_ids = traj.completion_ids[turns[-1] if turns else 0:]  # a continued prefix's tokens included
+        if not len(turn_ids):
+            break  # nothing generated: the budget is spent or the context is full
+        text = tok.decode(turn_ids)
+        texts.append(text)
+        step = _checked(spec, await _call(spec, f"step of turn {len(turns)}", env.step, text))
+        if step.done or len(turns) + 1 == spec.max_turns:
+            finish = "stop" if step.done else "length"
+            break
+        response = np.asarray(tok.encode(step.response, bos=False), np.int32)
+        traj = Tokens(np.concatenate([traj.completion_ids, response]),
+                      np.concatenate([traj.logprobs, np.zeros(len(response), np.float32)]),
+                      np.concatenate([traj.versions, np.full(len(response), ENV_VERSION, np.int32)]))
+        texts.append(step.response)
+        snapshot = await _snapshot(spec, env) if spec.recovery == SNAPSHOT else None
+        on_turn(traj, len(turns), snapshot)
+        turns.append(len(traj))
+    # (The loop ran at least once: an attempt continues at most max_turns - 1 finished turns.)
+    return Completion(prompt_ids=c.prompt_ids, completion_ids=traj.completion_ids,
+                      logprobs=traj.logprobs, versions=traj.versions, finish_reason=finish,
+                      text="".join(texts)), float(step.reward)
+
+
+async def _rebuild(spec: EnvSpec, env: Any, req: GenRequest, traj: Tokens, tok: Any) -> list[str]:
+    """Bring a fresh environment to the state after `req.turns` (none: reset it); return
+    the texts of the turns and responses so far. A replay that answers differently from
+    the recorded responses is a DataError: the environment is not deterministic."""
+    texts: list[str] = []
+    if req.turns and spec.recovery == SNAPSHOT:
+        if req.snapshot is None:
+            raise DataError(f"environment {spec.label}: turn {len(req.turns) - 1} of "
+                            f"{req.group_id}/{req.generation} has no snapshot to restore")
+        await _call(spec, "restoring the snapshot", env.restore, req.snapshot)
+    else:
+        await _call(spec, "reset", env.reset, req.prompt.row, req.seed)
+    start = 0
+    for turn, end in enumerate(req.turns):
+        ids, versions = traj.completion_ids[start:end], traj.versions[start:end]
+        model, recorded = ids[versions != ENV_VERSION], ids[versions == ENV_VERSION]
+        text = tok.decode(model)
+        texts.append(text)
+        if spec.recovery != SNAPSHOT:
+            step = _checked(spec, await _call(spec, f"replay of turn {turn}", env.step, text))
+            answer = np.asarray(tok.encode(step.response, bos=False), np.int32)
+            if step.done or not np.array_equal(answer, recorded):
+                raise DataError(
+                    f"environment {spec.label} replayed turn {turn} of {req.group_id}/{req.generation} "
+                    f"differently: recorded response {tok.decode(recorded)!r}, now "
+                    f"{'done' if step.done else repr(step.response)} (a `replay` environment must be a "
+                    "function of row, seed and turns; declare recovery='snapshot' otherwise)")
+            texts.append(step.response)
+        else:
+            texts.append(tok.decode(recorded))
+        start = end
+    return texts
+
+
+async def _snapshot(spec: EnvSpec, env: Any) -> bytes:
+    data = await _call(spec, "snapshot", env.snapshot)
+    if not isinstance(data, bytes | bytearray) or len(data) > spec.max_snapshot_bytes:
+        found = f"{type(data).__name__}" if not isinstance(data, bytes | bytearray) else f"{len(data)} bytes"
+        raise DataError(f"environment {spec.label}: snapshot() must return at most env.max_snapshot_bytes="
+                        f"{spec.max_snapshot_bytes} bytes; got {found}")
+    return bytes(data)
+
+
+async def _call(spec: EnvSpec, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` on a worker thread within env.timeout_s; any failure is a DataError."""
+    try:
+        async with asyncio.timeout(spec.timeout_s):
+            out = await asyncio.to_thread(fn, *args)
+    except TimeoutError:
+        raise DataError(f"environment {spec.label}: {what} took longer than env.timeout_s={spec.timeout_s:g} s") \
+            from None
+    except Exception as e:
+        raise DataError(f"environment {spec.label}: {what} raised {type(e).__name__}: {e}") from None
+    return out
+
+
+def _checked(spec: EnvSpec, out: Any) -> Step:
+    """A step's result as a Step, or a DataError saying what is wrong with it."""
+    if isinstance(out, tuple) and not isinstance(out, Step) and 1 <= len(out) <= 3:
+        out = Step(*out)
+    if not (isinstance(out, Step) and isinstance(out.response, str) and isinstance(out.done, bool)
+            and isinstance(out.reward, numbers.Real) and not isinstance(out.reward, bool)
+            and np.isfinite(out.reward)):
+        raise DataError(f"environment {spec.label}: step() must return Step(response: str, done: bool, "
+                        f"reward: finite float); got {str(out)[:120]}")
+    return out
