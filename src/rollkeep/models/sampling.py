@@ -121,23 +121,35 @@ def greedy(model: GPT, tokenizer, prompts: list[str], *, max_new_tokens: int) ->
     Returns the decoded completion of each prompt, in order (EOS ends it and is not part
     of the text). A completion also ends where prompt + completion would exceed
     `block_size`. Runs in the model's own dtype and mode is restored afterwards."""
+    ids = greedy_ids(model, [tokenizer.encode(p) for p in prompts], max_new_tokens=max_new_tokens)
+    return [tokenizer.decode(x) for x in ids]
+
+
+def greedy_ids(model: GPT, contexts: Sequence[Sequence[int]], *,
+               max_new_tokens: int | Sequence[int]) -> list[list[int]]:
+    """Argmax continuation of token-id contexts (a prompt, or a multi-turn trajectory so
+    far) with the KV cache; contexts of equal length and budget run as one batch.
+
+    `max_new_tokens`: one bound for all, or one per context. Returns each context's new
+    ids, in order: up to and including the first EOS, at most its bound, and never past
+    `block_size` (context + new ids fit it; no room: no ids). Runs in the model's own dtype
+    and mode is restored afterwards."""
     block = model.cfg.block_size
-    encoded = [tokenizer.encode(p) for p in prompts]
-    by_len: dict[int, list[int]] = {}
-    for i, ids in enumerate(encoded):
-        by_len.setdefault(len(ids), []).append(i)
-    texts = [""] * len(prompts)
+    budgets = _positions(max_new_tokens, len(contexts))  # one int per context
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, (ctx, budget) in enumerate(zip(contexts, budgets, strict=True)):
+        n_new = min(budget, block - len(ctx))
+        if n_new > 0 and len(ctx) > 0:  # else no room (or no context) for a single token
+            groups.setdefault((len(ctx), n_new), []).append(i)
+    out_ids: list[list[int]] = [[] for _ in contexts]
     was_training = model.training
     model.eval()
     try:
         with torch.inference_mode():
-            for length, members in by_len.items():
-                n_new = min(max_new_tokens, block - length)
-                if n_new <= 0:
-                    continue  # no room for a single token: the completion is empty
+            for (_, n_new), members in groups.items():
                 rows = members if len(members) > 1 else members * 2  # see TorchEngine: B=1 kernels differ
                 device = next(model.parameters()).device
-                x = torch.tensor([encoded[i] for i in rows], dtype=torch.long, device=device)  # (B, P)
+                x = torch.tensor([list(contexts[i]) for i in rows], dtype=torch.long, device=device)  # (B, P)
                 cache = model.new_cache()
                 out = torch.empty(len(rows), n_new, dtype=torch.long, device=device)
                 done = torch.zeros(len(rows), dtype=torch.bool, device=device)
@@ -153,7 +165,7 @@ def greedy(model: GPT, tokenizer, prompts: list[str], *, max_new_tokens: int) ->
                     start += x.size(1)
                     x = nxt.unsqueeze(1)  # (B, 1)
                 for i, ids in zip(members, out.tolist(), strict=False):
-                    texts[i] = tokenizer.decode(ids)
+                    out_ids[i] = ids[: ids.index(EOS) + 1] if EOS in ids else ids  # rows that ended ran on
     finally:
         model.train(was_training)
-    return texts
+    return out_ids

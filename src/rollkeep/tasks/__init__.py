@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ..core.errors import UserInputError
-from . import arith
+from . import arith, calc
 
 RewardFn = Callable[[str, Mapping[str, Any]], float]
 
@@ -29,6 +29,7 @@ def _exact(text: str, row: Mapping[str, Any]) -> float:
 REWARDS: dict[str, RewardFn] = {
     arith.TASK: arith.reward,
     arith.TASK_PARTIAL: lambda text, row: arith.reward(text, row, partial_credit=True),
+    calc.TASK: calc.reward,
     "exact": _exact,
     "default": _exact,
 }

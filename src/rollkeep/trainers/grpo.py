@@ -19,7 +19,8 @@ whole batch under every `loss_type`: they describe the tokens, not the weighting
     ratio_mean          token-mean of the ratio; ~1 on-policy, drifts with staleness
     kl                  token-mean k3 estimate of KL(policy || reference); 0 without one
     grad_norm           global gradient norm before clipping to `grad_clip`
-    tokens              completion tokens in the batch (Σ L_i)
+    tokens              model-written completion tokens in the batch (Σ L_i; a
+                        multi-turn trajectory's environment tokens are not counted)
     reward_mean         mean reward of the batch's completions
     advantage_abs_mean  mean |advantage| over the batch's completions, as trained on (after
                         the `batch` division); 0 when every group scored all its siblings
@@ -54,7 +55,7 @@ from ..models.gpt import GPT
 from ..models.tokenizer import PAD
 from .adamw import make_adamw
 from .base import Batch
-from .batching import MicroBatch, _chunks, collate
+from .batching import MicroBatch, _chunks, collate, model_tokens
 from .grpo_loss import LOSS_TYPES, LossType, grpo_loss, token_logprobs
 from .grpo_snapshot import (
     _REMEDY_SHAPE,
@@ -208,7 +209,9 @@ class GRPOTrainer:
             advs.extend(g.advantages)
         if self.scale_rewards == "batch":  # stored group-centred; the std is the batch's
             advs = list(batch_scaled(advs, [r.reward for r in rows]))
-        n_tokens = sum(r.tokens for r in rows)
+        # Model tokens only: environment tokens (negative versions) are masked out of the
+        # loss, so they must not dilute its normalisation either.
+        n_tokens = sum(model_tokens(r.versions) for r in rows)
         if self.kl_coef > 0 and self._reference is None:
             self.set_reference()  # default reference: the weights before the first RL step
 
@@ -222,6 +225,7 @@ class GRPOTrainer:
                 pad_id=self.pad_id,
                 old_logp=[r.logprobs for r in chunk],
                 advantages=advs[start : start + self.micro_batch_size],
+                versions=[r.versions for r in chunk],
                 device=self.device,
             )
             ref_logp = None

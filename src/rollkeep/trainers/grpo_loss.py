@@ -26,7 +26,9 @@ token's loss is the constant -c * A and it has no gradient. This is the regime t
 batches produce.
 
 The loss aggregates l over the batch's N sequences, sequence i having L_i completion
-tokens, by `loss_type`:
+tokens, by `loss_type` (in a multi-turn trajectory only the model's tokens count: the
+environment's are outside `mask`, so L_i and every token statistic leave them out; L_max,
+the engine's bound on the whole trajectory, still bounds L_i):
 
     dapo     loss = Σ_i Σ_t l[i,t] / Σ_i L_i               token mean over the whole batch
     grpo     loss = (1/N) Σ_i (1/L_i) Σ_t l[i,t]           mean of per-sequence token means

@@ -1,0 +1,88 @@
+"""A tool-use task: multi-digit multiplication with a calculator, e.g. "374*485=" → "181390".
+
+The built-in GPT (~0.4M parameters) cannot multiply three-digit numbers in its head: there
+are 810,000 problems and no carry logic it could learn from a few thousand. With the
+calculator environment (`rollkeep.envs.calc`) the task becomes copying: the model writes
+the tool call, the environment answers, the model copies the value out.
+
+    prompt   "374*485="
+    turn 1   "CALC(374*485)"         the model calls the tool (EOS ends the turn)
+    env      "=181390;"              the calculator's response (masked out of the loss)
+    turn 2   "181390"                the answer (EOS): the episode ends, reward 1.0
+
+Rows carry that demonstration as `turns` (the model's turn texts), which the warm start
+trains on (`controller.warmup`). Operands have exactly `digits` digits, so every prompt
+has the same token length (greedy evaluation and the engine batch by length). Rows are
+generated from a seed, so no download is needed.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+TASK = "calc"
+_INTEGER = re.compile(r"-?\d+")
+
+
+def problem(a: int, b: int) -> dict:
+    """The row of problem a * b, with its demonstration."""
+    return {"prompt": f"{a}*{b}=", "answer": str(a * b), "turns": [f"CALC({a}*{b})", str(a * b)],
+            "task": TASK}
+
+
+def operands(row: dict) -> tuple[int, int]:
+    """(a, b) of a row's prompt "a*b="."""
+    a, b = str(row["prompt"]).rstrip("=").split("*")
+    return int(a), int(b)
+
+
+def _bounds(digits: int) -> tuple[int, int]:
+    """[lo, hi) of the operands with exactly `digits` digits."""
+    if digits < 1:
+        raise ValueError(f"calc: digits must be >= 1, got {digits}")
+    return (0 if digits == 1 else 10 ** (digits - 1)), 10**digits
+
+
+def make_rows(n_rows: int, *, digits: int, seed: int) -> list[dict]:
+    """`n_rows` problems a * b with operands of exactly `digits` digits (repeats possible)."""
+    lo, hi = _bounds(digits)
+    rng = np.random.default_rng([seed, 0xCA1C])
+    a = rng.integers(lo, hi, n_rows)
+    b = rng.integers(lo, hi, n_rows)
+    return [problem(int(x), int(y)) for x, y in zip(a, b, strict=True)]
+
+
+def held_out_rows(n_rows: int, *, digits: int, seed: int, exclude: list[dict]) -> list[dict]:
+    """`n_rows` distinct problems, none of which is the problem of a row of `exclude` (the
+    training rows). Drawn from their own seeded stream, so they depend on the training
+    rows only through which problems those hold. Raises ValueError when fewer than
+    `n_rows` problems with operands of `digits` digits are left."""
+    lo, hi = _bounds(digits)
+    seen = {operands(r) for r in exclude}
+    left = (hi - lo) ** 2 - len({p for p in seen if lo <= p[0] < hi and lo <= p[1] < hi})
+    if n_rows > left:
+        raise ValueError(f"calc: only {left} problems with operands of {digits} digit(s) are not "
+                         f"in the training rows; {n_rows} held-out rows were asked for")
+    rng = np.random.default_rng([seed, 0xCA1E])
+    out: list[dict] = []
+    while len(out) < n_rows:
+        for x, y in zip(rng.integers(lo, hi, 4 * n_rows), rng.integers(lo, hi, 4 * n_rows), strict=True):
+            if (int(x), int(y)) in seen:
+                continue
+            seen.add((int(x), int(y)))
+            out.append(problem(int(x), int(y)))
+            if len(out) == n_rows:
+                break
+    return out
+
+
+def reward(text: str, row: Mapping[str, Any]) -> float:
+    """1.0 if the first integer in the text equals the answer, else 0.0. As a single-turn
+    reward (no environment) the model must answer in its head; the environment scores its
+    final turn with this same function."""
+    m = _INTEGER.search(text)
+    return float(m is not None and m.group(0) == str(row["answer"]))
