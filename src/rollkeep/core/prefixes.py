@@ -17,7 +17,7 @@ prefixes the killed process had made durable:
     abandoned (other), evicted, dropped
                                gone (every chain of the group for the last two)
 
-Both first cut the chain back to the attempt's `resumed_from` (what the attempt continued):
+An attempt's first record cuts the chain back to its `resumed_from` (what it continued):
 links past it were not continued (an attempt that started over after the last turn, with
 `recovery.partial: regenerate`), and a chain that does not reach it was not durable.
 
@@ -96,7 +96,7 @@ class PrefixStore:
             return
         if isinstance(ev, Progressed | TurnSealed):
             key = (ev.group_id, ev.generation)
-            chain = _cut_back(self._chains.get(key, ()), ev.resumed_from)
+            chain = _cut_back(self._chains.get(key, ()), ev.attempt, ev.resumed_from)
             tokens = self._staged.pop(key, None)
             start = chain[-1].end if chain else 0
             if chain is None or (tokens is not None and start + len(tokens) != ev.tokens):
@@ -196,9 +196,12 @@ class PrefixStore:
         self._chains = {key: chain for key, chain in chains.items() if chain}
 
 
-def _cut_back(chain: tuple[Link, ...], resumed_from: int) -> tuple[Link, ...] | None:
-    """`chain` through token `resumed_from` (where an attempt started), or None if no link
-    of it ends there."""
+def _cut_back(chain: tuple[Link, ...], attempt: int, resumed_from: int) -> tuple[Link, ...] | None:
+    """`chain` as attempt `attempt` continues it: whole, once the attempt recorded a link of
+    its own; else through token `resumed_from` (where the attempt started), or None if no
+    link of it ends there."""
+    if chain and chain[-1].attempt == attempt:
+        return chain
     while chain and chain[-1].end > resumed_from:
         chain = chain[:-1]
     return chain if (chain[-1].end if chain else 0) == resumed_from else None

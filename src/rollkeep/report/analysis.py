@@ -20,6 +20,7 @@ from ..core.trace_schema import (
     FAILED,
     LEDGER_EVENTS,
     PROGRESSED,
+    TURN_SEALED,
     RESTORED,
     RUN_FINISHED,
     RUN_STARTED,
@@ -301,14 +302,21 @@ def _restart(
         r.thrown_away_generation_seconds = seconds
         # Partial generations: how far each abandoned sibling had got, as the trace saw it
         # (the journal is never ahead of the trace), against what the restart continues from.
+        # Likewise the finished turns of multi-turn episodes (docs/design.md §5.4).
         progress: dict[tuple[str, int], int] = {}
+        turns: dict[tuple[str, int], int] = {}
         for _, x in surviving:
-            if x["event"] == PROGRESSED:
+            if x["event"] in (PROGRESSED, TURN_SEALED):
                 progress[(x["group_id"], int(x["generation"]))] = int(x["tokens"])
+                if x["event"] == TURN_SEALED:
+                    turns[(x["group_id"], int(x["generation"]))] = int(x["turn"]) + 1
             elif x["event"] == SEALED:
                 progress.pop((x["group_id"], int(x["generation"])), None)
+                turns.pop((x["group_id"], int(x["generation"])), None)
         r.tokens_resumed = int((restored or {}).get("partial_tokens") or 0)
         r.tokens_in_flight_regenerated = max(0, sum(progress.get(k, 0) for k in set(abandoned)) - r.tokens_resumed)
+        r.turns_reused = int((restored or {}).get("turns_reused") or 0)
+        r.turns_regenerated = max(0, sum(turns.get(k, 0) for k in set(abandoned)) - r.turns_reused)
 
     # Lost progress: from the kill until the resumed run is back where the killed run was.
     # A graceful stop is a pause, not a loss: its idle time does not count, and a final

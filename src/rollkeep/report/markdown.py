@@ -41,14 +41,14 @@ def render_markdown(report: Report, files: list[Path] | None = None) -> str:
             ["#", "run id", "checkpoint", "step", "groups reused", "siblings reused",
              "siblings regenerated", "prompts re-admitted", "groups lost", "tokens reused",
              "tokens kept by the journal", "tokens resumed mid-generation",
-             "tokens in flight regenerated",
+             "tokens in flight regenerated", "turns reused", "turns regenerated",
              "tokens thrown away (after cut + discarded siblings)",
              "thrown-away generation (s)", "attempts abandoned", "lost progress (s)"],
             [
                 [r.index, r.run_id, _f(r.checkpoint), _f(r.step), _f(r.groups_reused),
                  _f(r.siblings_reused), _f(r.siblings_regenerated), _f(r.groups_readmitted),
                  _f(r.groups_lost), _f(r.tokens_reused), _f(r.tokens_kept_by_journal), r.tokens_resumed,
-                 r.tokens_in_flight_regenerated,
+                 r.tokens_in_flight_regenerated, r.turns_reused, r.turns_regenerated,
                  f"{_f(r.tokens_thrown_away)} ({_f(r.tokens_sealed_after_cut)} + "
                  f"{_f(r.tokens_siblings_discarded)})",
                  _f(r.thrown_away_generation_seconds, 3), r.attempts_abandoned,

@@ -73,6 +73,11 @@ DEFINITIONS: dict[str, str] = {
     "the cut (clamped at 0), summed; each dispatch counted once.",
     "attempts abandoned": "(group, generation) pairs the resumed run abandoned with reason "
     "'restart'.",
+    "turns reused": "finished turns of multi-turn episodes the restart continues after "
+    "(the `restored` event's turns_reused): only the turn in flight is generated again.",
+    "turns regenerated": "finished turns the killed run traced for the siblings the restart "
+    "abandoned, beyond the ones it reused: turns that were not durable yet (the journal's "
+    "last flush had not reached them) and are played again.",
     "tokens reused": "tokens of the sealed rows the restored checkpoint holds that the resumed "
     "run keeps.",
     "lost progress": "from the previous run's kill (its last trace line) until the resumed run "
@@ -144,6 +149,10 @@ class Restart:
     # tokens the killed run traced for them that were not durable (generated again)
     tokens_resumed: int = 0
     tokens_in_flight_regenerated: int = 0
+    # multi-turn episodes: finished turns the restart continues after, and the ones the
+    # killed run traced for its cut-off siblings that were not durable (played again)
+    turns_reused: int = 0
+    turns_regenerated: int = 0
     attempts_without_dispatch: int = 0  # abandoned, but no live dispatch found before the cut
     kill_t: float | None = None  # the previous run's last trace line
     lost_progress_seconds: float | None = None
