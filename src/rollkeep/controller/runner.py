@@ -49,11 +49,11 @@ from ..core.source import PromptSource
 from ..core.store import CheckpointStore
 from ..core.trace_schema import CheckpointPublished, Eval, RunFailed, RunFinished
 from ..engines import DataError, Engine, GenRequest, InfraError
+from ..envs import EnvSpec
 from ..progress import RunProgress
 from ..tasks import reward_fn
 from ..trace import Trace
 from ..trainers import Trainer
-from ..envs import EnvSpec
 from .episodes import run_episode
 from .journaling import JournalThread
 from .metrics import MetricsLog, Throughput, progress_fields, step_record

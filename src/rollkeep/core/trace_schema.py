@@ -22,10 +22,10 @@ from .events import (
     Evicted,
     Failed,
     Progressed,
-    TurnSealed,
     Sealed,
     StepCommitted,
     Taken,
+    TurnSealed,
     event_name,
 )
 

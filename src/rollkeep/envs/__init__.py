@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.errors import UserInputError
-from .base import ENV_VERSION, RECOVERY_MODES, REPLAY, SNAPSHOT, Environment, EnvFactory, Step
+from .base import ENV_VERSION, RECOVERY_MODES, REPLAY, SNAPSHOT, EnvFactory, Environment, Step
 
 __all__ = ["BUILT_IN", "ENV_VERSION", "REPLAY", "SNAPSHOT", "EnvSpec", "Environment", "Step", "resolve"]
 

@@ -20,13 +20,13 @@ from ..core.trace_schema import (
     FAILED,
     LEDGER_EVENTS,
     PROGRESSED,
-    TURN_SEALED,
     RESTORED,
     RUN_FINISHED,
     RUN_STARTED,
     SEALED,
     STEP_COMMITTED,
     TAKEN,
+    TURN_SEALED,
 )
 from ..core.untrusted import loads_json, read_regular
 from ..lineage import lineage

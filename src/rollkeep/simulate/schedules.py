@@ -57,8 +57,11 @@ def plan(seed: int, index: int = 0) -> Plan:
         timeout_s=0.5, retry=RetryPolicy(rng.randint(2, 4), rng.randint(2, 3), 5.0, 50.0),
         scale_rewards=rng.choice(["group_population", "group", "batch", "none"]),
     )
+    # Multi-turn episodes in half the schedules, drawn from a stream of their own so every
+    # other draw of a seed stays what it was before episodes existed.
+    turns = random.Random(f"{seed}/turns").choice([1, 1, 2, 3])
     script = Script(infra_fail_rate=rng.choice([0.0, 0.05, 0.15]), data_fail_rate=rng.choice([0.0, 0.05]),
-                    hang_rate=rng.choice([0.0, 0.0, 0.03]))
+                    hang_rate=rng.choice([0.0, 0.0, 0.03]), turns=turns)
     points = crash_points()
     crashes = []
     for k in range(rng.choice([0, 1, 1, 2, 3])):

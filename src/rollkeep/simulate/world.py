@@ -66,7 +66,7 @@ from ..core.prefixes import PrefixStore
 from ..core.restore import plan as restore_plan
 from ..core.restore import restore_chain
 from ..core.rowlog import ROWS_DIR, RowLogReader
-from ..core.rows import RowStore
+from ..core.rows import ENV_VERSION, RowStore
 from ..core.samplers import Limits, make_sampler
 from ..core.schedule import (
     Cancel,
@@ -122,6 +122,7 @@ class Script:
     write_s: tuple[float, float] = (0.001, 0.01)
     refit_s: tuple[float, float] = (0.0, 0.002)
     completion_tokens: int = 4
+    turns: int = 1  # model turns per episode: more than one runs multi-turn episodes (§5.4)
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,7 @@ class Plan:
         return (f"sampler={self.sampler} recovery={s.recovery_mode} deterministic={s.deterministic} "
                 f"P={self.limits.num_prompts_per_step} window={self.limits.window} G={s.group_size} "
                 f"steps={s.total_steps} rows={self.n_rows}x{self.epochs} every={s.checkpoint_every} "
-                f"keep={self.keep_last} drop={s.on_dropped_prompt} stale={s.on_stale}"
+                f"keep={self.keep_last} drop={s.on_dropped_prompt} stale={s.on_stale} turns={self.script.turns}"
                 + (f" journal={self.journal_ms:g}ms/{self.flush_events}" if self.journal else " journal=off"))
 
 
@@ -468,6 +469,9 @@ class _Process:
         else:
             outcome = None  # a completion, built on arrival (the engine may have been refit)
         latency = _between(script.latency, seed, req.seed, "latency", req.attempt)
+        if outcome is None and script.turns > 1:
+            self._episode(key, req, latency)
+            return
         if outcome is None and self.sched.partial.enabled:  # it streams: one chunk per token, as it goes
             n = 1 + int(_unit(req.seed, "len") * script.completion_tokens)
             made = [] if req.prefix is None else [req.prefix]
@@ -477,6 +481,46 @@ class _Process:
             self.later(latency, lambda: self._deliver(key, req, None, made))
             return
         self.later(latency, lambda: self._deliver(key, req, outcome))
+
+    def _episode(self, key, req: GenRequest, latency: float) -> None:
+        """A multi-turn episode continued from `req.prefix` after `req.turns`: every token a
+        function of (seed, position), each turn's model tokens then (but after the last) two
+        environment tokens; chunks as they come when it streams, `on_turn` after each
+        finished turn, the trajectory at the end. The timeline is laid out up front; every
+        callback checks the attempt was not cancelled."""
+        plan, env = [], self.w.plan.script.turns
+        pos, start = 0, len(req.prefix) if req.prefix is not None else 0
+        for turn in range(env):
+            m = 1 + int(_unit(req.seed, "len", turn) * self.w.plan.script.completion_tokens)
+            plan += [("model", pos + i, turn) for i in range(m)]
+            pos += m
+            if turn < env - 1:
+                plan += [("env", pos, turn), ("env", pos + 1, turn), ("turn", pos + 2, turn)]
+                pos += 2
+        todo = [step for step in plan if step[1] >= start and not (step[0] == "turn" and step[2] < len(req.turns))]
+        made = [] if req.prefix is None else [req.prefix]
+        for j, step in enumerate(todo):
+            self.later(latency * (j + 1) / (len(todo) + 1), lambda step=step: self._episode_step(key, req, step, made))
+        self.later(latency, lambda: self._deliver(key, req, None, made))
+
+    def _episode_step(self, key, req: GenRequest, step: tuple[str, int, int], made: list) -> None:
+        if key in self.cancelled:
+            return
+        kind, pos, turn = step
+        if kind == "turn":
+            traj = Chunk(*(np.concatenate([getattr(c, f) for c in made]) for f in ("completion_ids", "logprobs",
+                                                                                   "versions")))
+            self.sched.on_turn(key, traj, turn)
+            return
+        version = self.engine_version if req.pinned_version is None else req.pinned_version
+        if kind == "env":
+            made.append(Chunk(np.array([7], np.int32), np.zeros(1, np.float32), np.full(1, ENV_VERSION, np.int32)))
+            return
+        chunk = Chunk(np.array([int(_unit(req.seed, "tok", pos) * 10)], np.int32), np.full(1, -0.5, np.float32),
+                      np.full(1, version, np.int32))
+        made.append(chunk)
+        if self.sched.partial.enabled:
+            self.sched.on_progress(key, chunk, self.w.now)
 
     def _chunk(self, key, req: GenRequest, i: int, made: list) -> None:
         if key in self.cancelled:

@@ -19,7 +19,8 @@ partial: resume`, when a sibling whose chain is kept (a restart, a graceful stop
 failure) is dispatched again, its new attempt continues from the chain's tokens; with
 `regenerate` it starts over.
 
-A finished turn of a multi-turn episode (docs/design.md §5.4) is always recorded, at once,
+A finished turn of a multi-turn episode (docs/design.md §5.4) is recorded (at sibling
+granularity: an all-or-nothing group regenerates whole) at once,
 as a `turn_sealed` event whose chunk is everything since the last record (the model's
 tokens and the environment's response): at sibling granularity a new attempt of the sibling
 continues after its last finished turn whatever `recovery.partial` says, which decides only
@@ -74,7 +75,10 @@ class PartialGenerations:
     def on_turn(self, key: AttemptKey, trajectory: Tokens, turn: int, snapshot: bytes | None,
                 apply: Apply) -> None:
         """The in-flight attempt `key` (the caller checked it is current) finished turn
-        `turn`: record it with what its unrecorded chunks had, as one chunk."""
+        `turn`: record it with what its unrecorded chunks had, as one chunk. (Not at
+        prompt-group granularity, whose groups regenerate whole.)"""
+        if not self.turns:
+            return
         gid, g, attempt = key
         self._pending.pop(key, None)
         start = self._end.get(key, 0)
