@@ -26,7 +26,9 @@ from typing import Any
 
 import numpy as np
 
+from ..core.errors import RowsMismatch
 from ..core.generation import Completion, DataError, GenRequest, Tokens
+from ..core.prefixes import PrefixStore
 from ..envs import ENV_VERSION, SNAPSHOT, EnvSpec, Step
 
 OnTurn = Callable[[Tokens, int, bytes | None], None]  # (trajectory, turn, snapshot)
@@ -68,6 +70,25 @@ async def run_episode(engine: Any, spec: EnvSpec, req: GenRequest, progress: Any
     return Completion(prompt_ids=c.prompt_ids, completion_ids=traj.completion_ids,
                       logprobs=traj.logprobs, versions=traj.versions, finish_reason=finish,
                       text="".join(texts)), float(step.reward)
+
+
+def check_restored(prefixes: PrefixStore, spec: EnvSpec | None, where: str) -> None:
+    """After a restore: every finished turn of an environment that recovers by snapshot has
+    its snapshot, within env.max_snapshot_bytes (else RowsMismatch, exit 3: the episode
+    cannot be continued as it was). `where`: the checkpoint restored, for the message."""
+    if spec is None or spec.recovery != SNAPSHOT:
+        return
+    for (gid, gen), chain in prefixes.capture().items():
+        for link in chain:
+            if link.turn >= 0 and (link.snapshot is None or len(link.snapshot) > spec.max_snapshot_bytes):
+                found = "none" if link.snapshot is None else f"{len(link.snapshot)} bytes"
+                raise RowsMismatch(
+                    f"turn {link.turn} of episode {gid}/{gen} has no usable environment snapshot", path=where,
+                    field="turns", expected=f"the snapshot of environment {spec.label} (recovery 'snapshot'), at "
+                    f"most env.max_snapshot_bytes={spec.max_snapshot_bytes}", found=found,
+                    remedy="the checkpoint was written with another environment or a larger env.max_snapshot_bytes, "
+                    "or its rows index was damaged: resume with the env.* it was written with, or from an "
+                    "older checkpoint")
 
 
 async def _rebuild(spec: EnvSpec, env: Any, req: GenRequest, traj: Tokens, tok: Any) -> list[str]:
