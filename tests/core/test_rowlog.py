@@ -301,7 +301,7 @@ GOOD = ["g", 0, 0, 1.0, "stop", I4, I4, F4, I4]
         ({5: [1, 2]}, "Expected `bytes`"),
         ({6: I4[:-1]}, "not a multiple of 4"),
         ({7: F4[:-4]}, "logprobs has length 2"),
-        ({8: np.array([0, -1, 0], "<i4").tobytes()}, "versions must be non-negative"),
+        ({8: np.array([0, -2, 0], "<i4").tobytes()}, "versions must be >= 0 (or -1"),
         ({5: np.array([-5], "<i4").tobytes()}, "prompt_ids must be non-negative"),
         ({9: b"extra"}, "at most length 9"),
     ],

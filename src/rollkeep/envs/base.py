@@ -8,7 +8,11 @@ were taken:
     env.reset(row, seed)
     step = env.step(model_text)          the model's turn, decoded (EOS ended)
     ... step.response is appended to the trajectory (its tokens masked out of the loss)
-    ... until step.done; the episode's reward is the sum of every step's reward
+    ... until step.done; the episode's reward is the last step's (an environment that
+    ... scores its turns folds their scores into it)
+
+(The last step's, not a sum: after a restore from a snapshot, the rewards of the turns
+before it are not known again, and an outcome reward is what GRPO uses.)
 
 The trajectory a trainer sees is the prompt, then each model turn and environment response
 in order; environment tokens carry `ENV_VERSION` instead of a weight version, and that is
@@ -51,7 +55,7 @@ class Step(NamedTuple):
 
     response: str = ""  # appended after the model's turn when the episode goes on
     done: bool = False  # the episode ends with this turn
-    reward: float = 0.0  # this turn's reward; the episode's is the sum over its turns
+    reward: float = 0.0  # the episode's reward, read from the step that ends it
 
 
 @runtime_checkable

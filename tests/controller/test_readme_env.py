@@ -1,0 +1,25 @@
+"""The README's user environment runs as written, under `env.factory`, and survives kills."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+from run_harness import FAST, check, config, killed, run_child, run_to_end, trace_lines
+
+from test_readme import README
+
+
+def test_the_readme_environment_runs_and_resumes_mid_episode(tmp_path, monkeypatch) -> None:
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    (code,) = [b for b in blocks if "class GuessEnv" in b]
+    (tmp_path / "my_env.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("my_env", None)
+    cfg = config(tmp_path / "run", "env.factory=my_env:GuessEnv", "env.kwargs={high: 10}", "env.max_turns=4",
+                 "engine.token_ms=1", "recovery.progress_ms=1")
+    assert killed(run_child(cfg, "ledger.turn_sealed:100"))
+    run_to_end(cfg)
+    check(cfg)
+    turns = [x for x in trace_lines(cfg) if x["event"] == "turn_sealed"]
+    assert turns and max(x["turn"] for x in turns) >= 1, "episodes of several turns"
