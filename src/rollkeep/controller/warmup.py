@@ -10,6 +10,13 @@ function of (seed, step), so a resumed warmup ends with the same weights.
 Every step logs its loss to the run's metrics (`MetricsLog.write_warmup`: `warmup/step`,
 `warmup/loss`, `warmup/seconds`, ...), on lines of their own that no RL reader takes for
 a step.
+
+With an environment (`make_env`), a row's `turns` is its demonstration: the model's turn
+texts of one episode. Running a fresh environment through them gives each turn's context
+(`demonstration`), and every turn is an SFT example: the prompt, the earlier turns and
+the environment's responses as context, the turn (and EOS) as target. A step samples
+`sft_batch_size` rows, as without an environment, and trains on all of their turns. A row
+without `turns` is the one-turn demonstration of its `answer`.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import numpy as np
 
 from ..config import ADDED_KEYS, Config, semantic
 from ..core.configdiff import check_compatible
-from ..core.errors import CheckpointError, ConfigError
+from ..core.errors import CheckpointError, ConfigError, DatasetError
 from ..core.source import Dataset
 from ..core.store import CheckpointStore
 from .metrics import MetricsLog
@@ -53,11 +60,14 @@ def _graceful_signals() -> Iterator[list[str]]:
 
 
 def run_warmup(cfg: Config, *, dataset: Dataset, trainer: Any, tokenizer: Any, log=print,
-               metrics: Callable[[], MetricsLog] | None = None) -> tuple[int, str | None]:
+               metrics: Callable[[], MetricsLog] | None = None,
+               make_env: Callable[[], Any] | None = None) -> tuple[int, str | None]:
     """Run the warm start (or resume it). Call only before RL has a checkpoint. Returns the
     warm-start step reached and the signal that stopped it (None when it finished); a
     stopped warm start has checkpointed that step. `metrics` opens the log its steps are
-    written to (called only when a step is left to take; closed when the warm start ends)."""
+    written to (called only when a step is left to take; closed when the warm start ends).
+    `make_env` (a fresh Environment per call): rows are multi-turn demonstrations (module
+    docstring)."""
     steps = cfg.warmup.sft_steps
     run_dir = Path(cfg.run_dir)
     if steps == 0:
@@ -72,14 +82,16 @@ def run_warmup(cfg: Config, *, dataset: Dataset, trainer: Any, tokenizer: Any, l
             found=str(steps),
             remedy="set warmup.sft_steps=0",
         )
-    missing = [i for i in range(len(dataset)) if "answer" not in dataset[i]]
+    need = ("answer",) if make_env is None else ("turns", "answer")
+    missing = [i for i in range(len(dataset)) if not any(k in dataset[i] for k in need)]
     if missing:
+        fields = " or ".join(f"`{k}`" for k in need)
         raise ConfigError(
-            f"warmup needs an `answer` field in every row; {len(missing)} row(s) have none (e.g. row {missing[0]})",
+            f"warmup needs an {fields} field in every row; {len(missing)} row(s) have none (e.g. row {missing[0]})",
             field="warmup.sft_steps",
-            expected="rows with `answer`",
+            expected=f"rows with {fields}",
             found=f"{len(missing)} row(s) without",
-            remedy="add answers to the dataset or set warmup.sft_steps=0",
+            remedy="add answers (or demonstrations) to the dataset or set warmup.sft_steps=0",
         )
     store = CheckpointStore(run_dir / "warmup" / "checkpoints")
     store.cleanup_tmp()
@@ -105,15 +117,47 @@ def run_warmup(cfg: Config, *, dataset: Dataset, trainer: Any, tokenizer: Any, l
     with contextlib.closing(opened) if opened is not None else contextlib.nullcontext():
         with _graceful_signals() as stopped_by:
             step = _train(cfg, store, done, stopped_by, dataset=dataset, trainer=trainer, tokenizer=tokenizer,
-                          log=log, metrics=opened)
+                          log=log, metrics=opened, make_env=make_env)
     if stopped_by:
         return step, stopped_by[0]
     trainer.set_reference()
     return steps, None
 
 
+def demonstration(row: Any, make_env: Callable[[], Any], tokenizer: Any, *, seed: int = 0,
+                  where: str = "row") -> list[tuple[list[int], list[int]]]:
+    """The SFT examples of one row's demonstration: for turn k, (prompt + turns < k with
+    EOS + the environment's responses to them, turn k + EOS), token ids. The environment
+    is reset with `seed` and must not end the episode before the last turn (a
+    DatasetError names the row, `where`, and the turn)."""
+    turns = [str(t) for t in row["turns"]] if "turns" in row else [str(row["answer"])]
+    if not turns:
+        raise DatasetError(f"warmup: {where} has an empty `turns` demonstration", field="turns",
+                             expected="at least one turn", found="[]",
+                             remedy="give the row its turns or drop `turns` to use its `answer`")
+    env = make_env()
+    env.reset(row, seed)
+    context = tokenizer.encode(str(row["prompt"]))
+    out = []
+    for k, turn in enumerate(turns):
+        target = tokenizer.encode(turn, bos=False) + [tokenizer.eos_id]
+        out.append((list(context), target))
+        if k == len(turns) - 1:
+            break
+        step = env.step(turn)
+        if step.done:
+            raise DatasetError(
+                f"warmup: the environment ended the demonstration of {where} at turn {k + 1} of {len(turns)}",
+                field="turns", expected=f"an episode of {len(turns)} turns", found=f"done after turn {k + 1} {turn!r}",
+                remedy="fix the row's `turns` (every turn but the last must get a response)",
+            )
+        context += target + tokenizer.encode(step.response, bos=False)
+    return out
+
+
 def _train(cfg: Config, store: CheckpointStore, done: int, stopped_by: list[str], *, dataset: Dataset,
-           trainer: Any, tokenizer: Any, log, metrics: MetricsLog | None) -> int:
+           trainer: Any, tokenizer: Any, log, metrics: MetricsLog | None,
+           make_env: Callable[[], Any] | None = None) -> int:
     """Supervised steps `done + 1 ..`, each checkpointed on schedule, the last one and the
     one a signal stopped after always. Returns the last step taken."""
     steps = cfg.warmup.sft_steps
@@ -122,11 +166,15 @@ def _train(cfg: Config, store: CheckpointStore, done: int, stopped_by: list[str]
     for step in range(done + 1, steps + 1):
         rng = np.random.default_rng([cfg.seed, 0x5F7, step])
         idx = rng.integers(0, len(dataset), cfg.warmup.sft_batch_size)
-        seqs = [
-            (tokenizer.encode(dataset[int(i)]["prompt"]),
-             tokenizer.encode(str(dataset[int(i)]["answer"]), bos=False) + [tokenizer.eos_id])
-            for i in idx
-        ]
+        if make_env is None:
+            seqs = [
+                (tokenizer.encode(dataset[int(i)]["prompt"]),
+                 tokenizer.encode(str(dataset[int(i)]["answer"]), bos=False) + [tokenizer.eos_id])
+                for i in idx
+            ]
+        else:  # a row's every turn: sft_batch_size counts rows
+            seqs = [ex for i in idx for ex in demonstration(dataset[int(i)], make_env, tokenizer,
+                                                             seed=cfg.seed, where=f"row {int(i)}")]
         result = trainer.sft_step(seqs, lr=cfg.warmup.sft_lr)
         if step % cfg.checkpoint.warmup_every_steps == 0 or step == steps or stopped_by:
             files = {f"trainer/{k}": v for k, v in trainer.snapshot().files().items()}
