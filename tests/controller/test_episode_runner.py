@@ -108,3 +108,17 @@ def test_a_slow_environment_misses_its_deadline() -> None:
             episode(spec(slow, timeout_s=0.05), request())
     finally:
         gate.set()
+
+
+def test_an_environment_response_past_the_engines_budget_ends_the_episode() -> None:
+    """The trajectory never outgrows what the engine may generate after the prompt (the
+    built-in GPT's block_size): a response that would reach it cuts the episode there."""
+    class Bounded(ToyEngine):
+        def completion_limit(self, prompt_tokens: int) -> int:
+            return 20
+
+    talkative = type("Talkative", (episode_envs.CountEnv,),
+                     {"step": lambda self, text: episode_envs.Step(response="=" * 30)})
+    c, _, turns = episode(spec(talkative), request(), engine=Bounded(tool_turns=2))
+    assert not turns and c.finish_reason == "length" and len(c.completion_ids) < 20
+    assert (c.versions != ENV_VERSION).all()

@@ -5,8 +5,7 @@ from __future__ import annotations
 import re
 import sys
 
-from run_harness import FAST, check, config, killed, run_child, run_to_end, trace_lines
-
+from run_harness import check, config, killed, run_child, run_to_end, trace_lines
 from test_readme import README
 
 

@@ -307,7 +307,7 @@ def test_a_checkpoint_names_the_rows_in_the_row_log_and_copies_only_the_others(t
     index, named = decoded.rows, decoded.extents
     assert set(index) == {RowId("e0.0", 0, 0), RowId("e0.0", 2, 0), RowId("e0.1", 0, 0)}
     assert ck.manifest["rows"] == {"by_reference": 3, "copied": 1, "segments": named, "partial": 0,
-                                   "partial_tokens": 0} and named[0][0] == 0
+                                   "partial_tokens": 0, "turns": 0} and named[0][0] == 0
     assert ck.manifest["schemas"]["rows"] == 2
 
     r = restore_chain(store, source=source, config=CONFIG)

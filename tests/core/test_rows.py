@@ -151,7 +151,7 @@ def test_row_copies_a_read_only_view_of_writable_memory_but_not_frozen_memory():
         ({"completion": [[1, 2]]}, "completion_ids must be 1-D"),
         ({"logprobs": [-1.0]}, "logprobs has length 1"),
         ({"versions": [0, 0, 0]}, "versions has length 3"),
-        ({"versions": [0, -2]}, "versions must be >= 0 (or -1"),
+        ({"versions": [0, -2]}, r"versions must be >= 0 \(or -1"),
         ({"prompt": [-5]}, "prompt_ids must be non-negative"),
         ({"reward": True}, "reward must be a float"),
         ({"reward": "1.0"}, "reward must be a float"),
@@ -500,7 +500,7 @@ def test_bad_offsets(name, tamper, fields):
     ("name", "value"),
     [
         ("finish_reason", 2),
-        ("versions", -1),
+        ("versions", -2),
         ("generation", -3),
         ("attempt", -1),
         ("prompt_ids", -7),

@@ -294,7 +294,7 @@ def test_write_report(run_dir: Path) -> None:
         assert len(data) > 10_000, name
     md = (out / "report.md").read_text()
     assert "## Restarts" in md
-    assert "| 1 | runB | step_000001 | 1 | 0 | 1 | 3 | 2 | - | 11 | - | 0 | 0 | 72 (59 + 13) | 1.900 | 3 | 5.500 (until step 2 committed again) |" in md
+    assert "| 1 | runB | step_000001 | 1 | 0 | 1 | 3 | 2 | - | 11 | - | 0 | 0 | 0 | 0 | 72 (59 + 13) | 1.900 | 3 | 5.500 (until step 2 committed again) |" in md
     for term in ("tokens thrown away", "thrown-away generation time", "lost progress",
                  "group completion time", "batch age"):
         assert f"**{term}**" in md

@@ -227,6 +227,7 @@ def report(target: Target, r: Restored) -> dict[str, Any]:
         "rows_by_reference": sum(not isinstance(x, Row) for x in r.rows.values()),
         "partial_generations": len(r.prefixes),
         "partial_tokens": sum(chain[-1].end for chain in r.prefixes.values()),
+        "turns": sum(link.turn >= 0 for chain in r.prefixes.values() for link in chain),
         "plan": {**asdict(r.plan), "source_cursor": list(r.plan.source_cursor), "lines": r.plan.lines()},
         "store": store_listing(target.store),
     }
@@ -332,6 +333,9 @@ def render(rep: dict[str, Any]) -> str:
     if rep["partial_generations"]:
         row("", f"{'partial':<9}{rep['partial_generations']:>7}   sibling(s) cut off mid-generation, continued from "
                 f"their {rep['partial_tokens']} token(s) (recovery.partial: resume)")
+    if rep["turns"]:
+        row("", f"{'turns':<9}{rep['turns']:>7}   finished turn(s) of multi-turn episodes in flight, continued "
+                "after (the turn in flight is generated again)")
 
     out.append("")
     j = rep.get("journal")

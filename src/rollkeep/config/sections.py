@@ -468,7 +468,13 @@ class RewardConfig(_Section):
     the current directory or the Python path; null = the built-in rewards."""
 
 
-_ENV_FACTORY = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+def _env_factory(v: Any) -> str | None:
+    from pydantic_core import PydanticCustomError
+
+    if v is None or (isinstance(v, str) and _REWARD_SPEC.match(v)):
+        return v
+    raise PydanticCustomError("env_factory", "a `package.module:callable` string (a module path, a colon, a "
+                              "class or function name, e.g. `my_env:GuessEnv`)")
 
 
 class EnvConfig(_Section):
@@ -480,7 +486,7 @@ class EnvConfig(_Section):
     """A built-in environment: `calc` (a calculator tool: `CALC(expr)` turns are answered
     with the value, any other turn is the answer); null = none (single-turn), unless
     `factory` is set."""
-    factory: str | None = Field(None, pattern=_ENV_FACTORY.pattern)
+    factory: Annotated[str | None, PlainValidator(_env_factory)] = None
     """`"package.module:callable"`: your own environment, called as `callable(**kwargs)` once
     per episode (a class works); imported at start-up from the current directory or the
     Python path. Set `name` or `factory`, not both."""
@@ -491,9 +497,10 @@ class EnvConfig(_Section):
     timeout_s: float = Field(30.0, gt=0.0)
     """Deadline of one environment call (reset, step, snapshot, restore); past it, a data
     failure of the attempt."""
-    max_snapshot_bytes: int = Field(65536, ge=0)
-    """Largest environment snapshot (environments recovering by `snapshot`); a larger one
-    is a data failure of the attempt. Snapshots live in the journal and the trace."""
+    max_snapshot_bytes: int = Field(65536, ge=0, le=16 << 20)
+    """Largest environment snapshot (environments recovering by `snapshot`), at most 16 MiB;
+    a larger one is a data failure of the attempt. Snapshots live in the journal's records
+    (64 MiB at most each) and in the trace, so keep them small: a handle, not a database."""
 
 
 class WarmupConfig(_Section):

@@ -116,6 +116,10 @@ def eval_notes(cfg: Config, eval_rows: list[dict] | None, *, evaluates: bool) ->
     every = cfg.eval.every_steps
     if evaluates or (every == 0 and cfg.eval.path is None):
         return []
+    if cfg.trainer.name == "hf" and (cfg.env.name or cfg.env.factory) and every and eval_rows:
+        return [f"eval.every_steps is {every} but greedy evaluation of multi-turn episodes runs only with "
+                "the built-in GPT (trainer.name torch); no evaluation runs (set eval.every_steps=0 to "
+                "silence this)"]
     if cfg.trainer.name == "toy":
         if cfg.eval.path is None:
             return []  # the toy trainer has no model: eval.every_steps means nothing there
@@ -168,7 +172,8 @@ def _build_torch(cfg: Config, dataset: Dataset, source: PromptSource, eval_rows,
     if eval_rows and cfg.eval.every_steps:
         rows = eval_rows[: cfg.eval.n_rows] if cfg.eval.n_rows else eval_rows
         evaluator = Evaluator(rows, model=model, tokenizer=tokenizer, max_new_tokens=e.max_new_tokens,
-                              num_samples=cfg.eval.num_samples)
+                              num_samples=cfg.eval.num_samples, make_env=None if env is None else env.factory,
+                              max_turns=1 if env is None else env.max_turns)
     return Parts(dataset, source, eval_rows, engine, trainer, tokenizer, evaluator)
 
 
@@ -185,7 +190,7 @@ def _build_hf(cfg: Config, dataset: Dataset, source: PromptSource, eval_rows, en
     else:
         engine = make_engine(cfg.engine)
     evaluator = None
-    if eval_rows and cfg.eval.every_steps:
+    if eval_rows and cfg.eval.every_steps and env is None:  # (multi-turn greedy: the built-in GPT's only)
         from ..models.hf import greedy_texts
         from .evaluate import Evaluator
 

@@ -9,9 +9,10 @@ that continues the trajectory so far (`GenRequest.prefix`), so an engine needs n
 prefix continuation and its tokenizer (`engine.tokenizer`: `encode(text, bos=False)`,
 `decode(ids)`).
 
-The trajectory's budget is the engine's `max_new_tokens` (prefix included): an episode ends
-when a turn generates nothing (the budget is spent or the context is full), when the
-environment says it is done, or after `env.max_turns` turns. Environment calls run on a
+The trajectory's budget is the engine's (`engine.completion_limit(prompt_tokens)`: its
+`max_new_tokens` within its context; unbounded for an engine without one): an environment
+response is cut to what is left of it, and the episode ends when it is spent, when a turn
+generates nothing, when the environment says it is done, or after `env.max_turns` turns. Environment calls run on a
 worker thread, each within `env.timeout_s`; any failure of theirs is a `DataError` (a data
 failure of the attempt).
 """
@@ -59,6 +60,9 @@ async def run_episode(engine: Any, spec: EnvSpec, req: GenRequest, progress: Any
             finish = "stop" if step.done else "length"
             break
         response = np.asarray(tok.encode(step.response, bos=False), np.int32)
+        limit = engine.completion_limit(len(c.prompt_ids)) if hasattr(engine, "completion_limit") else None
+        if limit is not None and len(traj) + len(response) >= limit:
+            break  # the response would spend what is left of the budget: the episode is cut here
         traj = Tokens(np.concatenate([traj.completion_ids, response]),
                       np.concatenate([traj.logprobs, np.zeros(len(response), np.float32)]),
                       np.concatenate([traj.versions, np.full(len(response), ENV_VERSION, np.int32)]))

@@ -174,7 +174,8 @@ def checkpoint_files(c: Cut, trainer_files: Mapping[str, bytes]) -> tuple[dict[s
         files[f"{TRAINER_DIR}/{name}"] = blob
     locations = [loc for _, loc in by_ref] + [ch.at for chain in chains.values() for ch in chain]
     rows = {"by_reference": len(by_ref), "copied": len(copied), "segments": extents(locations),
-            "partial": len(chains), "partial_tokens": sum(chain[-1].end for chain in chains.values())}
+            "partial": len(chains), "partial_tokens": sum(chain[-1].end for chain in chains.values()),
+            "turns": sum(link.turn >= 0 for chain in chains.values() for link in chain)}
     return files, rows
 
 

@@ -172,7 +172,7 @@ class TorchEngine:
                 f"torch engine: prompt of {len(ids)} tokens (with BOS) leaves no room to generate "
                 f"in block_size {block} ({req.group_id}/{req.generation})"
             )
-        budget = min(self.max_new_tokens, block - len(ids))  # prompt + completion fit
+        budget = self.completion_limit(len(ids))  # prompt + completion fit
         prefix = req.prefix if req.prefix is not None and len(req.prefix) > 0 else None
         replay: list[int] = []
         context, offset = ids, 0
@@ -216,6 +216,11 @@ class TorchEngine:
                 f"outside the vocabulary of {vocab}"
             )
         return ids
+
+    def completion_limit(self, prompt_tokens: int) -> int:
+        """The longest completion (prefix included) after a prompt of `prompt_tokens` (BOS
+        included): what `generate` stops at, and what a multi-turn trajectory must fit."""
+        return max(0, min(self.max_new_tokens, self.model.cfg.block_size - prompt_tokens))
 
     async def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         """Load a state_dict snapshot as `version`; returns once it is loaded.

@@ -474,6 +474,10 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ worker thread
 
+    def completion_limit(self, prompt_tokens: int) -> int:
+        """The longest completion (prefix included) after a prompt of `prompt_tokens`."""
+        return max(0, min(self.max_new_tokens, self._max_model_len - prompt_tokens))
+
     @property
     def tokenizer(self) -> Any:
         """The model's tokenizer in the form multi-turn episodes use (`encode(text, bos=False)`,
