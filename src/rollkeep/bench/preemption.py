@@ -2,7 +2,8 @@
 `journal` (the default: recovery.mode=sibling with the journal, partial generations
 resumed), and each `recovery.mode` restoring from its checkpoint alone
 (`journal.enabled=false`); on the long-generation workloads, `journal` against
-`regenerate` (the journal on, cut-off generations started over).
+`regenerate` (the journal on, cut-off generations started over); on the multi-turn workload
+also `sibling` (whole episodes from the checkpoint alone).
 
     run_preempted(config, overrides, kill_delays=..., workdir=..., timeout=...)
         `rollkeep train` as a subprocess in WORKDIR/run (WORKDIR wiped first); segment i is
@@ -50,7 +51,7 @@ from typing import Any
 
 from ..chaos import _env, _trace_mark, _train_cmd, _wait_started
 from ..core.errors import RollkeepError
-from ..core.trace_schema import DROPPED, PROGRESSED, SEALED, STEP_COMMITTED
+from ..core.trace_schema import DROPPED, PROGRESSED, SEALED, STEP_COMMITTED, TURN_SEALED
 from ..lineage import lineage
 from ..trace import read_trace
 
@@ -69,6 +70,11 @@ WORKLOADS = ("toy", "model")
 #: over (`regenerate`), both with the journal, at the same kill instants (issue 11).
 LONG_WORKLOADS = ("toy_long", "model_long")
 LONG_MODES = ("journal", "regenerate")
+#: Multi-turn episodes (issue 12): finished turns and the turn in flight kept (`journal`),
+#: finished turns kept and the turn in flight started over (`regenerate`), and whole
+#: episodes from the checkpoint alone (`sibling`, the journal off), at the same instants.
+EPISODE_WORKLOADS = ("toy_episodes",)
+EPISODE_MODES = ("journal", "regenerate", "sibling")
 KILL_WINDOW = 0.7  # kill instants are uniform in [0, KILL_WINDOW x the reference run time]
 MEASURES = (
     "wall_s",
@@ -167,7 +173,26 @@ def workload(name: str, *, quick: bool = False) -> Workload:
             f"built-in GPT (torch, CPU) from scratch on arith with up to 24 new tokens (it rarely "
             f"stops early), progress recorded every 20 ms, P=16, G=8, {steps} steps, checkpoint every {every}",
         )
-    raise ValueError(f"unknown workload {name!r} (expected one of {', '.join(WORKLOADS + LONG_WORKLOADS)})")
+    if name == "toy_episodes":
+        steps = 20 if quick else 40
+        every = 10
+        return Workload(
+            "toy_episodes",
+            str(files("rollkeep") / "configs" / "calc_toy.yaml"),
+            (
+                "env.max_turns=4", "engine.latency_ms=10", "engine.completion_tokens=16", "engine.token_ms=2",
+                "engine.infra_fail_rate=0", "engine.data_fail_rate=0", "recovery.progress_ms=10",
+                "trainer.step_sleep_ms=5", "sampler.name=in_order", "sampler.max_lookahead_versions=1",
+                f"train.total_steps={steps}", f"checkpoint.every_steps={every}", "data.epochs=null",
+                "data.generated.n_rows=1024",
+            ),
+            steps,
+            f"calc environment on the toy engine: 4-turn episodes (3 tool calls, then the answer), "
+            f"each turn 10 ms + up to ~26 streamed tokens at 2 ms (~150 ms per episode), trainer "
+            f"5 ms/step, P=8, G=4, {steps} steps, checkpoint every {every}",
+        )
+    raise ValueError(f"unknown workload {name!r} (expected one of "
+                     f"{', '.join(WORKLOADS + LONG_WORKLOADS + EPISODE_WORKLOADS)})")
 
 
 # ------------------------------------------------------------------------- one job
@@ -300,11 +325,13 @@ def measure(run_dir: Path) -> dict[str, Any]:
 def tokens_generated(lines: list[dict[str, Any]]) -> int:
     """Tokens the engines generated, as the trace saw them: each attempt's tokens beyond
     the prefix it continued (`resumed_from`), through its seal, or through its last
-    `progressed` event if it was cut off (a kill, a stop, a failure). Without progress
-    events (the journal off, an engine that does not stream) only sealed attempts count."""
+    `progressed` or `turn_sealed` event if it was cut off (a kill, a stop, a failure).
+    Without them (the journal off, an engine that does not stream) only sealed attempts
+    count. (In an episode, the environment's tokens count as generated, as they count as
+    trained.)"""
     last: dict[tuple, int] = {}
     for x in lines:
-        if x["event"] in (SEALED, PROGRESSED):
+        if x["event"] in (SEALED, PROGRESSED, TURN_SEALED):
             key = (x["run_id"], x["group_id"], x["generation"], x["attempt"])
             last[key] = int(x["tokens"]) - int(x.get("resumed_from", 0))
     return sum(last.values())
@@ -357,12 +384,13 @@ def goodput(
     timeout: float = 600.0,
     modes: tuple[str, ...] | None = None,
 ) -> dict[str, Any]:
-    """Per variant (`modes`: the workload's default, `MODES` or `LONG_MODES`): the median
+    """Per variant (`modes`: the workload's default, `MODES`, `LONG_MODES` or `EPISODE_MODES`): the median
     over repeats of each measure of `run_preempted`, and the medians of the per-repeat
     ratios to the baseline (`sibling`, else the last variant) at the same kill instants."""
     w = workload(workload_name, quick=quick)
     if modes is None:
-        modes = LONG_MODES if workload_name in LONG_WORKLOADS else MODES
+        modes = (LONG_MODES if workload_name in LONG_WORKLOADS else
+                 EPISODE_MODES if workload_name in EPISODE_WORKLOADS else MODES)
     base = "sibling" if "sibling" in modes else modes[-1]
     with tempfile.TemporaryDirectory(prefix="rollkeep-goodput-") as tmp:
         root = Path(workdir) if workdir is not None else Path(tmp)

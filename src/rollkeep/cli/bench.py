@@ -22,7 +22,10 @@ Run the benchmark suite and print what it measured, side by side, in one invocat
               alone): fraction of generated tokens that end up trained, prompts lost,
               prompts duplicated, wall time; then long generations (toy_long: 64 streamed
               tokens; model_long: the GPT with 24 new tokens) with partial generations
-              resumed (journal) against started over (regenerate)
+              resumed (journal) against started over (regenerate); then multi-turn
+              episodes (toy_episodes: the calc environment, 4 turns) with finished turns
+              and the turn in flight kept (journal), finished turns kept (regenerate),
+              and whole episodes from the checkpoint alone (sibling)
   speedup     async speedup: the same jobs uninterrupted with sampler.max_lookahead_versions
               0 vs 1 (and 2)
   waste       wasted generation: the same uneven toy job, uninterrupted and without
@@ -111,13 +114,13 @@ def run(args: argparse.Namespace) -> int:
         print("== controller")
         results["controller"] = controller.run(args.quick)
     if "preemption" in suites:
-        from ..bench.preemption import LONG_WORKLOADS, WORKLOADS, goodput
+        from ..bench.preemption import EPISODE_WORKLOADS, LONG_WORKLOADS, WORKLOADS, goodput
 
         print(
             f"== goodput under preemption ({kills} kill(s), {repeats} repeat(s), seed {args.seed})"
         )
         results["preemption"] = {}
-        for name in WORKLOADS + LONG_WORKLOADS:
+        for name in WORKLOADS + LONG_WORKLOADS + EPISODE_WORKLOADS:
             r = goodput(
                 name, kills=kills, repeats=repeats, seed=args.seed, quick=args.quick, log=_note
             )
