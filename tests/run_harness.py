@@ -66,6 +66,9 @@ def run_child(cfg: Config, crash_at: str | None = None, *, crash_signal: str = "
     return os.WEXITSTATUS(status)
 
 
+STOPPED = 128 + signal.SIGTERM  # how `rollkeep train` exits after a graceful stop (SIGTERM)
+
+
 def run_to_end(cfg: Config) -> None:
     code = run_child(cfg)
     assert code == 0, f"run failed with {code}"
@@ -77,6 +80,11 @@ def killed(code: int) -> bool:
 
 def trace_lines(cfg: Config) -> list[dict]:
     return read_trace(Path(cfg.run_dir) / "trace.jsonl")[0]
+
+
+def events(cfg: Config, name: str) -> list[dict]:
+    """The trace's events called `name`, in order."""
+    return [x for x in trace_lines(cfg) if x["event"] == name]
 
 
 def event_counts(cfg: Config) -> dict[str, int]:

@@ -5,7 +5,6 @@ and in deterministic mode it ends with exactly its weights."""
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 
 import episode_envs
@@ -13,20 +12,20 @@ import pytest
 from run_harness import (
     DEFAULTS,
     FAST,
+    STOPPED,
     check,
     config,
+    events,
     final_sha,
     killed,
     run_child,
     run_to_end,
-    trace_lines,
 )
 
 from rollkeep.cli import main
 from rollkeep.core.rowindex import ROWS_INDEX, decode_index
 from rollkeep.core.store import CheckpointStore
 
-STOPPED = 128 + signal.SIGTERM
 # Three-turn episodes of streamed 6-token turns: generation is the slow part, so episodes are
 # in flight, between their turns, at every stop.
 EPISODES = ["env.factory=episode_envs:CountEnv", "env.max_turns=3", "env.kwargs={turns: 3}",
@@ -34,10 +33,6 @@ EPISODES = ["env.factory=episode_envs:CountEnv", "env.max_turns=3", "env.kwargs=
             "data.generated.n_rows=100", "train.total_steps=24"]
 SNAPSHOT = [*EPISODES[1:], "env.factory=episode_envs:SnapCountEnv"]
 DET = ["deterministic=true", "rollout.on_dropped_prompt=shrink", "sampler.name=in_order"]
-
-
-def events(cfg, name: str) -> list[dict]:
-    return [x for x in trace_lines(cfg) if x["event"] == name]
 
 
 def assert_episodes_whole(cfg, turns: int = 3) -> None:

@@ -14,7 +14,6 @@ import errno
 import hashlib
 import os
 import shutil
-import signal
 import struct
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import pytest
 from run_harness import (
     DEFAULTS,
     FAST,
+    STOPPED,
     check,
     config,
     final_sha,
@@ -39,7 +39,6 @@ from rollkeep.core.rowlog import segment_path as rowlog_segment_path
 from rollkeep.core.rowlog import segments as rowlog_segments
 from rollkeep.core.store import CheckpointStore
 
-STOPPED = 128 + signal.SIGTERM
 NO_FINAL = "checkpoint.on_shutdown=false"
 DET = ["deterministic=true", "rollout.on_dropped_prompt=shrink", "sampler.name=in_order"]
 

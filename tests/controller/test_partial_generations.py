@@ -4,15 +4,16 @@ prompts (and, in deterministic mode, ends with exactly the weights) of a run nev
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 
 import pytest
 from run_harness import (
     DEFAULTS,
     FAST,
+    STOPPED,
     check,
     config,
+    events,
     final_sha,
     killed,
     run_child,
@@ -25,16 +26,11 @@ from rollkeep.core.rowindex import ROWS_INDEX, decode_index
 from rollkeep.core.rowlog import segment_path
 from rollkeep.core.store import CheckpointStore
 
-STOPPED = 128 + signal.SIGTERM
 # Streamed one token at a time, recorded at most every millisecond. Generation is the slow
 # part (24 ms per completion, the toy trainer is instant), so generations are in flight at
 # every instant of the run, a stop's included.
 LONG = ["engine.completion_tokens=24", "engine.token_ms=1", "recovery.progress_ms=1"]
 DET = ["deterministic=true", "rollout.on_dropped_prompt=shrink", "sampler.name=in_order", *LONG]
-
-
-def events(cfg, name: str) -> list[dict]:
-    return [x for x in trace_lines(cfg) if x["event"] == name]
 
 
 def reference(tmp_path, *over: str) -> str:
