@@ -305,7 +305,10 @@ def step_record(batch: Any, metrics: dict[str, float], *, train_seconds: float, 
     tokens = sum(r.tokens for r in rows)
     lengths = [r.tokens for r in rows]  # completion tokens per sibling
     trainer_version = batch.step - 1
-    age = float(sum(int((trainer_version - r.versions).sum()) for r in rows) / tokens) if tokens else 0.0
+    # Token-weighted over the model's tokens (an episode's environment tokens have no version).
+    model = [r.versions[r.versions >= 0] for r in rows]
+    n_model = sum(len(v) for v in model)
+    age = float(sum(int((trainer_version - v).sum()) for v in model) / n_model) if n_model else 0.0
     return {
         "weight_version": batch.step,
         "groups": len(batch.groups),
