@@ -13,7 +13,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from run_harness import DEFAULTS, FAST
+from run_harness import DEFAULTS, FAST, ROOT
 
 from rollkeep.trace import read_trace
 
@@ -207,6 +207,19 @@ def test_chaos_random_sigkills_in_long_generations_pass(tmp_path) -> None:
                    "engine.infra_fail_rate=0.05",
                    "train.total_steps=10", "data.epochs=2", "data.generated.n_rows=20",
                    "--kills", "6", "--seed", "3", "--workdir", str(tmp_path / "chaos"), timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "PASS" in out.stdout and "duplicates: 0   lost: 0" in out.stdout
+    assert "(== uninterrupted run)" in out.stdout
+
+
+def test_chaos_random_sigkills_mid_episode_pass(tmp_path) -> None:
+    """`rollkeep chaos` on the multi-turn calc environment (issue 12, configs/calc_toy.yaml):
+    random SIGKILLs and crash points, among them `turn_sealed` events, land mid-episode; the
+    resumed runs continue after the finished turns and the weights end as a run never killed."""
+    out = rollkeep("chaos", str(ROOT / "configs" / "calc_toy.yaml"), "deterministic=true",
+                   "rollout.on_dropped_prompt=shrink", "train.total_steps=10", "logger.progress=none",
+                   f"run_dir={tmp_path / 'run'}",
+                   "--kills", "5", "--seed", "4", "--workdir", str(tmp_path / "chaos"), timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "PASS" in out.stdout and "duplicates: 0   lost: 0" in out.stdout
     assert "(== uninterrupted run)" in out.stdout

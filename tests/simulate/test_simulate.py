@@ -310,3 +310,24 @@ def test_the_journal_off_restores_from_the_checkpoint_alone():
 def test_journal_bugs_the_simulation_found_stay_fixed(seed, index):
     out = check(plan(seed, index=index))
     assert not out.problems
+
+
+# -- multi-turn episodes (issue 12)
+
+
+def test_multi_turn_episodes_are_drawn_and_the_sweep_crashes_mid_episode(sweep):
+    plans = [plan(schedule_seed(0, i), index=10**6) for i in range(200)]
+    assert 60 < sum(p.script.turns > 1 for p in plans) < 140
+    assert sweep.fired["ledger.turn_sealed"] > 0
+
+
+def test_a_crash_between_turns_of_a_deterministic_run_continues_the_episodes_and_ends_identical():
+    p = plan(schedule_seed(1, 6), index=10**6)
+    assert p.settings.deterministic and p.settings.recovery_mode == "sibling"
+    p = dataclasses.replace(p, journal=True, script=dataclasses.replace(p.script, turns=3),
+                            crashes=(Crash(at=30, point="ledger.turn_sealed"),), fault_rate=0.0, max_faults=0)
+    out = check(p)  # also the digest of the same plan run without the crash
+    assert not out.problems and out.crashes == 1
+    lines, _ = parse_trace(out.trace)
+    restored = [x for x in lines if x["event"] == "restored"]
+    assert restored and restored[-1]["turns_reused"] > 0
