@@ -16,6 +16,18 @@ group advantages (`core.advantages`, group_population) and takes one `train_step
 
     PYTHONPATH=src python scripts/calc_offline.py --seed 0 --out runs/calc_offline/seed0.json
 
+Measured (2 CPU cores, 2 torch threads, configs/calc.yaml's settings = the defaults
+below): held-out greedy accuracy on 500 problems, at the warm start and every 10 RL steps
+
+    seed 0   0.564 0.934 0.958 1.0   0.998 0.99  1.0 ...  1.0   (150 steps, 1:46 wall)
+    seed 1   0.108 0.096 0.082 0.252 0.58  0.926 1.0 ...  1.0   (2:08)
+    seed 2   0.1   0.122 0.168 0.386 0.71  0.964 1.0 ...  1.0   (2:06)
+
+What did not work, for the record: engine temperature 1.0 (a partial warm start almost
+never samples a whole right episode; the policy collapsed), 16 prompts x 8 at lr 3e-4
+(collapsed from seed 2's 0.1 warm start), lr 1e-3 (collapsed), operands 100..999 (17%
+of products have 5 digits; GRPO stalled at ~0.80).
+
 Rows of episodes are `EpisodeRow`s, not `core.rows.Row`s: Row does not accept the
 environment's negative versions yet (being relaxed on main). The trainer reads only the
 fields both have.
@@ -61,15 +73,15 @@ def parse_args() -> argparse.Namespace:
     a("--max-turns", type=int, default=3)
     a("--max-new-tokens", type=int, default=40, help="trajectory bound (model + env tokens)")
     a("--sft-steps", type=int, default=100, help="warm-start steps (deliberately partial)")
-    a("--sft-lr", type=float, default=1e-3)
+    a("--sft-lr", type=float, default=3e-4)
     a("--sft-batch", type=int, default=32, help="rows per warm-start step (all their turns)")
-    a("--lr", type=float, default=2e-4)
+    a("--lr", type=float, default=3e-4)
     a("--lr-warmup", type=int, default=20, help="RL lr warmup steps (a fresh AdamW)")
-    a("--steps", type=int, default=300, help="RL steps")
-    a("--prompts", type=int, default=16, help="prompts per RL step")
+    a("--steps", type=int, default=150, help="RL steps")
+    a("--prompts", type=int, default=32, help="prompts per RL step")
     a("--group", type=int, default=8, help="episodes per prompt (GRPO group)")
-    a("--temperature", type=float, default=1.0)
-    a("--eval-every", type=int, default=25)
+    a("--temperature", type=float, default=0.5)
+    a("--eval-every", type=int, default=10)
     a("--time-limit", type=float, default=600.0, help="stop RL after this many seconds of wall")
     a("--threads", type=int, default=2, help="torch intra-op threads")
     a("--out", type=Path, default=None, help="write the curve as JSON here")

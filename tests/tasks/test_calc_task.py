@@ -13,7 +13,7 @@ def test_rows_are_a_function_of_the_seed_with_demonstrations() -> None:
     assert rows != calc.make_rows(50, digits=3, seed=8)
     for r in rows:
         a, b = calc.operands(r)
-        assert 100 <= a <= 999 and 100 <= b <= 999  # exactly `digits` digits: one prompt length
+        assert 317 <= a <= 999 and 317 <= b <= 999 and len(r["answer"]) == 6  # one trajectory length
         assert r["prompt"] == f"{a}*{b}=" and r["answer"] == str(a * b) and r["task"] == "calc"
         assert r["turns"] == [f"CALC({a}*{b})", str(a * b)]
 

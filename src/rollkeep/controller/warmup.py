@@ -82,16 +82,17 @@ def run_warmup(cfg: Config, *, dataset: Dataset, trainer: Any, tokenizer: Any, l
             found=str(steps),
             remedy="set warmup.sft_steps=0",
         )
-    need = ("answer",) if make_env is None else ("turns", "answer")
+    need = ("answer",) if make_env is None else ("turns", "answer")  # with an env: a demonstration
     missing = [i for i in range(len(dataset)) if not any(k in dataset[i] for k in need)]
     if missing:
-        fields = " or ".join(f"`{k}`" for k in need)
+        fields, what = ("an `answer`", "answers") if make_env is None else ("a `turns` or `answer`",
+                                                                          "demonstrations (`turns`)")
         raise ConfigError(
-            f"warmup needs an {fields} field in every row; {len(missing)} row(s) have none (e.g. row {missing[0]})",
+            f"warmup needs {fields} field in every row; {len(missing)} row(s) have none (e.g. row {missing[0]})",
             field="warmup.sft_steps",
-            expected=f"rows with {fields}",
+            expected=f"rows with {fields[fields.index('`'):]}",
             found=f"{len(missing)} row(s) without",
-            remedy="add answers (or demonstrations) to the dataset or set warmup.sft_steps=0",
+            remedy=f"add {what} to the dataset or set warmup.sft_steps=0",
         )
     store = CheckpointStore(run_dir / "warmup" / "checkpoints")
     store.cleanup_tmp()

@@ -1,7 +1,8 @@
 """A tool-use task: multi-digit multiplication with a calculator, e.g. "374*485=" → "181390".
 
-The built-in GPT (~0.4M parameters) cannot multiply three-digit numbers in its head: there
-are 810,000 problems and no carry logic it could learn from a few thousand. With the
+The built-in GPT (~0.4M parameters) cannot multiply three-digit numbers in its head
+(measured: 1000 supervised steps of 64 prompt -> answer pairs leave held-out accuracy at
+0.0, training rows at 0.002). With the
 calculator environment (`rollkeep.envs.calc`) the task becomes copying: the model writes
 the tool call, the environment answers, the model copies the value out.
 
@@ -13,11 +14,13 @@ the tool call, the environment answers, the model copies the value out.
 Rows carry that demonstration as `turns` (the model's turn texts), which the warm start
 trains on (`controller.warmup`). Operands have exactly `digits` digits, so every prompt
 has the same token length (greedy evaluation and the engine batch by length). Rows are
-generated from a seed, so no download is needed.
+generated from a seed, so no download is needed. Every product has 2 x `digits` digits
+(`_bounds` says why), so every demonstration has the same token length too.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -41,14 +44,22 @@ def operands(row: dict) -> tuple[int, int]:
 
 
 def _bounds(digits: int) -> tuple[int, int]:
-    """[lo, hi) of the operands with exactly `digits` digits."""
+    """[lo, hi) of the operands: `digits` digits, and at least sqrt(10**(2 digits - 1)) so
+    that every product has 2 x digits digits (317..999 for 3 digits).
+
+    Why the floor: with every product of one length, every trajectory has one shape, and
+    the tiny GPT's position-based copying covers every row. With all 3-digit operands,
+    17% of products have 5 digits; measured (scripts/calc_offline.py), GRPO then stalls at
+    ~0.80 held-out accuracy: it never learns to copy the shorter answers."""
     if digits < 1:
         raise ValueError(f"calc: digits must be >= 1, got {digits}")
-    return (0 if digits == 1 else 10 ** (digits - 1)), 10**digits
+    lo = math.isqrt(10 ** (2 * digits - 1) - 1) + 1  # the least n with n * n >= 10**(2d-1)
+    return lo, 10**digits
 
 
 def make_rows(n_rows: int, *, digits: int, seed: int) -> list[dict]:
-    """`n_rows` problems a * b with operands of exactly `digits` digits (repeats possible)."""
+    """`n_rows` problems a * b, operands of `digits` digits whose product has 2 x digits
+    digits (`_bounds`); repeats possible."""
     lo, hi = _bounds(digits)
     rng = np.random.default_rng([seed, 0xCA1C])
     a = rng.integers(lo, hi, n_rows)
@@ -60,7 +71,7 @@ def held_out_rows(n_rows: int, *, digits: int, seed: int, exclude: list[dict]) -
     """`n_rows` distinct problems, none of which is the problem of a row of `exclude` (the
     training rows). Drawn from their own seeded stream, so they depend on the training
     rows only through which problems those hold. Raises ValueError when fewer than
-    `n_rows` problems with operands of `digits` digits are left."""
+    `n_rows` problems with such operands are left."""
     lo, hi = _bounds(digits)
     seen = {operands(r) for r in exclude}
     left = (hi - lo) ** 2 - len({p for p in seen if lo <= p[0] < hi and lo <= p[1] < hi})
