@@ -1,8 +1,8 @@
 """Learning curves of the default job (README, "Measured learning curves").
 
-    python scripts/learning_curves.py [--seeds 0 1 2] [--out runs/curves] [key=value ...]
+    python scripts/learning_curves.py [--config FILE] [--seeds 0 1 2] [--out runs/curves] [key=value ...]
 
-Runs `rollkeep train` (the default config, configs/arith.yaml, plus any overrides) once
+Runs `rollkeep train` (the default config, configs/arith.yaml, or `--config`, plus any overrides) once
 per seed, one after the other, each in a fresh run directory OUT/seed-S, and prints a
 markdown table per seed: greedy accuracy on the held-out problems at every eval step
 (step 0 = right after the warm start), the wall time from the launch of the process to
@@ -25,11 +25,11 @@ import time
 from pathlib import Path
 
 
-def run_seed(seed: int, out: Path, overrides: list[str]) -> dict:
+def run_seed(seed: int, out: Path, overrides: list[str], config: str | None = None) -> dict:
     run_dir = out / f"seed-{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = [sys.executable, "-m", "rollkeep", "train", f"run_dir={run_dir}", f"seed={seed}",
-           "logger.progress=none", *overrides]
+    cmd = [sys.executable, "-m", "rollkeep", "train", *([config] if config else []), f"run_dir={run_dir}",
+           f"seed={seed}", "logger.progress=none", *overrides]
     launched = time.time()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=dict(os.environ))
     wall = time.time() - launched
@@ -57,13 +57,14 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--out", default="runs/curves")
+    p.add_argument("--config", default=None, help="a config file (default: rollkeep train's, configs/arith.yaml)")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = []
     for seed in args.seeds:
-        r = run_seed(seed, out, args.overrides)
+        r = run_seed(seed, out, args.overrides, args.config)
         results.append(r)
         print(table(r), "\n", flush=True)
     (out / "curves.json").write_text(json.dumps(results, indent=1))

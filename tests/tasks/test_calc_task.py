@@ -43,3 +43,13 @@ def test_reward_is_the_first_integer() -> None:
     assert calc.reward("1777", row) == 0.0
     assert calc.reward("", row) == 0.0
     assert reward_fn("calc") is calc.reward  # the single-turn reward is registered
+
+
+def test_a_tool_share_changes_only_which_demonstrations_call_the_calculator() -> None:
+    full = calc.make_rows(2000, digits=3, seed=4)
+    part = calc.make_rows(2000, digits=3, seed=4, tool_share=0.25)
+    assert [r["prompt"] for r in part] == [r["prompt"] for r in full]
+    calls = [r["turns"][0].startswith("CALC(") for r in part]
+    assert 0.2 < sum(calls) / len(calls) < 0.3
+    assert all(r["turns"] == [r["answer"]] for r, c in zip(part, calls, strict=True) if not c)
+    assert all(r["turns"][0].startswith("CALC(") for r in full)

@@ -55,6 +55,10 @@ class GeneratedDataConfig(_Section):
     """Number of digits per operand of a generated problem."""
     eval_rows: int = Field(128, ge=0)
     """Number of held-out prompts generated for evaluation (rows)."""
+    tool_share: float = Field(1.0, ge=0.0, le=1.0)
+    """Task `calc`: the share of the training rows whose demonstration (the warm start's)
+    calls the calculator; the others answer at once, as a demonstrator who can multiply
+    would. Below 1 the warm start uses the tool on only some problems."""
     format: Literal["plain", "padded", "reversed"] = "plain"
     """How problems are written: `plain` "7+45=" -> "52"; `padded` operands and answer
     zero-padded to fixed widths, "07+45=" -> "052"; `reversed` padded, with the answer's

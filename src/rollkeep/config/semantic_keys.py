@@ -128,6 +128,7 @@ def semantic(cfg: Config) -> dict[str, Any]:
 #: (and any other value is a change to name with --allow-config-change).
 ADDED_KEYS: dict[str, Any] = {
     "data.generated.format": "plain",
+    "data.generated.tool_share": 1.0,
     "trainer.lr_warmup_steps": 0,
     "trainer.lr_decay_steps": 0,
     "trainer.lr_final_ratio": 0.1,

@@ -58,7 +58,7 @@ def _generated(cfg: Config) -> tuple[Dataset, list[dict]]:
     if gen.task == "calc":
         from ..tasks import calc
 
-        make = lambda n: calc.make_rows(n, digits=gen.digits, seed=cfg.seed)  # noqa: E731
+        make = lambda n: calc.make_rows(n, digits=gen.digits, seed=cfg.seed, tool_share=gen.tool_share)  # noqa: E731
         hold = lambda n, train: calc.held_out_rows(n, digits=gen.digits, seed=cfg.seed, exclude=train)  # noqa: E731
     else:
         make = lambda n: arith.make_rows(n, digits=gen.digits, seed=cfg.seed, task=gen.task,  # noqa: E731

@@ -12,7 +12,9 @@ the tool call, the environment answers, the model copies the value out.
     turn 2   "181390"                the answer (EOS): the episode ends, reward 1.0
 
 Rows carry that demonstration as `turns` (the model's turn texts), which the warm start
-trains on (`controller.warmup`). Operands have exactly `digits` digits, so every prompt
+trains on (`controller.warmup`); with `tool_share` below 1 (`data.generated.tool_share`),
+the other rows' demonstration is the answer written at once (`["181390"]`), as a
+demonstrator who can multiply would write it. Operands have exactly `digits` digits, so every prompt
 has the same token length (greedy evaluation and the engine batch by length). Rows are
 generated from a seed, so no download is needed. Every product has 2 x `digits` digits
 (`_bounds` says why), so every demonstration has the same token length too.
@@ -31,10 +33,11 @@ TASK = "calc"
 _INTEGER = re.compile(r"-?\d+")
 
 
-def problem(a: int, b: int) -> dict:
-    """The row of problem a * b, with its demonstration."""
-    return {"prompt": f"{a}*{b}=", "answer": str(a * b), "turns": [f"CALC({a}*{b})", str(a * b)],
-            "task": TASK}
+def problem(a: int, b: int, *, tool: bool = True) -> dict:
+    """The row of problem a * b, with its demonstration: the tool call and the copied value,
+    or (`tool` false) the answer written at once, as a demonstrator who can multiply would."""
+    turns = [f"CALC({a}*{b})", str(a * b)] if tool else [str(a * b)]
+    return {"prompt": f"{a}*{b}=", "answer": str(a * b), "turns": turns, "task": TASK}
 
 
 def operands(row: dict) -> tuple[int, int]:
@@ -57,14 +60,18 @@ def _bounds(digits: int) -> tuple[int, int]:
     return lo, 10**digits
 
 
-def make_rows(n_rows: int, *, digits: int, seed: int) -> list[dict]:
+def make_rows(n_rows: int, *, digits: int, seed: int, tool_share: float = 1.0) -> list[dict]:
     """`n_rows` problems a * b, operands of `digits` digits whose product has 2 x digits
-    digits (`_bounds`); repeats possible."""
+    digits (`_bounds`); repeats possible. A `tool_share` of the demonstrations (drawn per
+    row from a stream of its own: the problems do not depend on it) call the calculator;
+    the others answer at once, which the model cannot learn to do: a warm start on them
+    uses the tool on only some problems, and RL has to learn to use it on all."""
     lo, hi = _bounds(digits)
     rng = np.random.default_rng([seed, 0xCA1C])
     a = rng.integers(lo, hi, n_rows)
     b = rng.integers(lo, hi, n_rows)
-    return [problem(int(x), int(y)) for x, y in zip(a, b, strict=True)]
+    tool = np.random.default_rng([seed, 0x7001]).random(n_rows) < tool_share
+    return [problem(int(x), int(y), tool=bool(t)) for x, y, t in zip(a, b, tool, strict=True)]
 
 
 def held_out_rows(n_rows: int, *, digits: int, seed: int, exclude: list[dict]) -> list[dict]:
