@@ -52,7 +52,7 @@ def _bounds(digits: int) -> tuple[int, int]:
 
     Why the floor: with every product of one length, every trajectory has one shape, and
     the tiny GPT's position-based copying covers every row. With all 3-digit operands,
-    17% of products have 5 digits; measured (scripts/calc_offline.py), GRPO then stalls at
+    17% of products have 5 digits; measured (an offline GRPO loop, since removed), GRPO then stalls at
     ~0.80 held-out accuracy: it never learns to copy the shorter answers."""
     if digits < 1:
         raise ValueError(f"calc: digits must be >= 1, got {digits}")
