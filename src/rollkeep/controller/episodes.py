@@ -46,7 +46,7 @@ async def run_episode(engine: Any, spec: EnvSpec, req: GenRequest, progress: Any
     turns = list(req.turns)
     texts = await _rebuild(spec, env, req, traj, tok)
     step, finish = Step(), "length"
-    while len(turns) < spec.max_turns:
+    while True:  # (at least one turn: a resume with a lowered env.max_turns takes its last one)
         turn_req = dataclasses.replace(req, prefix=traj if len(traj) else None, turns=tuple(turns))
         c = await (engine.generate(turn_req, progress) if progress is not None else engine.generate(turn_req))
         traj = Tokens(c.completion_ids, c.logprobs, c.versions)
@@ -56,7 +56,7 @@ async def run_episode(engine: Any, spec: EnvSpec, req: GenRequest, progress: Any
         text = tok.decode(turn_ids)
         texts.append(text)
         step = _checked(spec, await _call(spec, f"step of turn {len(turns)}", env.step, text))
-        if step.done or len(turns) + 1 == spec.max_turns:
+        if step.done or len(turns) + 1 >= spec.max_turns:
             finish = "stop" if step.done else "length"
             break
         response = np.asarray(tok.encode(step.response, bos=False), np.int32)
@@ -70,7 +70,6 @@ async def run_episode(engine: Any, spec: EnvSpec, req: GenRequest, progress: Any
         snapshot = await _snapshot(spec, env) if spec.recovery == SNAPSHOT else None
         on_turn(traj, len(turns), snapshot)
         turns.append(len(traj))
-    # (The loop ran at least once: an attempt continues at most max_turns - 1 finished turns.)
     return Completion(prompt_ids=c.prompt_ids, completion_ids=traj.completion_ids,
                       logprobs=traj.logprobs, versions=traj.versions, finish_reason=finish,
                       text="".join(texts)), float(step.reward)
