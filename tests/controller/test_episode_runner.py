@@ -122,3 +122,11 @@ def test_an_environment_response_past_the_engines_budget_ends_the_episode() -> N
     c, _, turns = episode(spec(talkative), request(), engine=Bounded(tool_turns=2))
     assert not turns and c.finish_reason == "length" and len(c.completion_ids) < 20
     assert (c.versions != ENV_VERSION).all()
+
+
+def test_env_max_turn_tokens_caps_every_model_turn() -> None:
+    env = dataclasses.replace(spec(episode_envs.CountEnv), max_turn_tokens=2)
+    c, _, turns = episode(env, request(), engine=ToyEngine(completion_tokens=8))
+    model = c.versions != ENV_VERSION
+    runs = np.split(model, np.flatnonzero(np.diff(model.astype(int))) + 1)
+    assert len(turns) == 2 and [len(r) for r in runs if r[0]] == [2, 2, 2]

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("transformers")
 
 from hf_fixture import make_tiny_hf_model  # noqa: E402
-from run_harness import check, config, final_sha, killed, run_child, run_to_end  # noqa: E402
+from run_harness import check, config, final_sha, killed, run_child, run_to_end, trace_lines  # noqa: E402
 
 from rollkeep.config import load_config  # noqa: E402
 from rollkeep.trainers.hf import HFTrainer  # noqa: E402
@@ -76,3 +76,21 @@ def test_deterministic_hf_run_is_byte_identical_after_a_kill(model_dir, tmp_path
     assert killed(run_child(cfg, "ledger.sealed:30"))
     run_to_end(cfg)
     check(cfg, final_sha(reference))
+
+
+def test_deterministic_hf_episodes_are_byte_identical_after_kills_between_turns(model_dir, tmp_path) -> None:
+    """The hf engine runs multi-turn episodes (issue 12): each turn continues the
+    trajectory so far as a prefix; a kill between turns resumes after the finished ones.
+    (The random model never writes EOS: env.max_turn_tokens ends its turns.)"""
+    over = [*hf_overrides(model_dir, tmp_path), "engine.max_new_tokens=16", "warmup.sft_steps=0",
+            "env.factory=episode_envs:CountEnv", "env.max_turns=3", "env.kwargs={turns: 3}",
+            "env.max_turn_tokens=3", "deterministic=true", "rollout.on_dropped_prompt=shrink"]
+    reference = config(tmp_path / "reference", *over)
+    run_to_end(reference)
+    cfg = config(tmp_path / "killed", *over)
+    assert killed(run_child(cfg, "ledger.turn_sealed:50"))
+    assert killed(run_child(cfg, "ledger.turn_sealed:25"))
+    run_to_end(cfg)
+    check(cfg, final_sha(reference))
+    lines = [x for x in trace_lines(cfg) if x["event"] in ("turn_sealed", "restored")]
+    assert any(x["event"] == "turn_sealed" and x["turn"] == 1 for x in lines)

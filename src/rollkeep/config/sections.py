@@ -498,6 +498,9 @@ class EnvConfig(_Section):
     """Keyword arguments of the environment's constructor (`factory` or the built-in)."""
     max_turns: int = Field(4, ge=1, le=1024)
     """Most model turns per episode; the last one ends it whatever the environment says."""
+    max_turn_tokens: int | None = Field(None, ge=1)
+    """Most tokens the model writes in one turn (a turn ends at EOS or here); null = only
+    the trajectory's budget (`engine.max_new_tokens`, environment tokens included) bounds it."""
     timeout_s: float = Field(30.0, gt=0.0)
     """Deadline of one environment call (reset, step, snapshot, restore); past it, a data
     failure of the attempt."""

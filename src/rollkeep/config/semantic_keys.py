@@ -41,6 +41,7 @@ _SEMANTIC = (
     "env.factory",
     "env.kwargs",
     "env.max_turns",
+    "env.max_turn_tokens",
 )
 _NOT_SEMANTIC = (
     "run_dir",
@@ -137,6 +138,7 @@ ADDED_KEYS: dict[str, Any] = {
     "env.factory": None,
     "env.kwargs": {},
     "env.max_turns": 4,
+    "env.max_turn_tokens": None,
     "trainer.scale_rewards": "group_population",
     "trainer.loss_type": "dapo",
     "trainer.dual_clip": None,

@@ -101,11 +101,11 @@ def build(cfg: Config) -> Parts:
         engine = make_engine(cfg.engine, tool_turns=0 if env is None else env.max_turns - 1)
         parts = Parts(dataset, source, eval_rows, engine, make_trainer(cfg.trainer))
     parts.env = env
-    # A turn continues the trajectory so far as a prefix, which only streaming engines do.
-    if env is not None and not (getattr(parts.engine, "streams", False) and hasattr(parts.engine, "tokenizer")):
+    # A turn continues the trajectory so far as a prefix.
+    if env is not None and not (getattr(parts.engine, "continues", False) and hasattr(parts.engine, "episode_tokenizer")):
         raise ConfigError(
             f"the {cfg.engine.name} engine cannot run multi-turn episodes", field="env",
-            expected="an engine that continues a prefix and has a tokenizer (toy, torch, vllm)",
+            expected="an engine that continues a prefix and has a tokenizer (toy, torch, hf, vllm)",
             found=f"engine.name={cfg.engine.name}", remedy="use another engine, or unset env.name and env.factory")
     parts.notes.extend(eval_notes(cfg, eval_rows, evaluates=parts.evaluator is not None))
     return parts

@@ -6,8 +6,8 @@ then alternates an engine call for the model's turn and an environment step for 
 response, reporting every finished turn (`on_turn`, which the scheduler records as a
 `turn_sealed` event) before the next model call. Any engine works: a turn is a generation
 that continues the trajectory so far (`GenRequest.prefix`), so an engine needs nothing but
-prefix continuation and its tokenizer (`engine.tokenizer`: `encode(text, bos=False)`,
-`decode(ids)`).
+prefix continuation (`continues`) and its tokenizer (`engine.episode_tokenizer`:
+`encode(text, bos=False)`, `decode(ids)`).
 
 The trajectory's budget is the engine's (`engine.completion_limit(prompt_tokens)`: its
 `max_new_tokens` within its context; unbounded for an engine without one): an environment
@@ -40,17 +40,19 @@ async def run_episode(engine: Any, spec: EnvSpec, req: GenRequest, progress: Any
                       on_turn: OnTurn) -> tuple[Completion, float]:
     """One episode: the trajectory as a Completion (environment tokens carry ENV_VERSION)
     and its reward, the last step's (an environment that scores turns adds them in)."""
-    tok = engine.tokenizer
+    tok = engine.episode_tokenizer
     env = await _call(spec, "building the environment", spec.factory)
     traj = req.prefix if req.prefix is not None else _EMPTY
     turns = list(req.turns)
     texts = await _rebuild(spec, env, req, traj, tok)
     step, finish = Step(), "length"
     while True:  # (at least one turn: a resume with a lowered env.max_turns takes its last one)
-        turn_req = dataclasses.replace(req, prefix=traj if len(traj) else None, turns=tuple(turns))
+        start = turns[-1] if turns else 0  # where this turn begins
+        cap = None if spec.max_turn_tokens is None else start + spec.max_turn_tokens
+        turn_req = dataclasses.replace(req, prefix=traj if len(traj) else None, turns=tuple(turns), max_tokens=cap)
         c = await (engine.generate(turn_req, progress) if progress is not None else engine.generate(turn_req))
         traj = Tokens(c.completion_ids, c.logprobs, c.versions)
-        turn_ids = traj.completion_ids[turns[-1] if turns else 0:]  # a continued prefix's tokens included
+        turn_ids = traj.completion_ids[start:]  # a continued prefix's tokens included
         if not len(turn_ids):
             break  # nothing generated: the budget is spent or the context is full
         text = tok.decode(turn_ids)

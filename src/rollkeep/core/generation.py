@@ -72,6 +72,9 @@ class GenRequest:
     # snapshot). The attempt generates turn len(turns).
     turns: tuple[int, ...] = ()
     snapshot: bytes | None = None
+    # This call stops once the completion (prefix included) is this long, if that comes
+    # before the engine's own limit: an episode's cap on one turn (`env.max_turn_tokens`).
+    max_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -21,14 +21,19 @@ from ..core.generation import (
     sampling_seed,
 )
 
-__all__ = ["Chunk", "Completion", "DataError", "Engine", "GenRequest", "InfraError", "Prefix", "Progress",
-           "sampling_seed"]
+__all__ = ["Chunk", "Completion", "DataError", "Engine", "EpisodeTokenizer", "GenRequest", "InfraError", "Prefix",
+           "Progress", "sampling_seed"]
 
 #: Called by a streaming engine with each chunk of new tokens, on the event loop's thread.
 Progress = Callable[[Chunk], None]
 
 
 class Engine(Protocol):
+    """Optional capabilities, as attributes: `streams` (reports chunks to `progress`),
+    `continues` (continues `request.prefix`; multi-turn episodes need it), and for
+    episodes `episode_tokenizer` (`encode(text, bos=False) -> ids`, `decode(ids) -> text`)
+    and `completion_limit(prompt_tokens)` (the longest completion after such a prompt)."""
+
     name: str
 
     @property
@@ -46,8 +51,9 @@ class Engine(Protocol):
         versions exactly as given, then the new ones; the token at completion position i
         is sampled from (seed, i), so a continued prefix under the same weights gives the
         completion an uninterrupted generation would. A prefix that already ends the
-        completion (its last token is EOS, or it is `max_new_tokens` long) is returned
-        as is. An engine that does not stream ignores `progress` and reports only at the
+        completion (its last token is EOS, or it is `max_new_tokens` long, or
+        `request.max_tokens`, a turn's cap) is returned as is; no completion outgrows
+        `request.max_tokens`. An engine that does not stream ignores `progress` and reports only at the
         end; one that cannot continue from a prefix is not given one."""
         ...
 
@@ -56,3 +62,17 @@ class Engine(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+class EpisodeTokenizer:
+    """A transformers tokenizer as multi-turn episodes use it: an environment's response is
+    encoded without special tokens, a turn decoded without them."""
+
+    def __init__(self, tok: Any) -> None:
+        self._tok = tok
+
+    def encode(self, text: str, *, bos: bool = False) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=bos))
+
+    def decode(self, ids: Any) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)

@@ -7,6 +7,11 @@ per step through the model's key/value cache, and samples every token with
 completion: a completion is a function of (weights, prompt, seed), never of timing or of
 its batch mates (docs/design.md §2).
 
+With `req.prefix` (a multi-turn episode's trajectory so far) the context is prompt +
+prefix, prefilled in one pass, and the completion is the prefix's tokens as given and then
+the new ones, each sampled at its position in the completion. Requests batch by context
+length. (It does not stream: a generation cut off mid-way starts over.)
+
 Conventions shared with the built-in engine:
   - cancelling the awaiting task aborts the request: the worker drops it from the queue,
     and stops decoding a batch once every row is finished or cancelled;
@@ -30,19 +35,22 @@ import numpy as np
 
 from ..core.errors import CustodyError, UserInputError
 from ..models.hf import load_pretrained
-from .base import Completion, DataError, GenRequest, InfraError
+from .base import Completion, DataError, EpisodeTokenizer, GenRequest, InfraError
 from .inbox import Inbox, Refit, settle, take_batch
 
 
 @dataclass(eq=False)
 class _Job:
     req: GenRequest
-    prompt_ids: list[int]
+    prompt_ids: list[int]  # the context: the prompt's ids, then the prefix's (batches are by its length)
     future: Future  # of Completion; cancelled when the awaiting task is
+    prompt_len: int = 0  # of the prompt alone
+    budget: int = 0  # the longest completion, prefix included
 
 
 class HFEngine:
     name = "hf"
+    continues = True  # req.prefix is continued (not streamed)
 
     def __init__(
         self,
@@ -107,9 +115,42 @@ class HFEngine:
                 f"hf engine: prompt of {len(ids)} tokens does not fit the model's context of "
                 f"{self._context} with room to generate ({req.group_id}/{req.generation})"
             )
-        job = _Job(req, ids, Future())
+        budget = self.completion_limit(len(ids))
+        if req.max_tokens is not None:  # a turn's cap
+            budget = min(budget, req.max_tokens)
+        prefix = req.prefix if req.prefix is not None and len(req.prefix) else None
+        if prefix is not None:
+            pids = [int(t) for t in prefix.completion_ids]
+            if (self._eos is not None and pids[-1] == self._eos) or len(pids) >= budget:  # it ends there
+                return self._completion(req, ids, [], np.zeros(0, np.float32), 0,
+                                        "stop" if self._eos is not None and pids[-1] == self._eos else "length")
+            ids_ctx = ids + pids
+        else:
+            ids_ctx = ids
+        job = _Job(req, ids_ctx, Future(), len(ids), budget)
         self._inbox.put(self._jobs, job)
         return await asyncio.wrap_future(job.future)
+
+    def completion_limit(self, prompt_tokens: int) -> int:
+        """The longest completion (prefix included) after a prompt of `prompt_tokens`."""
+        room = self.max_new_tokens if self._context is None else self._context - prompt_tokens
+        return max(0, min(self.max_new_tokens, room))
+
+    @property
+    def episode_tokenizer(self) -> Any:
+        return EpisodeTokenizer(self.tokenizer)
+
+    def _completion(self, req: GenRequest, prompt: list[int], new: list[int], new_lp: np.ndarray, version: int,
+                    reason: str) -> Completion:
+        """The prefix's tokens as given, then the new ones (sampled under `version`)."""
+        p = req.prefix if req.prefix is not None else None
+        ids = np.asarray([*(p.completion_ids.tolist() if p is not None else []), *new], dtype=np.int32)
+        logprobs = np.concatenate([p.logprobs if p is not None else np.zeros(0, np.float32), new_lp]).astype(np.float32)
+        versions = np.concatenate([p.versions if p is not None else np.zeros(0, np.int32),
+                                   np.full(len(new), version, np.int32)]).astype(np.int32)
+        return Completion(prompt_ids=np.asarray(prompt, dtype=np.int32), completion_ids=ids, logprobs=logprobs,
+                          versions=versions, finish_reason=reason,
+                          text=self.tokenizer.decode(ids.tolist(), skip_special_tokens=True))
 
     async def update_weights(self, weights: Any, version: int) -> None:
         """Copy the state dict `weights` into the model between batches; then `version`."""
@@ -187,8 +228,9 @@ class HFEngine:
         # explained at `torch_gpt._ROW_QUANTUM`).
         rows = batch + batch[:1] * (-len(batch) % _ROW_QUANTUM)
         seeds = [j.req.seed for j in rows]
-        P = len(batch[0].prompt_ids)
-        n_new = self.max_new_tokens if self._context is None else min(self.max_new_tokens, self._context - P)
+        offsets = [len(j.prompt_ids) - j.prompt_len for j in rows]  # each row's prefix: its first position
+        room = [j.budget - off for j, off in zip(rows, offsets, strict=True)]  # new tokens each may take
+        n_new = max(room)
         x = torch.tensor([j.prompt_ids for j in rows], dtype=torch.long, device=self.device)  # (B, P)
         cache, tokens, logprobs = None, [], []
         done = [False] * len(rows)
@@ -197,12 +239,12 @@ class HFEngine:
                 out = self.model(input_ids=x, use_cache=True, **{self._cache_arg: cache})
                 cache = out[self._cache_arg]
                 # `sample` draws its uniforms on the CPU, so the (B, V) logits go there too.
-                tok, lp = sample(out.logits[:, -1, :].cpu(), seeds, pos,
+                tok, lp = sample(out.logits[:, -1, :].cpu(), seeds, [off + pos for off in offsets],
                                  temperature=self.temperature, top_p=self.top_p)  # (B,), (B,)
                 tokens.append(tok)
                 logprobs.append(lp)
-                done = [d or t == self._eos or j.future.cancelled()
-                        for d, t, j in zip(done, tok.tolist(), rows, strict=True)]
+                done = [d or t == self._eos or j.future.cancelled() or pos + 1 >= r
+                        for d, t, j, r in zip(done, tok.tolist(), rows, room, strict=True)]
                 if all(done):
                     break
                 x = tok.unsqueeze(1).to(self.device)  # (B, 1)
@@ -210,17 +252,11 @@ class HFEngine:
         lp_rows = torch.stack(logprobs, dim=1).numpy()  # (B, T) float32
         completions = []
         for i, job in enumerate(batch):
-            ids = ids_rows[i]
+            ids = ids_rows[i][: room[i]]
             stop = self._eos is not None and self._eos in ids
             n = ids.index(self._eos) + 1 if stop else len(ids)
-            completions.append(Completion(
-                prompt_ids=np.asarray(job.prompt_ids, dtype=np.int32),
-                completion_ids=np.asarray(ids[:n], dtype=np.int32),
-                logprobs=lp_rows[i, :n].astype(np.float32),
-                versions=np.full(n, version, dtype=np.int32),
-                finish_reason="stop" if stop else "length",
-                text=self.tokenizer.decode(ids[:n], skip_special_tokens=True),
-            ))
+            completions.append(self._completion(job.req, job.prompt_ids[: job.prompt_len], ids[:n], lp_rows[i, :n],
+                                                version, "stop" if stop else "length"))
         return completions
 
 

@@ -125,6 +125,7 @@ class _Row:
 class TorchEngine:
     name = "torch"
     streams = True  # generate(req, progress) reports every new token as it is sampled
+    continues = True
 
     def __init__(
         self,
@@ -173,6 +174,8 @@ class TorchEngine:
                 f"in block_size {block} ({req.group_id}/{req.generation})"
             )
         budget = self.completion_limit(len(ids))  # prompt + completion fit
+        if req.max_tokens is not None:  # a turn's cap
+            budget = min(budget, req.max_tokens)
         prefix = req.prefix if req.prefix is not None and len(req.prefix) > 0 else None
         replay: list[int] = []
         context, offset = ids, 0
@@ -216,6 +219,10 @@ class TorchEngine:
                 f"outside the vocabulary of {vocab}"
             )
         return ids
+
+    @property
+    def episode_tokenizer(self) -> Any:
+        return self.tokenizer  # the char tokenizer: encode(text, bos=False), decode(ids)
 
     def completion_limit(self, prompt_tokens: int) -> int:
         """The longest completion (prefix included) after a prompt of `prompt_tokens` (BOS

@@ -64,7 +64,8 @@ class ToyEngine:
 
     name = "toy"
     streams = True  # one chunk per token, each `token_ms` after the previous (none if token_ms is 0)
-    tokenizer = TOKENIZER
+    continues = True
+    episode_tokenizer = TOKENIZER
 
     def __init__(
         self,
@@ -115,6 +116,9 @@ class ToyEngine:
         start = req.turns[-1] if req.turns else 0  # where this turn begins in the prefix
         seed = req.seed if not turn else xxhash.xxh3_64_intdigest(f"{req.seed}/turn/{turn}".encode())
         n, ids, logprobs = _sample(seed, self.completion_tokens)
+        if req.max_tokens is not None:  # a turn's cap (its tool call's brackets on top)
+            n = max(1, min(n, req.max_tokens - start - (len(_CALL_OPEN) + 1 if turn < self.tool_turns else 0)))
+            ids, logprobs = ids[:n], logprobs[:n]
         if turn < self.tool_turns:  # a tool call around the sampled digits
             ids = np.concatenate([_CALL_OPEN, ids, _CALL_CLOSE])
             logprobs = np.concatenate([np.full(len(_CALL_OPEN), -0.01, np.float32), logprobs,

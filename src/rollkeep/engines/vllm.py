@@ -128,7 +128,7 @@ from typing import Any
 import numpy as np
 
 from ..core.errors import CustodyError, UserInputError
-from .base import Chunk, Completion, DataError, GenRequest, InfraError, Progress
+from .base import Chunk, Completion, DataError, EpisodeTokenizer, GenRequest, InfraError, Progress
 from .inbox import Inbox, Refit, settle
 
 SUPPORTED = ">=0.22,<0.34"  # keep equal to the `vllm` extra in pyproject.toml
@@ -346,6 +346,7 @@ class _Job:
 class VLLMEngine:
     name = "vllm"
     streams = True  # DELTA outputs: each step's new tokens reach `progress` (9.)
+    continues = True  # req.prefix is continued
 
     def __init__(
         self,
@@ -479,10 +480,10 @@ class VLLMEngine:
         return max(0, min(self.max_new_tokens, self._max_model_len - prompt_tokens))
 
     @property
-    def tokenizer(self) -> Any:
-        """The model's tokenizer in the form multi-turn episodes use (`encode(text, bos=False)`,
+    def episode_tokenizer(self) -> Any:
+        """The model's tokenizer as multi-turn episodes use it (`encode(text, bos=False)`,
         `decode(ids)`): environment responses are encoded without special tokens."""
-        return _EpisodeTokenizer(self._tokenizer)
+        return EpisodeTokenizer(self._tokenizer)
 
     def _work(self, args: dict[str, Any], ready: Future) -> None:
         import torch
@@ -579,7 +580,8 @@ class VLLMEngine:
             return False
         ids = job.prefix.token_ids
         stopped = bool(len(ids)) and ids[-1] == self._tokenizer.eos_token_id
-        if stopped or len(ids) >= self.max_new_tokens:  # cut off between its last token and its seal
+        limit = self.max_new_tokens if req.max_tokens is None else min(self.max_new_tokens, req.max_tokens)
+        if stopped or len(ids) >= limit:  # cut off between its last token and its seal (or a turn's cap)
             settle(job.future, Completion(
                 prompt_ids=np.asarray(job.prompt_ids, dtype=np.int32),
                 completion_ids=np.asarray(job.tokens, dtype=np.int32),
@@ -599,7 +601,7 @@ class VLLMEngine:
             prompt = self._vllm.TokensPrompt(**prompt_kwargs(job.prompt_ids, job.prefix.token_ids, self._version))
             params = self._vllm.SamplingParams(**sampling_kwargs(
                 temperature=self.temperature, top_p=1.0,
-                max_tokens=self.max_new_tokens - len(job.prefix.token_ids),
+                max_tokens=limit - len(job.prefix.token_ids),
                 seed=req.seed, output_kind=self._delta,
             ))
             engine.add_request(job.request_id, prompt, params)
@@ -717,14 +719,3 @@ def _driver_model(engine: Any, version: str) -> Any:
         found="neither",
         remedy=f"install a vllm release in {SUPPORTED}, or use engine.name=hf",
     )
-
-
-class _EpisodeTokenizer:
-    def __init__(self, tok: Any) -> None:
-        self._tok = tok
-
-    def encode(self, text: str, *, bos: bool = False) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=bos))
-
-    def decode(self, ids: Any) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)

@@ -42,6 +42,7 @@ class EnvSpec:
     timeout_s: float
     max_snapshot_bytes: int
     label: str  # `env.name` or `env.factory`, for messages
+    max_turn_tokens: int | None = None  # env.max_turn_tokens: most new tokens in one model turn
 
 
 def resolve(env: Any) -> EnvSpec | None:
@@ -80,7 +81,8 @@ def resolve(env: Any) -> EnvSpec | None:
             found=(f"no {', '.join(missing)}" if missing else f"recovery {recovery!r}")
                   + f" on {type(sample).__name__}",
             remedy="see the README's 'Multi-turn environments' for the protocol")
-    return EnvSpec(lambda: factory(**kwargs), recovery, env.max_turns, env.timeout_s, env.max_snapshot_bytes, label)
+    return EnvSpec(lambda: factory(**kwargs), recovery, env.max_turns, env.timeout_s, env.max_snapshot_bytes, label,
+                   env.max_turn_tokens)
 
 
 def _check_kwargs(factory: Callable[..., Any], kwargs: Mapping[str, Any], label: str) -> None:
