@@ -61,4 +61,4 @@ class DriftingEnv(CountEnv):
 
     def step(self, text: str) -> Step:
         out = super().step(text)
-        return out if out.done else Step(response=f"={self.n}{self._os.getpid() % 10};")
+        return out if out.done else Step(response=f"={self.n}:{self._os.getpid()};")  # pids are not reused at once
