@@ -567,3 +567,29 @@ def test_gpu_smoke_generate_and_update_weights(tmp_path):
     assert a.versions.tolist() == [0] * len(a.versions)
     assert eng.version == 2 and c.versions.tolist() == [2] * len(c.versions)
     assert (c.completion_ids.tolist(), c.logprobs[0]) != (a.completion_ids.tolist(), a.logprobs[0])
+
+
+def test_an_episode_runs_on_the_engine_and_continues_after_its_finished_turns(fake):
+    """Multi-turn episodes (issue 12) through the vLLM engine: each turn continues the
+    trajectory as a prefix, capped by env.max_turn_tokens; the responses are encoded by the
+    engine's episode tokenizer, and an episode continued after its first turn ends as the
+    uninterrupted one."""
+    import episode_envs
+
+    from rollkeep.controller.episodes import run_episode
+    from rollkeep.envs import ENV_VERSION, EnvSpec
+
+    spec = EnvSpec(episode_envs.CountEnv, "replay", 3, 5.0, 1024, "count", max_turn_tokens=3)
+
+    def episode(req):
+        eng, turns = build(fake, max_new_tokens=20), []
+        c, _ = run(closing(eng, run_episode(eng, spec, req, None, lambda t, k, s: turns.append((t, k)))))
+        return c, turns
+
+    whole, turns = episode(request())
+    env = whole.versions == ENV_VERSION
+    assert [k for _, k in turns] == [0, 1] and int((~env).sum()) == 9  # three turns of 3 tokens
+    assert whole.completion_ids[env].tolist() == fake_vllm.Tokenizer().encode("=1;=2;")
+    first = turns[0][0]
+    continued, rest = episode(dataclasses.replace(request(), prefix=first, turns=(len(first),)))
+    assert continued.completion_ids.tolist() == whole.completion_ids.tolist() and [k for _, k in rest] == [1]
