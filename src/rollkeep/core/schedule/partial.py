@@ -19,12 +19,12 @@ partial: resume`, when a sibling whose chain is kept (a restart, a graceful stop
 failure) is dispatched again, its new attempt continues from the chain's tokens; with
 `regenerate` it starts over.
 
-A finished turn of a multi-turn episode (docs/design.md §5.4) is recorded (at sibling
-granularity: an all-or-nothing group regenerates whole) at once,
-as a `turn_sealed` event whose chunk is everything since the last record (the model's
-tokens and the environment's response): at sibling granularity a new attempt of the sibling
-continues after its last finished turn whatever `recovery.partial` says, which decides only
-what happens to the tokens of the turn in flight.
+A finished turn of a multi-turn episode (docs/design.md §5.4) is recorded at once, as a
+`turn_sealed` event whose chunk is everything since the last record (the model's tokens and
+the environment's response), at sibling granularity only (an all-or-nothing group
+regenerates whole). A new attempt of the sibling continues after its last finished turn
+whatever `recovery.partial` says; that decides only what happens to the tokens of the turn
+in flight.
 """
 
 from __future__ import annotations
