@@ -27,6 +27,7 @@ from rollkeep.core.errors import (
 )
 from rollkeep.core.keys import group_id
 from rollkeep.core.ledger import GroupState, LedgerState
+from rollkeep.core.prefixes import finished_turns
 from rollkeep.core.restore import Restored, restore_chain
 from rollkeep.core.rows import Row
 from rollkeep.core.store import LATEST, MANIFEST, RESERVED_KEYS, CheckpointStore
@@ -227,7 +228,7 @@ def report(target: Target, r: Restored) -> dict[str, Any]:
         "rows_by_reference": sum(not isinstance(x, Row) for x in r.rows.values()),
         "partial_generations": len(r.prefixes),
         "partial_tokens": sum(chain[-1].end for chain in r.prefixes.values()),
-        "turns": sum(link.turn >= 0 for chain in r.prefixes.values() for link in chain),
+        "turns": finished_turns(r.prefixes),
         "plan": {**asdict(r.plan), "source_cursor": list(r.plan.source_cursor), "lines": r.plan.lines()},
         "store": store_listing(target.store),
     }

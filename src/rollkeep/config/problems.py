@@ -91,9 +91,13 @@ def _cross_field_problems(get: Callable[[str], Any]) -> list[_Problem]:
     if isinstance(name, str) and isinstance(factory, str):
         problems.append(_Problem("env.factory", f"set `env.name` or `env.factory`, not both; found "
                                                 f"`env.name: {name}` and `env.factory: {factory}`"))
-    if isinstance(name, str) and name not in ("calc",):
-        problems.append(_Problem("env.name", f"`env.name` must be a built-in environment (calc) or null; found "
-                                             f"`{name}` (your own environment goes in `env.factory`)"))
+    from ..envs import (
+        BUILT_IN,  # at call time: the environments import the core, which imports the config's errors
+    )
+
+    if isinstance(name, str) and name not in BUILT_IN:
+        problems.append(_Problem("env.name", f"`env.name` must be a built-in environment ({', '.join(BUILT_IN)}) "
+                                             f"or null; found `{name}` (your own environment goes in `env.factory`)"))
 
     if get("trainer.name") == "torch":
         embd, head = get("trainer.model.n_embd"), get("trainer.model.n_head")

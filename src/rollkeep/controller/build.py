@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from ..config import Config
@@ -16,7 +17,7 @@ from ..core.errors import ConfigError
 from ..core.source import Dataset, PromptSource, SequenceDataset, load_dataset
 from ..engines import Engine, make_engine
 from ..envs import EnvSpec, resolve
-from ..tasks import arith, check_tasks, use_rewards
+from ..tasks import arith, calc, check_tasks, use_rewards
 from ..trainers import Trainer, make_trainer
 from .metrics import check_logger
 
@@ -46,7 +47,7 @@ def build_data(cfg: Config) -> tuple[Dataset, list[dict] | None]:
 
 def _generated(cfg: Config) -> tuple[Dataset, list[dict]]:
     gen = cfg.data.generated
-    if gen.task not in (arith.TASK, arith.TASK_PARTIAL, "calc"):
+    if gen.task not in (arith.TASK, arith.TASK_PARTIAL, calc.TASK):
         raise ConfigError(
             f"unknown built-in dataset task {gen.task!r}",
             field="data.generated.task",
@@ -55,16 +56,12 @@ def _generated(cfg: Config) -> tuple[Dataset, list[dict]]:
             found=repr(gen.task),
             remedy="set data.generated.task=arith or point data.path at a JSONL file",
         )
-    if gen.task == "calc":
-        from ..tasks import calc
-
-        make = lambda n: calc.make_rows(n, digits=gen.digits, seed=cfg.seed, tool_share=gen.tool_share)  # noqa: E731
-        hold = lambda n, train: calc.held_out_rows(n, digits=gen.digits, seed=cfg.seed, exclude=train)  # noqa: E731
+    if gen.task == calc.TASK:
+        make = partial(calc.make_rows, digits=gen.digits, seed=cfg.seed, tool_share=gen.tool_share)
+        hold = partial(calc.held_out_rows, digits=gen.digits, seed=cfg.seed)
     else:
-        make = lambda n: arith.make_rows(n, digits=gen.digits, seed=cfg.seed, task=gen.task,  # noqa: E731
-                                         fmt=gen.format)
-        hold = lambda n, train: arith.held_out_rows(n, digits=gen.digits, seed=cfg.seed,  # noqa: E731
-                                                    exclude=train, task=gen.task, fmt=gen.format)
+        make = partial(arith.make_rows, digits=gen.digits, seed=cfg.seed, task=gen.task, fmt=gen.format)
+        hold = partial(arith.held_out_rows, digits=gen.digits, seed=cfg.seed, task=gen.task, fmt=gen.format)
     # The training rows are the first n_rows of a stream of n_rows + eval_rows problems (as
     # they always were: a run started by an older rollkeep resumes on the same rows). The
     # held-out rows are problems that appear in no training row: greedy accuracy on them
@@ -72,7 +69,7 @@ def _generated(cfg: Config) -> tuple[Dataset, list[dict]]:
     rows = make(gen.n_rows + gen.eval_rows)
     train = rows[: gen.n_rows]
     try:
-        held_out = hold(gen.eval_rows, train)
+        held_out = hold(gen.eval_rows, exclude=train)
     except ValueError as e:
         raise ConfigError(
             f"the built-in dataset cannot hold out {gen.eval_rows} problems: {e}",
@@ -101,12 +98,6 @@ def build(cfg: Config) -> Parts:
         engine = make_engine(cfg.engine, tool_turns=0 if env is None else env.max_turns - 1)
         parts = Parts(dataset, source, eval_rows, engine, make_trainer(cfg.trainer))
     parts.env = env
-    # A turn continues the trajectory so far as a prefix.
-    if env is not None and not (getattr(parts.engine, "continues", False) and hasattr(parts.engine, "episode_tokenizer")):
-        raise ConfigError(
-            f"the {cfg.engine.name} engine cannot run multi-turn episodes", field="env",
-            expected="an engine that continues a prefix and has a tokenizer (toy, torch, hf, vllm)",
-            found=f"engine.name={cfg.engine.name}", remedy="use another engine, or unset env.name and env.factory")
     parts.notes.extend(eval_notes(cfg, eval_rows, evaluates=parts.evaluator is not None))
     return parts
 

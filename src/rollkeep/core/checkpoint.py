@@ -34,7 +34,7 @@ from .audit import audit
 from .errors import AuditFailure
 from .ledger import AttemptStatus, Ledger, LedgerState
 from .manifest import OpenedCheckpoint
-from .prefixes import Link, PrefixStore
+from .prefixes import Link, PrefixStore, finished_turns
 from .rowindex import ROWS_INDEX, encode_index, extents
 from .rows import RowId, RowPin, RowStore, encode_rows
 from .store import CheckpointStore, Published
@@ -175,7 +175,7 @@ def checkpoint_files(c: Cut, trainer_files: Mapping[str, bytes]) -> tuple[dict[s
     locations = [loc for _, loc in by_ref] + [ch.at for chain in chains.values() for ch in chain]
     rows = {"by_reference": len(by_ref), "copied": len(copied), "segments": extents(locations),
             "partial": len(chains), "partial_tokens": sum(chain[-1].end for chain in chains.values()),
-            "turns": sum(link.turn >= 0 for chain in chains.values() for link in chain)}
+            "turns": finished_turns(chains)}
     return files, rows
 
 

@@ -44,7 +44,7 @@ from .events import DATA, Abandoned, Dropped, Event, Evicted, Failed, Progressed
 from .generation import Tokens
 from .rows import Row, RowId
 
-__all__ = ["Link", "PrefixStore", "chunk_row", "KEPT_ON_ABANDON"]
+__all__ = ["Link", "PrefixStore", "chunk_row", "finished_turns", "KEPT_ON_ABANDON"]
 
 KEPT_ON_ABANDON = frozenset({"restart", "shutdown"})
 _EMPTY = np.zeros(0, np.int32)
@@ -66,6 +66,11 @@ class Link:
     at: Any = None
     turn: int = -1
     snapshot: bytes | None = None
+
+
+def finished_turns(chains: Mapping[Sibling, tuple[Link, ...]]) -> int:
+    """Finished turns of multi-turn episodes over `chains` (links that end a turn)."""
+    return sum(link.turn >= 0 for chain in chains.values() for link in chain)
 
 
 def chunk_row(tokens: Tokens) -> Row:
@@ -187,7 +192,7 @@ class PrefixStore:
 
     def turns(self) -> int:
         """Finished turns over every chain."""
-        return sum(1 for chain in self._chains.values() for link in chain if link.turn >= 0)
+        return finished_turns(self._chains)
 
     def keep_whole_turns(self) -> None:
         """Drop every chain's tokens past its last finished turn (`recovery.partial:

@@ -144,9 +144,10 @@ def decode_index(data: bytes, *, path: str = ROWS_INDEX) -> Index:
         if end < before or (end == before and turn < 0) or (chain and att < chain[-1].attempt):
             raise bad(f"The chain of partial generation {gid}/{gen} does not grow", "chunks in order: ends "
                       "increasing, attempts not decreasing", f"attempt {att} ending at token {end}", "chunks")
-        if turn >= 0 and turn != sum(link.turn >= 0 for link in chain):
+        finished = sum(link.turn >= 0 for link in chain)
+        if turn >= 0 and turn != finished:
             raise bad(f"The episode of sibling {gid}/{gen} skips a turn", "turns 0, 1, 2, ... in order",
-                      f"turn {turn} after {sum(link.turn >= 0 for link in chain)} finished turn(s)", "turns")
+                      f"turn {turn} after {finished} finished turn(s)", "turns")
         chains[(gid, gen)] = (*chain, Link(att, end, None, loc, turn, snapshot))
     return Index(out, chains, _extents(np.concatenate([rows["segment"], chunks["segment"]]),
                                        np.concatenate([ends, chunk_ends])))

@@ -18,18 +18,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.errors import UserInputError
+from . import calc
 from .base import ENV_VERSION, RECOVERY_MODES, REPLAY, SNAPSHOT, EnvFactory, Environment, Step
 
 __all__ = ["BUILT_IN", "ENV_VERSION", "REPLAY", "SNAPSHOT", "EnvSpec", "Environment", "Step", "resolve"]
 
 
-def _calc(**kwargs: Any) -> Environment:
-    from .calc import CalcEnv
-
-    return CalcEnv(**kwargs)
-
-
-BUILT_IN: dict[str, EnvFactory] = {"calc": _calc}
+BUILT_IN: dict[str, EnvFactory] = {"calc": calc.make}
 
 
 @dataclass(frozen=True)

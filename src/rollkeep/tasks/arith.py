@@ -10,6 +10,8 @@ import re
 
 import numpy as np
 
+from .held_out import distinct_pairs
+
 TASK = "arith"
 TASK_PARTIAL = "arith_partial"  # the same problems, rewarded with partial credit
 _NUMBER = re.compile(r"-?\d+")
@@ -66,17 +68,8 @@ def held_out_rows(
     if n_rows > left:
         raise ValueError(f"only {left} problems with operands of up to {digits} digit(s) are "
                          f"not in the training rows; {n_rows} held-out rows were asked for")
-    rng = np.random.default_rng([seed, 0xE7A1])
-    out: list[dict] = []
-    while len(out) < n_rows:
-        for x, y in zip(rng.integers(0, hi, 4 * n_rows), rng.integers(0, hi, 4 * n_rows), strict=True):
-            if (int(x), int(y)) in seen:
-                continue
-            seen.add((int(x), int(y)))
-            out.append(problem(int(x), int(y), digits=digits, fmt=fmt, task=task))
-            if len(out) == n_rows:
-                break
-    return out
+    pairs = distinct_pairs(np.random.default_rng([seed, 0xE7A1]), 0, hi, n_rows, seen)
+    return [problem(x, y, digits=digits, fmt=fmt, task=task) for x, y in pairs]
 
 
 def reward(text: str, row: dict, *, partial_credit: bool = False) -> float:

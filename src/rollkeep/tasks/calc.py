@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from .held_out import distinct_pairs
+
 TASK = "calc"
 _INTEGER = re.compile(r"-?\d+")
 
@@ -85,17 +87,7 @@ def held_out_rows(n_rows: int, *, digits: int, seed: int, exclude: list[dict]) -
     if n_rows > left:
         raise ValueError(f"calc: only {left} problems with operands of {digits} digit(s) are not "
                          f"in the training rows; {n_rows} held-out rows were asked for")
-    rng = np.random.default_rng([seed, 0xCA1E])
-    out: list[dict] = []
-    while len(out) < n_rows:
-        for x, y in zip(rng.integers(lo, hi, 4 * n_rows), rng.integers(lo, hi, 4 * n_rows), strict=True):
-            if (int(x), int(y)) in seen:
-                continue
-            seen.add((int(x), int(y)))
-            out.append(problem(int(x), int(y)))
-            if len(out) == n_rows:
-                break
-    return out
+    return [problem(x, y) for x, y in distinct_pairs(np.random.default_rng([seed, 0xCA1E]), lo, hi, n_rows, seen)]
 
 
 def reward(text: str, row: Mapping[str, Any]) -> float:
