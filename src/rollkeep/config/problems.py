@@ -78,6 +78,12 @@ def _cross_field_problems(get: Callable[[str], Any]) -> list[_Problem]:
             )
         )
 
+    replicas, backend = get("engine.replicas"), get("cluster.backend")
+    if isinstance(replicas, int) and replicas > 1 and backend == "local":
+        problems.append(_Problem("engine.replicas", f"`engine.replicas: {replicas}` needs `cluster.backend=ray` "
+                                                    "(the local backend runs one engine inside the controller); "
+                                                    "found `cluster.backend: local`"))
+
     lo, hi = get("rollout.backoff_ms"), get("rollout.backoff_max_ms")
     if _is_number(lo) and _is_number(hi) and hi < lo:
         problems.append(

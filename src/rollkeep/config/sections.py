@@ -80,7 +80,15 @@ class DataConfig(_Section):
 # ------------------------------------------------------------------------------ engines
 
 
-class ToyEngineConfig(_Section):
+class _EngineSection(_Section):
+    """What every engine backend has: how many copies of it generate."""
+
+    replicas: int = Field(1, ge=1, le=1024)
+    """Engine replicas generating side by side, each in its own process (a Ray actor; more
+    than one needs `cluster.backend: ray`). Not semantic: a run resumes on any number."""
+
+
+class ToyEngineConfig(_EngineSection):
     """Deterministic fake engine with configurable latency and failure injection."""
 
     name: Literal["toy"] = "toy"
@@ -105,7 +113,7 @@ class ToyEngineConfig(_Section):
     happen in every lineage."""
 
 
-class _SamplingSection(_Section):
+class _SamplingSection(_EngineSection):
     """Sampling settings shared by the real engines (torch, hf, vllm)."""
 
     temperature: float = Field(1.0, gt=0.0)
@@ -372,6 +380,29 @@ class CheckpointConfig(_Section):
     """Checkpoint the supervised warm start every this many of its steps."""
 
 
+class ClusterConfig(_Section):
+    """Where engine replicas run (docs/design.md §10). `local`: one engine inside the
+    controller's process. `ray`: `engine.replicas` Ray actors, each in its own process,
+    on this machine or on a cluster; the controller stays one process. Not semantic."""
+
+    backend: Literal["local", "ray"] = "local"
+    """`local` or `ray` (needs the `ray` extra: pip install 'rollkeep[ray]')."""
+    address: str | None = None
+    """Ray cluster to connect to (`ray start --head` prints it, e.g. `127.0.0.1:6379`, or
+    `auto`); null starts a local Ray for the run, bound to loopback, dashboard off."""
+    num_cpus: int | None = Field(None, ge=1, le=4096)
+    """CPUs of the local Ray the run starts (null: all of this machine's); ignored with `address`."""
+    replica_cpus: float = Field(1.0, ge=0.0, le=1024)
+    """CPUs Ray reserves for each replica (fractions allowed: 0.5 packs two on a core)."""
+    replica_gpus: float | None = Field(None, ge=0.0, le=64)
+    """GPUs Ray reserves for each replica; null: `engine.tensor_parallel_size` for vllm, 0 otherwise."""
+    max_restarts: int = Field(3, ge=0, le=10_000)
+    """Times Ray restarts a replica whose process died, before it is gone for good."""
+    replica_timeout_s: float = Field(120.0, gt=0, le=86_400)
+    """With no replica alive for this long (at start or after deaths), the run stops with
+    a final checkpoint and exit 5."""
+
+
 class JournalConfig(_Section):
     """The custody journal (docs/design.md §5.1): every ledger event and every finished
     generation is made durable every few milliseconds, so a kill loses only the last
@@ -568,6 +599,8 @@ class Config(_Section):
     """Checkpoint cadence and retention."""
     journal: JournalConfig = JournalConfig()
     """Continuous durability between checkpoints."""
+    cluster: ClusterConfig = ClusterConfig()
+    """Where engine replicas run: local or Ray."""
     sampler: SamplerConfig = SamplerConfig()
     """Admission and selection policy."""
     max_inflight_prompts: int | None = None

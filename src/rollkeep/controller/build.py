@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+from ..cluster import open_engine
 from ..config import Config
 from ..core.errors import ConfigError
 from ..core.source import Dataset, PromptSource, SequenceDataset, load_dataset
-from ..engines import Engine, make_engine
+from ..engines import Engine, EngineRecipe
 from ..envs import EnvSpec, resolve
 from ..tasks import arith, calc, check_tasks, use_rewards
 from ..trainers import Trainer, make_trainer
@@ -95,7 +96,7 @@ def build(cfg: Config) -> Parts:
     elif cfg.trainer.name == "hf":
         parts = _build_hf(cfg, dataset, source, eval_rows, env)
     else:  # the toy engine speaks the tool protocol: a call on every turn but the last
-        engine = make_engine(cfg.engine, tool_turns=0 if env is None else env.max_turns - 1)
+        engine = open_engine(cfg, EngineRecipe(cfg.engine, {"tool_turns": 0 if env is None else env.max_turns - 1}))
         parts = Parts(dataset, source, eval_rows, engine, make_trainer(cfg.trainer))
     parts.env = env
     parts.notes.extend(eval_notes(cfg, eval_rows, evaluates=parts.evaluator is not None))
@@ -157,8 +158,8 @@ def _build_torch(cfg: Config, dataset: Dataset, source: PromptSource, eval_rows,
                            seed=cfg.seed, max_completion_length=e.max_new_tokens)
     # Deterministic runs sample in float64: a batch of other size than the one the
     # uninterrupted run had must not flip a token on a last-bit difference.
-    engine = make_engine(e, model=copy.deepcopy(model), tokenizer=tokenizer,
-                         dtype=torch.float64 if cfg.deterministic else torch.float32)
+    engine = open_engine(cfg, EngineRecipe(e, {"model": copy.deepcopy(model), "tokenizer": tokenizer,
+                                               "dtype": torch.float64 if cfg.deterministic else torch.float32}))
     evaluator = None
     if eval_rows and cfg.eval.every_steps:
         rows = eval_rows[: cfg.eval.n_rows] if cfg.eval.n_rows else eval_rows
@@ -175,11 +176,10 @@ def _build_hf(cfg: Config, dataset: Dataset, source: PromptSource, eval_rows, en
         torch.set_num_threads(1)  # as for the built-in model: engine and trainer side by side
     trainer = make_trainer(cfg.trainer, temperature=cfg.engine.temperature, seed=cfg.seed,
                            max_completion_length=cfg.engine.max_new_tokens)
-    if cfg.engine.name == "hf" and cfg.deterministic:
-        # float64 sampling: a different batch composition must not flip a token (see _build_torch)
-        engine = make_engine(cfg.engine, dtype=torch.float64)
-    else:
-        engine = make_engine(cfg.engine)
+    # float64 sampling when deterministic: a different batch composition must not flip a
+    # token (see _build_torch)
+    context = {"dtype": torch.float64} if cfg.engine.name == "hf" and cfg.deterministic else {}
+    engine = open_engine(cfg, EngineRecipe(cfg.engine, context))
     evaluator = None
     if eval_rows and cfg.eval.every_steps and env is None:  # (multi-turn greedy: the built-in GPT's only)
         from ..models.hf import greedy_texts

@@ -353,4 +353,6 @@ def progress_fields(record: dict[str, Any], last_eval: dict[str, float]) -> dict
         "ready": record["custody/ready"],
         "trained": record["custody/trained"],
         "dropped": record["custody/dropped"],
+        **({"replicas": f"{record['engine/replicas_live']}/{record['engine/replicas']}"}
+           if "engine/replicas_live" in record else {}),
     }

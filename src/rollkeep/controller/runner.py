@@ -26,10 +26,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..cluster import EnginePool, ReplicaGone
 from ..config import Config, semantic
 from ..core import crashpoints
 from ..core.checkpoint import write_checkpoint
-from ..core.errors import FilesystemError
+from ..core.errors import ExternalError, FilesystemError
 from ..core.events import ALL_EVENTS, DATA, INFRA, Event, event_name
 from ..core.samplers import check_limits
 from ..core.schedule import (
@@ -39,6 +40,7 @@ from ..core.schedule import (
     Failure,
     Generated,
     Note,
+    Reason,
     Refit,
     Scheduler,
     Stop,
@@ -95,8 +97,23 @@ class Runner:
         self._throughput: Throughput | None = None
         self._last_eval: tuple[int | None, dict[str, float]] = (None, {})  # (step, metrics)
         self._signal: str | None = None  # the signal that stopped the run gracefully
+        self._failure: str | None = None  # the external failure that stopped it (no engine replica)
+        self._replica_marks: list[tuple[int, int]] = []  # the pool's (attempts, tokens) at the last step
 
     # ================================================================== start
+
+    async def _open_engine(self) -> None:
+        """Start the engine replicas (`cluster.backend: ray`): before the restore, which
+        needs to know whether the engine streams."""
+        if isinstance(self.engine, EnginePool):
+            try:
+                await self.engine.open()
+            except ReplicaGone as e:
+                raise ExternalError(
+                    f"the engine replicas did not start: {e}", field="engine.replicas",
+                    expected=f"{self.cfg.engine.replicas} replica(s) of engine {self.cfg.engine.name} on Ray",
+                    found=str(e), remedy="check the Ray cluster's resources (cluster.replica_cpus, "
+                    "cluster.replica_gpus) and the engine's own errors above; nothing was changed") from None
 
     def _start(self) -> None:
         opened = open_run(self.cfg, store=self.store, source=self.source, trainer=self.trainer,
@@ -106,6 +123,8 @@ class Runner:
                           streams=getattr(self.engine, "streams", False))
         self.sched, self.trace, self._metrics, self._progress, self._journal = opened
         self.sched.subscribe(_crash_point)
+        if isinstance(self.engine, EnginePool):
+            self.engine.attach(self.trace.emit, self._on_no_replica)
         check_restored(self.sched.prefixes, self.env, str(self.store.root / (self.resume or "")))
         # The RL loop starts now: step 1's `step_seconds` and the throughput count from here.
         self._t_start = self._last_step = time.perf_counter()
@@ -118,6 +137,7 @@ class Runner:
         into the summary."""
         loop = asyncio.get_running_loop()
         try:
+            await self._open_engine()
             self._start()
             first_step = self.sched.version
             for sig in (signal.SIGINT, signal.SIGTERM):
@@ -135,7 +155,7 @@ class Runner:
                 final_eval=self._last_eval, counts=self.sched.counts(),
                 restarts=restarts_in_trace(self.trace.path), now=time.time(), run_dir=str(self.run_dir))
             return RunResult(step, sha, reason.value, signal=self._signal, checkpoint=self.store.latest(),
-                             details=tuple(details))
+                             details=tuple(details), failure=self._failure)
         except BaseException as e:
             self._trace_failure(e)
             raise
@@ -185,6 +205,14 @@ class Runner:
         self.sched.on_signal()
         self._wake.set()
 
+    def _on_no_replica(self, why: str) -> None:
+        """The engine pool has no replica left: stop as for a signal (final checkpoint), exit 5."""
+        if self._signal is None and self._failure is None:
+            self._failure = why
+            self._progress.note(f"stopping: {why}")
+            self.sched.on_signal(Reason.NO_ENGINE)
+        self._wake.set()
+
     # ================================================================== commands
 
     async def _generate(self, req: GenRequest) -> None:
@@ -198,21 +226,22 @@ class Runner:
         try:
             try:
                 if self.env is not None:  # a multi-turn episode: the environment gives the reward
-                    outcome = Generated(*await run_episode(
+                    completion, reward = await run_episode(
                         self.engine, self.env, req, progress,
-                        lambda traj, turn, snapshot: sched.on_turn(key, traj, turn, snapshot)))
+                        lambda traj, turn, snapshot: sched.on_turn(key, traj, turn, snapshot))
+                    outcome = Generated(completion, reward, completion.replica)
                 else:
                     completion = await (self.engine.generate(req, progress) if progress is not None
                                         else self.engine.generate(req))
                     try:
                         reward = float(reward_fn(req.prompt.task)(completion.text, req.prompt.row))
-                        outcome = Generated(completion, reward)
+                        outcome = Generated(completion, reward, completion.replica)
                     except Exception as e:  # a reward function's error is a data failure (docs/design.md §6)
-                        outcome = Failure(DATA, f"reward function: {type(e).__name__}: {e}")
+                        outcome = Failure(DATA, f"reward function: {type(e).__name__}: {e}", completion.replica)
             except DataError as e:
-                outcome = Failure(DATA, str(e))
+                outcome = Failure(DATA, str(e), e.replica)
             except (InfraError, ConnectionError) as e:
-                outcome = Failure(INFRA, f"{type(e).__name__}: {e}")
+                outcome = Failure(INFRA, f"{type(e).__name__}: {e}", getattr(e, "replica", 0))
             sched.on_result(key, outcome, loop.time())
         finally:
             self._tasks.pop(key, None)
@@ -226,12 +255,27 @@ class Runner:
         record = step_record(cmd.batch, metrics, train_seconds=now - t0, step_seconds=now - self._last_step,
                              generated_per_s=self._throughput.step(now, self.sched.tokens_generated),
                              counts=self.sched.counts())
+        record.update(self._replica_metrics(now - self._last_step))
         self._last_step = now
         self._metrics.write(cmd.step, record)
         if self.on_step is not None:
             self.on_step(cmd.step, record)
         self._progress.step(cmd.step, progress_fields(record, self._last_eval[1]))
         self._wake.set()
+
+    def _replica_metrics(self, seconds: float) -> dict[str, Any]:
+        """With an engine pool: live replicas, and per replica the attempts it finished
+        and its tokens/s over the step."""
+        if not isinstance(self.engine, EnginePool):
+            return {}
+        stats = self.engine.stats()
+        marks = self._replica_marks or [(0, 0)] * len(stats["per_replica"])
+        out: dict[str, Any] = {"engine/replicas_live": stats["live"], "engine/replicas": stats["replicas"]}
+        for i, ((attempts, tokens), (a0, t0)) in enumerate(zip(stats["per_replica"], marks, strict=True)):
+            out[f"replica/{i}/attempts"] = attempts - a0
+            out[f"replica/{i}/tokens_per_s"] = (tokens - t0) / seconds if seconds > 0 else 0.0
+        self._replica_marks = stats["per_replica"]
+        return out
 
     async def _refit(self, version: int) -> None:
         await self.engine.update_weights(self.trainer.weights(), version)

@@ -32,17 +32,24 @@ class RunResult:
     checkpoint: str | None = None  # what a rerun resumes from (LATEST when the run ended)
     phase: str = "rl"  # "warmup" when a signal stopped the warm start
     details: tuple[str, ...] = ()  # the summary's lines under the first (`summary.summary_lines`)
+    failure: str | None = None  # an external failure stopped it (no engine replica left): exit 5
 
     @property
     def exit_code(self) -> int:
         """0 when the run finished or its data ran out; 128 + signal after a graceful stop,
-        so a scheduler (SLURM --requeue, Kubernetes) requeues it instead of calling it done."""
+        so a scheduler (SLURM --requeue, Kubernetes) requeues it instead of calling it done;
+        5 after a stop for an external failure (its final checkpoint is written)."""
+        if self.failure is not None:
+            return 5
         return 128 + signal.Signals[self.signal] if self.signal else 0
 
     def summary(self) -> str:
         return "\n".join((self._headline(), *self.details))
 
     def _headline(self) -> str:
+        if self.failure is not None:
+            return (f"stopped at step {self.step}: {self.failure}; a rerun resumes from checkpoint "
+                    f"{self.checkpoint} (on any number of replicas: engine.replicas, cluster.* may change)")
         if self.signal is None:
             return f"done: step {self.step} ({self.reason}), weights_sha256 {self.weights_sha256}"
         if self.phase == "warmup":

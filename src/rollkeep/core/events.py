@@ -119,6 +119,7 @@ class Sealed(Event, tag="sealed"):
     version: int
     tokens: int
     resumed_from: int = 0  # tokens of its completion continued from an earlier attempt's prefix
+    replica: int = 0  # the engine replica that ran it (docs/design.md §10; 0 on the local backend)
 
 
 class Failed(Event, tag="failed"):
@@ -133,6 +134,7 @@ class Failed(Event, tag="failed"):
     attempt: int
     kind: str
     error: str = ""
+    replica: int = 0  # the engine replica that ran it
 
 
 class Abandoned(Event, tag="abandoned"):

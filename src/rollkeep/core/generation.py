@@ -20,9 +20,13 @@ from .source import Prompt
 class InfraError(Exception):
     """The engine failed to produce a result (crash, timeout, OOM): an infra failure."""
 
+    replica: int = 0  # the engine replica it happened on (an engine pool sets it)
+
 
 class DataError(Exception):
     """The environment or the reward rejected this rollout: a data failure."""
+
+    replica: int = 0
 
 
 def sampling_seed(run_seed: int, group_id: str, generation: int, data_retries: int) -> int:
@@ -85,3 +89,4 @@ class Completion:
     versions: np.ndarray  # int32 [C]: weight version of each token
     finish_reason: str  # "stop" | "length"
     text: str  # decoded completion, for the reward function
+    replica: int = 0  # the engine replica that generated it (an engine pool sets it)

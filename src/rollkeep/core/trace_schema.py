@@ -89,6 +89,27 @@ class Eval(RunEvent, tag="eval"):
     reward_mean: float = msgspec.field(default=0.0, name="eval/reward_mean")
 
 
+class EngineReplicaStarted(RunEvent, tag="engine_replica_started"):
+    """An engine replica (`cluster.backend: ray`) is up, holds the current weights and gets
+    work: at start, and after Ray restarted a replica that died."""
+
+    replica: int  # 0 .. engine.replicas - 1
+    pid: int
+    node: str  # the Ray node it runs on
+    restart: int = 0  # how many times it was restarted before (0: its first start)
+    down_seconds: float | None = None  # after a restart: from its death until it got work again
+
+
+class EngineReplicaDied(RunEvent, tag="engine_replica_died"):
+    """An engine replica's process died (killed, crashed, its node lost): the attempts it
+    ran failed as infra failures and are retried on the others (docs/design.md §10)."""
+
+    replica: int
+    reason: str
+    attempts_failed: int  # its attempts in flight, failed as infra
+    gone: bool = False  # its restarts (cluster.max_restarts) are spent: it does not come back
+
+
 class RunFinished(RunEvent, tag="run_finished"):
     step: int
     weights_sha256: str
@@ -105,7 +126,8 @@ class RunFailed(RunEvent, tag="run_failed"):
 
 
 RUN_EVENTS: tuple[type[RunEvent], ...] = (
-    RunStarted, Restored, CheckpointPublished, CheckpointSkipped, Eval, RunFinished, RunFailed,
+    RunStarted, Restored, CheckpointPublished, CheckpointSkipped, Eval, EngineReplicaStarted, EngineReplicaDied,
+    RunFinished, RunFailed,
 )
 
 
@@ -114,9 +136,8 @@ def name(event_type: type[Any]) -> str:
     return event_type.__struct_config__.tag  # type: ignore[attr-defined]
 
 
-RUN_STARTED, RESTORED, CHECKPOINT_PUBLISHED, CHECKPOINT_SKIPPED, EVAL, RUN_FINISHED, RUN_FAILED = (
-    name(t) for t in RUN_EVENTS
-)
+(RUN_STARTED, RESTORED, CHECKPOINT_PUBLISHED, CHECKPOINT_SKIPPED, EVAL, ENGINE_REPLICA_STARTED,
+ ENGINE_REPLICA_DIED, RUN_FINISHED, RUN_FAILED) = (name(t) for t in RUN_EVENTS)
 (STEP_COMMITTED, DROPPED, SEALED, DISPATCHED, TAKEN, ADMITTED, FAILED, EVICTED, ABANDONED, PROGRESSED,
  TURN_SEALED) = (
     name(t) for t in (StepCommitted, Dropped, Sealed, Dispatched, Taken, Admitted, Failed, Evicted, Abandoned,

@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from .base import Completion, DataError, Engine, GenRequest, InfraError, sampling_seed
 
-__all__ = ["Completion", "DataError", "Engine", "GenRequest", "InfraError", "make_engine", "sampling_seed"]
+__all__ = ["Completion", "DataError", "Engine", "EngineRecipe", "GenRequest", "InfraError", "make_engine",
+           "sampling_seed"]
+
+
+@dataclass(frozen=True)
+class EngineRecipe:
+    """How to build the run's engine: its config section and what it needs from the run
+    (`make_engine`'s context). A value, so an engine replica can be built in another
+    process (`cluster.backend: ray`) exactly as the local one is."""
+
+    section: Any  # the `engine` config section
+    context: dict[str, Any] = field(default_factory=dict)
+
+    def make(self) -> Engine:
+        return make_engine(self.section, **self.context)
 
 
 def make_engine(cfg: Any, **context: Any) -> Engine:
@@ -14,7 +29,7 @@ def make_engine(cfg: Any, **context: Any) -> Engine:
 
     `context` carries what some backends need from the run (e.g. the tokenizer, the
     initial model of the built-in trainer)."""
-    fields = {k: v for k, v in cfg.model_dump().items() if k != "name"}
+    fields = {k: v for k, v in cfg.model_dump().items() if k not in ("name", "replicas")}
     if cfg.name == "toy":
         from .toy import ToyEngine
 

@@ -9,6 +9,7 @@ composition, so a regenerated rollout can reproduce the lost one (docs/design.md
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..core.generation import (
@@ -21,7 +22,7 @@ from ..core.generation import (
     sampling_seed,
 )
 
-__all__ = ["Chunk", "Completion", "DataError", "Engine", "EpisodeTokenizer", "GenRequest", "InfraError", "Prefix",
+__all__ = ["Chunk", "Completion", "CompletionLimit", "DataError", "Engine", "EpisodeTokenizer", "GenRequest", "InfraError", "Prefix",
            "Progress", "sampling_seed"]
 
 #: Called by a streaming engine with each chunk of new tokens, on the event loop's thread.
@@ -62,6 +63,20 @@ class Engine(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class CompletionLimit:
+    """An engine's `completion_limit`: the longest completion (prefix included) after a
+    prompt of `prompt_tokens`, its `max_new_tokens` within the model's context. A value,
+    not a method, so an engine pool can hold its replicas' without asking them per call."""
+
+    max_new_tokens: int
+    context: int | None  # the model's context length, prompt included; None = unbounded
+
+    def __call__(self, prompt_tokens: int) -> int:
+        room = self.max_new_tokens if self.context is None else self.context - prompt_tokens
+        return max(0, min(self.max_new_tokens, room))
 
 
 class EpisodeTokenizer:

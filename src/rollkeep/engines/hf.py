@@ -35,7 +35,7 @@ import numpy as np
 
 from ..core.errors import CustodyError, UserInputError
 from ..models.hf import load_pretrained
-from .base import Completion, DataError, EpisodeTokenizer, GenRequest, InfraError
+from .base import Completion, CompletionLimit, DataError, EpisodeTokenizer, GenRequest, InfraError
 from .inbox import Inbox, Refit, settle, take_batch
 
 
@@ -131,10 +131,10 @@ class HFEngine:
         self._inbox.put(self._jobs, job)
         return await asyncio.wrap_future(job.future)
 
-    def completion_limit(self, prompt_tokens: int) -> int:
-        """The longest completion (prefix included) after a prompt of `prompt_tokens`."""
-        room = self.max_new_tokens if self._context is None else self._context - prompt_tokens
-        return max(0, min(self.max_new_tokens, room))
+    @property
+    def completion_limit(self) -> CompletionLimit:
+        """The longest completion (prefix included) after a prompt of n tokens: `(n)`."""
+        return CompletionLimit(self.max_new_tokens, self._context)
 
     @property
     def episode_tokenizer(self) -> Any:

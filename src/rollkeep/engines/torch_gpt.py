@@ -80,7 +80,16 @@ from ..core.errors import CustodyError, UserInputError
 from ..models.gpt import GPT
 from ..models.sampling import sample
 from ..models.tokenizer import EOS
-from .base import Chunk, Completion, DataError, GenRequest, InfraError, Prefix, Progress
+from .base import (
+    Chunk,
+    Completion,
+    CompletionLimit,
+    DataError,
+    GenRequest,
+    InfraError,
+    Prefix,
+    Progress,
+)
 from .inbox import Inbox, Refit, settle, take_batch, take_refits
 
 # Rows of every matmul the model runs are padded to a multiple of this (with duplicates
@@ -224,10 +233,11 @@ class TorchEngine:
     def episode_tokenizer(self) -> Any:
         return self.tokenizer  # the char tokenizer: encode(text, bos=False), decode(ids)
 
-    def completion_limit(self, prompt_tokens: int) -> int:
-        """The longest completion (prefix included) after a prompt of `prompt_tokens` (BOS
-        included): what `generate` stops at, and what a multi-turn trajectory must fit."""
-        return max(0, min(self.max_new_tokens, self.model.cfg.block_size - prompt_tokens))
+    @property
+    def completion_limit(self) -> CompletionLimit:
+        """The longest completion (prefix included) after a prompt of n tokens (BOS
+        included), `(n)`: what `generate` stops at, and what a multi-turn trajectory must fit."""
+        return CompletionLimit(self.max_new_tokens, self.model.cfg.block_size)
 
     async def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         """Load a state_dict snapshot as `version`; returns once it is loaded.

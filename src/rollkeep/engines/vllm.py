@@ -128,7 +128,16 @@ from typing import Any
 import numpy as np
 
 from ..core.errors import CustodyError, UserInputError
-from .base import Chunk, Completion, DataError, EpisodeTokenizer, GenRequest, InfraError, Progress
+from .base import (
+    Chunk,
+    Completion,
+    CompletionLimit,
+    DataError,
+    EpisodeTokenizer,
+    GenRequest,
+    InfraError,
+    Progress,
+)
 from .inbox import Inbox, Refit, settle
 
 SUPPORTED = ">=0.22,<0.34"  # keep equal to the `vllm` extra in pyproject.toml
@@ -475,9 +484,10 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ worker thread
 
-    def completion_limit(self, prompt_tokens: int) -> int:
-        """The longest completion (prefix included) after a prompt of `prompt_tokens`."""
-        return max(0, min(self.max_new_tokens, self._max_model_len - prompt_tokens))
+    @property
+    def completion_limit(self) -> CompletionLimit:
+        """The longest completion (prefix included) after a prompt of n tokens: `(n)`."""
+        return CompletionLimit(self.max_new_tokens, self._max_model_len)
 
     @property
     def episode_tokenizer(self) -> Any:

@@ -36,6 +36,7 @@ class Reason(enum.StrEnum):
     FINISHED = "finished"  # train.total_steps reached
     DATA_EXHAUSTED = "data exhausted"  # no batch can ever come
     SIGNAL = "signal"  # SIGINT / SIGTERM (a graceful stop)
+    NO_ENGINE = "no engine replica"  # every engine replica gone for cluster.replica_timeout_s (a graceful stop)
     RESTART = "restart"  # attempts in flight at the cut, abandoned on restore
     SHUTDOWN = "shutdown"  # attempts in flight when a run stops, abandoned
     STALE = "stale"  # a READY group outside the sampler's window
@@ -99,6 +100,7 @@ class Generated:
 
     completion: Completion
     reward: float
+    replica: int = 0  # the engine replica that ran it
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,7 @@ class Failure:
 
     kind: str
     error: str
+    replica: int = 0
 
 
 Outcome = Generated | Failure

@@ -364,7 +364,8 @@ class Scheduler:
         else:
             self.partial.forget(key)
         if isinstance(outcome, Generated) and not math.isfinite(outcome.reward):
-            outcome = Failure(DATA, f"reward function: returned {outcome.reward} (rewards must be finite)")
+            outcome = Failure(DATA, f"reward function: returned {outcome.reward} (rewards must be finite)",
+                              outcome.replica)
         if isinstance(outcome, Generated):
             c = outcome.completion
             row = Row(prompt_ids=c.prompt_ids, completion_ids=c.completion_ids, logprobs=c.logprobs,
@@ -372,13 +373,13 @@ class Scheduler:
             self.rows.put(RowId(gid, g, attempt), row)
             version = int(row.versions.max()) if row.tokens else self.engine_version
             self._apply(Sealed(group_id=gid, generation=g, attempt=attempt, version=version, tokens=row.tokens,
-                               resumed_from=resumed))
+                               resumed_from=resumed, replica=outcome.replica))
             self.tokens_generated += row.tokens - resumed  # a continued prefix was generated before
             if led.group(gid).state == GroupState.READY_TO_FINALIZE:
                 finalize(led, self.rows, gid, self.settings.scale_rewards, self._apply)
             return
         self._apply(Failed(group_id=gid, generation=g, attempt=attempt, kind=outcome.kind,
-                           error=outcome.error[:500]))
+                           error=outcome.error[:500], replica=outcome.replica))
         rec = led.group(gid)
         if self.settings.retry.spent(rec, g, outcome.kind):
             self._drop(gid, budget_reason(outcome.kind, outcome.error))

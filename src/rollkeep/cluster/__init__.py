@@ -1,0 +1,28 @@
+"""Where generation runs (docs/design.md §10): `cluster.backend: local`, one engine inside
+the controller's process; `ray`, `engine.replicas` engine replicas as Ray actors behind
+one `EnginePool` the runner drives like any engine.
+
+  replicas.py    each replica's state machine and the routing rule (sans-IO)
+  pool.py        the pool: routes attempts, publishes weights, survives replica deaths
+  ray_actors.py  the Ray actor holding one engine, and the pool's handle of it
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..engines import Engine, EngineRecipe
+from .pool import EnginePool
+from .replicas import ReplicaGone
+
+__all__ = ["EnginePool", "ReplicaGone", "open_engine"]
+
+
+def open_engine(cfg: Any, recipe: EngineRecipe) -> Engine:
+    """The run's engine: built here (`local`), or a pool of Ray actors that start when the
+    runner opens it (`ray`; Ray is connected to, or started, now)."""
+    if cfg.cluster.backend == "local":
+        return recipe.make()
+    from .ray_actors import ray_pool
+
+    return ray_pool(cfg.cluster, recipe, replicas=cfg.engine.replicas)

@@ -1,0 +1,236 @@
+"""The engine pool: one `Engine` for the runner over several replicas (docs/design.md §10).
+
+The runner drives it like any engine; the decisions are the `ReplicaSet`'s, this module
+only waits. An attempt goes to the READY replica with the fewest outstanding attempts
+(waiting while none is READY; the scheduler's deadline still runs). New weights are
+published once per version (`publish`: `ray.put`) and every READY replica refits from
+that one copy. A replica whose process dies fails the attempts it ran as infra failures
+(`InfraError`: the scheduler retries them, on the others, within their budgets) and is
+brought back in the background: Ray restarts its process, the pool refits it to the
+current weights, and only then does it get work again. While no replica is READY for
+`replica_timeout_s`, `on_unavailable` is called once (the runner stops the run with a
+final checkpoint, exit 5).
+
+Custody never depends on a replica: the scheduler knows attempts, not workers, so a run
+resumes on any number of replicas (elastic restore).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..core.generation import Completion, DataError, GenRequest, InfraError
+from ..core.trace_schema import EngineReplicaDied, EngineReplicaStarted, RunEvent
+from .replicas import ReplicaGone, ReplicaHandle, ReplicaInfo, ReplicaLost, ReplicaSet
+
+
+class EnginePool:
+    name = "pool"
+
+    def __init__(self, handles: Sequence[ReplicaHandle], *, publish: Callable[[Any], Any], max_restarts: int,
+                 replica_timeout_s: float, on_close: Callable[[], None] | None = None) -> None:
+        self._handles = list(handles)
+        self._publish = publish
+        self._timeout = replica_timeout_s
+        self._on_close = on_close  # e.g. disconnect from Ray
+        self.replicas = ReplicaSet(len(self._handles), max_restarts=max_restarts)
+        self._info: list[ReplicaInfo | None] = [None] * len(self._handles)
+        self._weights: tuple[Any, int] | None = None  # (published handle, version)
+        self._version = 0
+        self._change = asyncio.Event()  # set when a replica changes state (waiters re-check)
+        self._tasks: set[asyncio.Task] = set()
+        self._watch: asyncio.Task | None = None
+        self._emit: Callable[[RunEvent], None] | None = None
+        self._held: list[RunEvent] = []  # events before `attach`
+        self._on_unavailable: Callable[[str], None] | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ Engine capabilities
+
+    def _first(self) -> ReplicaInfo:
+        info = next((i for i in self._info if i is not None), None)
+        if info is None:
+            raise RuntimeError("engine pool: used before open()")
+        return info
+
+    @property
+    def streams(self) -> bool:
+        return self._first().streams
+
+    @property
+    def continues(self) -> bool:
+        return self._first().continues
+
+    @property
+    def episode_tokenizer(self) -> Any:
+        return self._first().episode_tokenizer
+
+    @property
+    def completion_limit(self) -> Any:
+        return self._first().completion_limit
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    # ------------------------------------------------------------------ start
+
+    async def open(self) -> None:
+        """Start every replica; return once all answered, or after `replica_timeout_s`
+        once one has (the others join when they are up). Raises ReplicaGone if none can."""
+        for i in range(len(self._handles)):
+            self._spawn(self._bring_up(i))
+        with contextlib.suppress(TimeoutError):
+            await self._until(lambda: not self.replicas.pending(), self._timeout)
+        if not self.replicas.live():
+            raise ReplicaGone(f"no engine replica started within cluster.replica_timeout_s={self._timeout:g} s"
+                              if self.replicas.alive() else "every engine replica failed to start")
+
+    def attach(self, emit: Callable[[RunEvent], None], on_unavailable: Callable[[str], None]) -> None:
+        """Where the pool's trace events go (the run's trace, once it is open), and whom to
+        tell when no replica is left."""
+        self._emit, self._on_unavailable = emit, on_unavailable
+        for ev in self._held:
+            emit(ev)
+        self._held.clear()
+
+    def _trace(self, ev: RunEvent) -> None:
+        if self._emit is None:
+            self._held.append(ev)
+        else:
+            self._emit(ev)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _bring_up(self, i: int) -> None:
+        """Start (or wait for Ray to restart) replica i, refit it to the current weights
+        (again if newer ones were published meanwhile), then let it take work."""
+        handle = self._handles[i]
+        try:
+            info = await handle.start()
+        except ReplicaGone as e:
+            self.replicas.gone(i)
+            self._trace(EngineReplicaDied(replica=i, reason=f"cannot start: {e}"[:500], attempts_failed=0,
+                                          gone=True))
+            self._changed()
+            return
+        self._info[i] = info
+        incarnation = self.replicas.started(i, info.version)
+        try:
+            while self._weights is not None and self.replicas.version(i) != self._weights[1]:
+                published, version = self._weights
+                await handle.refit(published, version)
+                self.replicas.refitted(i, version)
+        except ReplicaLost as e:
+            self._lost(i, incarnation, str(e))
+            return
+        self.replicas.refitted(i, self.replicas.version(i) if self._weights is None else self._weights[1])
+        restarts, down = self.replicas.back(i, time.monotonic())
+        self._trace(EngineReplicaStarted(replica=i, pid=info.pid, node=info.node, restart=restarts,
+                                         down_seconds=down))
+        self._changed()
+
+    # ------------------------------------------------------------------ Engine
+
+    async def generate(self, request: GenRequest, progress: Any = None) -> Completion:
+        key = (request.group_id, request.generation, request.attempt)
+        while (i := self.replicas.choose()) is None:
+            if not self.replicas.alive():
+                raise InfraError("engine pool: every engine replica is gone")
+            await self._until(lambda: self.replicas.live() or not self.replicas.alive())
+        incarnation = self.replicas.begin(i, key)
+        tokens = None
+        try:
+            completion = await self._handles[i].generate(request, progress)
+            tokens = len(completion.completion_ids) - (0 if request.prefix is None else len(request.prefix))
+        except ReplicaLost as e:
+            self._lost(i, incarnation, str(e))
+            err = InfraError(f"engine replica {i} died under the attempt: {e}")
+            err.replica = i
+            raise err from None
+        except (InfraError, DataError) as e:
+            e.replica = i
+            tokens = 0
+            raise
+        finally:
+            self.replicas.end(i, key, tokens)
+        return dataclasses.replace(completion, replica=i)
+
+    async def update_weights(self, weights: Any, version: int) -> None:
+        """Publish `weights` once and refit every READY replica from it; a replica coming
+        back meanwhile refits to them before it takes work (`_bring_up`)."""
+        published = self._publish(weights)
+        self._weights = (published, version)
+
+        async def refit(i: int, incarnation: int) -> None:
+            try:
+                await self._handles[i].refit(published, version)
+                self.replicas.refitted(i, version)
+            except ReplicaLost as e:
+                self._lost(i, incarnation, str(e))
+
+        await asyncio.gather(*(refit(i, self.replicas.incarnation(i)) for i in self.replicas.ready()))
+        self._version = version
+
+    # ------------------------------------------------------------------ deaths
+
+    def _lost(self, i: int, incarnation: int, reason: str) -> None:
+        death = self.replicas.died(i, incarnation, time.monotonic())
+        if death is None:
+            return  # reported by another of its attempts
+        self._trace(EngineReplicaDied(replica=i, reason=reason[:500], attempts_failed=death.attempts_failed,
+                                      gone=death.gone))
+        if not death.gone and not self._closed:
+            self._spawn(self._bring_up(i))
+        self._changed()
+
+    def _changed(self) -> None:
+        """Wake whoever waits on the replicas; watch the pool while none is READY."""
+        self._change.set()
+        if not self.replicas.live() and self._watch is None and not self._closed:
+            self._watch = asyncio.get_running_loop().create_task(self._watchdog())
+
+    async def _until(self, done: Callable[[], Any], timeout: float | None = None) -> None:
+        """Wait until `done()` (re-checked at every change), at most `timeout` seconds."""
+        async with asyncio.timeout(timeout):
+            while not done():
+                self._change.clear()
+                await self._change.wait()
+
+    async def _watchdog(self) -> None:
+        try:
+            with contextlib.suppress(TimeoutError):
+                await self._until(lambda: self.replicas.live() or not self.replicas.alive(), self._timeout)
+            if not self.replicas.live() and self._on_unavailable is not None:
+                self._on_unavailable(
+                    f"no engine replica was alive for cluster.replica_timeout_s={self._timeout:g} s"
+                    if self.replicas.alive() else "every engine replica is gone (cluster.max_restarts spent)")
+        finally:
+            self._watch = None
+
+    # ------------------------------------------------------------------ metrics, close
+
+    def stats(self) -> dict[str, Any]:
+        """Live replicas and, per replica, the attempts it finished and the tokens it
+        generated (cumulative; the runner turns them into rates)."""
+        return {"live": self.replicas.live(), "replicas": len(self._handles), "per_replica": self.replicas.stats()}
+
+    async def close(self) -> None:
+        self._closed = True
+        tasks = [*self._tasks, *([self._watch] if self._watch is not None else [])]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        try:
+            await asyncio.gather(*(h.close() for h in self._handles), return_exceptions=True)
+        finally:
+            if self._on_close is not None:
+                self._on_close()
