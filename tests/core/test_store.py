@@ -781,3 +781,20 @@ def test_a_save_that_raises_publishes_nothing(tmp_path):
     with pytest.raises(RuntimeError):
         store.publish(3, {}, {}, keep_last=1, saved={"trainer": save})
     assert tree(store.root) == before
+
+
+def test_a_nested_listed_path_through_a_symlinked_directory_is_refused_on_open(tmp_path):
+    """A listed `trainer/dcp/x` whose `dcp` became a symlink (to a copy elsewhere, with the
+    same bytes) is not followed: the link is an unlisted entry."""
+    store = CheckpointStore(tmp_path / "ck")
+
+    def save(d: Path) -> None:
+        (d / "dcp").mkdir()
+        (d / "dcp" / "x").write_bytes(b"x")
+
+    pub = store.publish(1, {}, {}, keep_last=None, saved={"trainer": save})
+    outside = tmp_path / "outside"
+    shutil.copytree(pub.path / "trainer" / "dcp", outside)
+    shutil.rmtree(pub.path / "trainer" / "dcp")
+    os.symlink(outside, pub.path / "trainer" / "dcp")
+    assert_refused(store, ManifestMismatch, "trainer/dcp")
