@@ -158,8 +158,7 @@ def load_builtin(run_dir: str | Path, *, checkpoint: str | None = None) -> Loade
         trainer = TorchTrainer(tcfg, model=GPT(gpt_cfg), tokenizer=tokenizer,
                                temperature=float(engine_cfg.get("temperature", 1.0)), seed=0,
                                max_completion_length=int(engine_cfg.get("max_new_tokens", 8)))
-        files = {f: restored.trainer_file(f) for f in restored.trainer_files()}
-        trainer.load(files, step=restored.ledger.version)  # every file and tensor checked
+        trainer.load(restored.trainer_dir, step=restored.ledger.version)  # every file and tensor checked
     finally:
         torch.set_rng_state(rng)
     return Loaded(model=trainer.model.eval(), tokenizer=tokenizer, checkpoint=restored.name,

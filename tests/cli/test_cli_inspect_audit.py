@@ -18,7 +18,7 @@ import pytest
 from rollkeep import cli
 from rollkeep.cli import main
 from rollkeep.core import errors
-from rollkeep.core.checkpoint import LEDGER_FILE, ROWS_FILE, cut, write_checkpoint
+from rollkeep.core.checkpoint import LEDGER_FILE, ROWS_FILE, cut, save_files, write_checkpoint
 from rollkeep.core.events import Admitted, Claimed, Dispatched, Finalizing, Ready, Sealed
 from rollkeep.core.ledger import Ledger
 from rollkeep.core.restore import plan
@@ -88,7 +88,7 @@ class Run:
     def publish(self) -> None:
         meta = {"dataset": {"n_rows": 12, "seed": 5, "fingerprint": self.source.fingerprint()},
                 "config": {"seed": 5}}
-        write_checkpoint(self.store, cut(self.led, self.rows), trainer_files={"model.bin": b"w" * 64},
+        write_checkpoint(self.store, cut(self.led, self.rows), trainer_save=save_files({"model.bin": b"w" * 64}),
                          meta=meta, keep_last=None)
 
 

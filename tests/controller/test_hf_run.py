@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 
 from hf_fixture import make_tiny_hf_model  # noqa: E402
 from run_harness import check, config, final_sha, killed, run_child, run_to_end, trace_lines  # noqa: E402
+from trainer_files import as_dir, files_of
 
 from rollkeep.config import load_config  # noqa: E402
 from rollkeep.trainers.hf import HFTrainer  # noqa: E402
@@ -56,10 +57,10 @@ def test_hf_trainer_checkpoint_round_trip_is_bit_exact(model_dir, tmp_path) -> N
     a = HFTrainer(cfg.trainer, temperature=1.0, seed=0)
     seqs = [(a.tokenizer.encode("1+2="), a.tokenizer.encode("3", bos=False) + [a.tokenizer.eos_id])] * 4
     a.sft_step(seqs, lr=1e-3)
-    files = a.snapshot().files()
+    files = files_of(a.snapshot())
     b = HFTrainer(cfg.trainer, temperature=1.0, seed=1)
     assert b.weights_sha256() != a.weights_sha256()  # a trained and b did not
-    b.load(files)  # also sets the process's RNG (dropout) to a's state at the snapshot
+    b.load(as_dir(files))  # also sets the process's RNG (dropout) to a's state at the snapshot
     assert b.weights_sha256() == a.weights_sha256()
     rng = torch.get_rng_state()
     b.sft_step(seqs, lr=1e-3)

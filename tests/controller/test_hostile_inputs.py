@@ -19,6 +19,7 @@ import msgspec
 import pytest
 from pyroaring import BitMap
 from run_harness import DEFAULTS, FAST, check, config, run_child, run_to_end, trace_lines
+from trainer_files import as_dir, files_of
 
 from rollkeep.cli import main
 from rollkeep.core import codec
@@ -225,16 +226,16 @@ def test_grpo_trainer_files_of_another_step_are_refused_by_load():
     model = GPT(GPTConfig(vocab_size=tok.vocab_size, **shape))
     cfg = TorchTrainerConfig(model=TorchModelConfig(**shape))
     trainer = TorchTrainer(cfg, model=model, tokenizer=tok, temperature=1.0, seed=0)
-    files = trainer.snapshot().files()
+    files = files_of(trainer.snapshot())
     assert {declared_step(n, b) for n, b in files.items()} == {0}
-    trainer.load(files, step=0)
+    trainer.load(as_dir(files), step=0)
     with pytest.raises(CheckpointError, match="step 0, not of step 16"):
-        trainer.load(files, step=16)
+        trainer.load(as_dir(files), step=16)
     # A forger who rewrites trainer.json alone leaves the tensors' own step behind.
     meta = json.loads(files["trainer.json"])
     forged = {**files, "trainer.json": json.dumps({**meta, "rl_steps": 16, "rollkeep_step": 16}).encode()}
     with pytest.raises(CheckpointError, match="model.safetensors"):
-        trainer.load(forged, step=16)
+        trainer.load(as_dir(forged), step=16)
 
 
 def test_forged_trained_set_past_what_the_steps_trained_is_refused(run, capsys):

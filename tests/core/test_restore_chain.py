@@ -14,7 +14,7 @@ from test_store import rewrite_manifest
 
 from rollkeep.cli import exit_code
 from rollkeep.core import codec
-from rollkeep.core.checkpoint import LEDGER_FILE, ROWS_FILE, cut, write_checkpoint
+from rollkeep.core.checkpoint import LEDGER_FILE, ROWS_FILE, cut, save_files, write_checkpoint
 from rollkeep.core.errors import (
     CheckpointCustodyError,
     CheckpointError,
@@ -94,7 +94,7 @@ def publish(root: Path, source: PromptSource, *, salt: int = 0) -> tuple[Checkpo
     store = CheckpointStore(root)
     meta = {"dataset": {"n_rows": source.n_rows, "seed": source.seed, "fingerprint": source.fingerprint()},
             "config": CONFIG}
-    write_checkpoint(store, cut(led, rows), trainer_files={"model.bin": b"weights" * (10 + salt)},
+    write_checkpoint(store, cut(led, rows), trainer_save=save_files({"model.bin": b"weights" * (10 + salt)}),
                      meta=meta, keep_last=3)
     return store, led, rows
 
@@ -293,7 +293,7 @@ def publish_by_reference(run: Path, source: PromptSource, *, locate=lambda rid: 
     store = CheckpointStore(run / "checkpoints")
     meta = {"dataset": {"n_rows": source.n_rows, "seed": source.seed, "fingerprint": source.fingerprint()},
             "config": CONFIG}
-    write_checkpoint(store, cut(led, rows), trainer_files={"model.bin": b"weights"}, meta=meta, keep_last=3)
+    write_checkpoint(store, cut(led, rows), trainer_save=save_files({"model.bin": b"weights"}), meta=meta, keep_last=3)
     return store, led, rows
 
 

@@ -305,13 +305,15 @@ def test_bad_meta_is_refused_before_anything_is_written(tmp_path, meta):
     [
         {"../escape": b""},
         {"/abs": b""},
-        {"a/b/c": b""},
+        {"/".join("abcdefghi"): b""},  # deeper than MAX_DEPTH
+        {"a/../b": b""},
+        {"..": b""},
         {"": b""},
         {"a//b": b""},
         {"./a": b""},
         {"a/./b": b""},
         {"a/": b""},
-        {".hidden": b""},
+        {"-option": b""},
         {MANIFEST: b""},
         {"a\\b": b""},
         {"a b": b""},
@@ -564,7 +566,8 @@ def test_open_by_bad_name_is_refused(tmp_path):
         (lambda m: m["files"].update({"../x": {"size": 0, "sha256": "0" * 64}}), "files['../x']"),
         (lambda m: m["files"].update({"/x": {"size": 0, "sha256": "0" * 64}}), "files['/x']"),
         (lambda m: m["files"].update({"a/../b": {"size": 0, "sha256": "0" * 64}}), "a/../b"),
-        (lambda m: m["files"].update({"a/b/c": {"size": 0, "sha256": "0" * 64}}), "a/b/c"),
+        (lambda m: m["files"].update({"a/b/c/d/e/f/g/h/i": {"size": 0, "sha256": "0" * 64}}), "a/b/c/d/e/f/g/h/i"),
+        (lambda m: m["files"].update({"a/./b": {"size": 0, "sha256": "0" * 64}}), "a/./b"),
         (lambda m: m["files"]["ledger.msgpack"].update(size=-1), "size"),
         (lambda m: m["files"]["ledger.msgpack"].update(size=1.0), "size"),
         (lambda m: m["files"]["ledger.msgpack"].update(sha256="ABC"), "sha256"),
@@ -717,3 +720,81 @@ def test_open_never_cleans_up(tmp_path):
     store.list()
     store.latest()
     assert tree(store.root) == before
+
+
+# -- directories a trainer's save writes (P3) --------------------------------------------
+
+
+def test_a_saved_directory_is_hashed_and_listed_at_any_depth(tmp_path):
+    store = make_store(tmp_path)
+
+    def save(d: Path) -> None:
+        (d / "dcp").mkdir()
+        (d / "dcp" / ".metadata").write_bytes(b"meta")
+        (d / "dcp" / "__0_0.distcp").write_bytes(b"shard" * 1000)
+        (d / "step.json").write_bytes(b'{"rollkeep_step": 3}')
+
+    pub = store.publish(3, {"ledger.msgpack": b"L"}, {}, keep_last=None, saved={"trainer": save})
+    ck = store.open()
+    assert ck.files() == ["ledger.msgpack", "trainer/dcp/.metadata", "trainer/dcp/__0_0.distcp", "trainer/step.json"]
+    assert ck.read("trainer/dcp/__0_0.distcp") == b"shard" * 1000
+    assert pub.bytes == 1 + 4 + 5000 + 20 + (pub.path / "MANIFEST.json").stat().st_size
+
+
+def _linked_dir(d: Path) -> None:
+    (d / "real").mkdir()
+    (d / "real" / "x").write_bytes(b"x")
+    os.symlink(d / "real", d / "linked")
+
+
+def _empty_subdir(d: Path) -> None:
+    (d / "f").write_bytes(b"x")
+    (d / "empty").mkdir()
+
+
+@pytest.mark.parametrize("what, plant", [
+    ("a symlink", lambda d: os.symlink("/etc/passwd", d / "model.bin")),
+    ("a symlink", _linked_dir),
+    ("a special file", lambda d: os.mkfifo(d / "pipe")),
+    ("an empty directory", _empty_subdir),
+    ("an empty directory", lambda d: None),  # nothing saved: no step recorded either
+    ("a name the manifest cannot list", lambda d: (d / "a b").write_bytes(b"x")),
+])
+def test_a_save_that_writes_anything_but_regular_files_publishes_nothing(tmp_path, what, plant):
+    store = make_store(tmp_path)
+    before = tree(store.root)
+    with pytest.raises(CheckpointError) as err:
+        store.publish(3, {"ledger.msgpack": b"L"}, {}, keep_last=1, saved={"trainer": plant})
+    assert what in str(err.value) and "nothing was published" in str(err.value) and err.value.remedy
+    assert tree(store.root) == before  # LATEST unchanged, the temp directory removed
+    assert store.latest() == "step_000002"
+
+
+def test_a_save_that_raises_publishes_nothing(tmp_path):
+    store = make_store(tmp_path)
+    before = tree(store.root)
+
+    def save(d: Path) -> None:
+        (d / "half").write_bytes(b"x")
+        raise RuntimeError("disk quota of the trainer")
+
+    with pytest.raises(RuntimeError):
+        store.publish(3, {}, {}, keep_last=1, saved={"trainer": save})
+    assert tree(store.root) == before
+
+
+def test_a_nested_listed_path_through_a_symlinked_directory_is_refused_on_open(tmp_path):
+    """A listed `trainer/dcp/x` whose `dcp` became a symlink (to a copy elsewhere, with the
+    same bytes) is not followed: the link is an unlisted entry."""
+    store = CheckpointStore(tmp_path / "ck")
+
+    def save(d: Path) -> None:
+        (d / "dcp").mkdir()
+        (d / "dcp" / "x").write_bytes(b"x")
+
+    pub = store.publish(1, {}, {}, keep_last=None, saved={"trainer": save})
+    outside = tmp_path / "outside"
+    shutil.copytree(pub.path / "trainer" / "dcp", outside)
+    shutil.rmtree(pub.path / "trainer" / "dcp")
+    os.symlink(outside, pub.path / "trainer" / "dcp")
+    assert_refused(store, ManifestMismatch, "trainer/dcp")

@@ -94,8 +94,10 @@ m = cfg.model
 model = GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_embd=32, block_size=16))
 tr = TorchTrainer(cfg, model=model, tokenizer=tok, temperature=1.0, seed=0)
 tr.sft_step([(tok.encode("1+2="), tok.encode("3", bos=False) + [tok.eos_id])], lr=1e-3)
-files = tr.snapshot().files()
-tr.load(files)
+import tempfile, pathlib
+d = pathlib.Path(tempfile.mkdtemp())
+tr.snapshot().save(d)
+tr.load(d)
 print("torch._dynamo" in sys.modules)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

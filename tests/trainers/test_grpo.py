@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
+from trainer_files import as_dir, files_of
 
 from rollkeep.config import TorchModelConfig, TorchTrainerConfig
 from rollkeep.core.errors import CheckpointError
@@ -328,16 +329,16 @@ def test_checkpoint_round_trip_is_bit_exact():
     a.sft_step(SFT_DATA, lr=1e-3)
     run_steps(a, 1, 3)
     snap = a.snapshot()
-    files = snap.files()
+    files = files_of(snap)
     assert set(files) == {"model.safetensors", "optimizer.safetensors", "trainer.json",
                           "rng.safetensors", "reference.safetensors"}
 
     run_steps(a, 4, 2)  # the uninterrupted run
-    assert snap.files() == files  # the snapshot holds copies, not live tensors
+    assert files_of(snap) == files  # the snapshot holds copies, not live tensors
 
     b = ckpt_trainer(seed=99)  # a fresh, different model
     assert b.weights_sha256() != a.weights_sha256()
-    b.load(files)
+    b.load(as_dir(files))
     assert b.rl_steps == 3 and b.sft_steps == 1
     run_steps(b, 4, 2)  # the resumed run
 
@@ -347,17 +348,17 @@ def test_checkpoint_round_trip_is_bit_exact():
         assert len(sa) == len(sb) > 0
         for (ia, ka, va), (ib, kb, vb) in zip(sa, sb, strict=True):
             assert (ia, ka) == (ib, kb) and torch.equal(va, vb), (ia, ka)
-    assert b.snapshot().files() == a.snapshot().files()  # everything, byte for byte
+    assert files_of(b.snapshot()) == files_of(a.snapshot())  # everything, byte for byte
 
 
 def test_checkpoint_round_trip_needs_the_rng():
     # The test above can fail: resuming with another RNG state (dropout masks) diverges.
     a = ckpt_trainer()
     run_steps(a, 1, 1)
-    files = a.snapshot().files()
+    files = files_of(a.snapshot())
     run_steps(a, 2, 1)
     b = ckpt_trainer(seed=5)
-    b.load(files)
+    b.load(as_dir(files))
     torch.manual_seed(12345)
     run_steps(b, 2, 1)
     assert b.weights_sha256() != a.weights_sha256()
@@ -367,7 +368,7 @@ def test_checkpoint_files_use_no_pickle(monkeypatch):
     a = ckpt_trainer()
     a.sft_step(SFT_DATA, lr=1e-3)
     run_steps(a, 1, 1)
-    files = a.snapshot().files()
+    files = files_of(a.snapshot())
     for name, data in files.items():
         assert not data.startswith(b"\x80"), name  # pickle protocol >= 2
         assert not data.startswith(b"PK\x03\x04"), name  # torch.save's zip
@@ -384,7 +385,7 @@ def test_checkpoint_files_use_no_pickle(monkeypatch):
     monkeypatch.setattr(pickle, "Unpickler", refuse)
     monkeypatch.setattr(torch, "load", refuse)
     b = ckpt_trainer(seed=3)
-    b.load(files)
+    b.load(as_dir(files))
     assert b.weights_sha256() == a.weights_sha256()
 
 
@@ -392,7 +393,7 @@ def snapshot_files() -> dict[str, bytes]:
     a = ckpt_trainer()
     a.sft_step(SFT_DATA, lr=1e-3)
     run_steps(a, 1, 1)
-    return a.snapshot().files()
+    return files_of(a.snapshot())
 
 
 @pytest.mark.parametrize(
@@ -414,19 +415,19 @@ def test_bad_file_raises_checkpoint_error_and_changes_nothing(name, corrupt):
     if corrupt is not None:
         files[name] = corrupt(files[name])
     b = ckpt_trainer(seed=4)
-    before = b.snapshot().files()
+    before = files_of(b.snapshot())
     with pytest.raises(CheckpointError) as err:
-        b.load(files)
+        b.load(as_dir(files))
     assert err.value.path == f"trainer/{name}"
     assert name in str(err.value) and err.value.remedy
-    assert b.snapshot().files() == before
+    assert files_of(b.snapshot()) == before
 
 
 def test_shape_mismatch_names_file_and_tensor():
     files = snapshot_files()
     wide = grpo(tiny_gpt(dropout=0.1, n_embd=48), kl_coef=0.05)
     with pytest.raises(CheckpointError) as err:
-        wide.load(files)
+        wide.load(as_dir(files))
     assert err.value.path == "trainer/model.safetensors"
     assert err.value.field == "wte.weight"
     assert f"torch.float32 [{TOK.vocab_size}, 48]" in err.value.expected
@@ -440,14 +441,14 @@ def test_optimizer_state_mismatch_names_the_tensor():
     opt["rl.state.1.exp_avg"] = torch.zeros(3)
     files["optimizer.safetensors"] = st_save(opt)
     with pytest.raises(CheckpointError) as err:
-        ckpt_trainer(seed=4).load(files)
+        ckpt_trainer(seed=4).load(as_dir(files))
     assert err.value.path == "trainer/optimizer.safetensors"
     assert err.value.field == "rl.state.1.exp_avg"
     opt.pop("rl.state.1.exp_avg")
     opt["adam.state.0.step"] = torch.tensor(1.0)
     files["optimizer.safetensors"] = st_save(opt)
     with pytest.raises(CheckpointError, match="adam.state.0.step"):
-        ckpt_trainer(seed=4).load(files)
+        ckpt_trainer(seed=4).load(as_dir(files))
 
 
 # ---------------------------------------------------------------------------------------
@@ -811,14 +812,14 @@ def test_lr_warmup_rates_and_resume_bit_exact():
     for step in range(1, 3):
         lrs.append(a.train_step(mixed_batch(a.model, step))["lr"])
     assert lrs == pytest.approx([3e-3 / 4, 3e-3 / 2])
-    files = a.snapshot().files()
+    files = files_of(a.snapshot())
     run_steps(a, 3, 3)  # the uninterrupted run, through the end of the warmup
     b = warm_trainer(99, 4)
-    b.load(files)
+    b.load(as_dir(files))
     assert b.optimizer.param_groups[0]["lr"] == pytest.approx(3e-3 * 3 / 4)  # the next step's
     run_steps(b, 3, 3)
     assert b.weights_sha256() == a.weights_sha256()
-    assert b.snapshot().files() == a.snapshot().files()
+    assert files_of(b.snapshot()) == files_of(a.snapshot())
     # No warmup: every step at lr (the behaviour before the key existed).
     c = ckpt_trainer()
     assert c.train_step(mixed_batch(c.model, 1))["lr"] == pytest.approx(3e-3)

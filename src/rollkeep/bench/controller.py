@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..core.checkpoint import cut, write_checkpoint
+from ..core.checkpoint import cut, save_files, write_checkpoint
 from ..core.ledger import Ledger
 from ..core.restore import restore_chain
 from ..core.rowlog import ROWS_DIR, RowLogReader, RowLogWriter
@@ -74,7 +74,7 @@ def checkpoint_costs(n: int, tokens: int = 64, *, by_reference: bool = True) -> 
             c.rows.release()
         c = cut(led, rows)
         t0 = time.perf_counter()
-        published = write_checkpoint(store, c, trainer_files={"model.bin": b"\0" * 1024}, meta={}, keep_last=2)
+        published = write_checkpoint(store, c, trainer_save=save_files({"model.bin": b"\0" * 1024}), meta={}, keep_last=2)
         write_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         restored = restore_chain(store, source=None, config=None)

@@ -68,7 +68,7 @@ def _cross_field_problems(get: Callable[[str], Any]) -> list[_Problem]:
             )
 
     engine, trainer = get("engine.name"), get("trainer.name")
-    pairs = {"toy": ("toy",), "torch": ("torch",), "hf": ("hf",), "vllm": ("hf",)}
+    pairs = {"toy": ("toy",), "torch": ("torch", "custom"), "hf": ("hf",), "vllm": ("hf",)}
     if isinstance(engine, str) and isinstance(trainer, str) and engine in pairs and trainer not in pairs[engine]:
         problems.append(
             _Problem(
@@ -105,7 +105,7 @@ def _cross_field_problems(get: Callable[[str], Any]) -> list[_Problem]:
         problems.append(_Problem("env.name", f"`env.name` must be a built-in environment ({', '.join(BUILT_IN)}) "
                                              f"or null; found `{name}` (your own environment goes in `env.factory`)"))
 
-    if get("trainer.name") == "torch":
+    if get("trainer.name") in ("torch", "custom"):
         embd, head = get("trainer.model.n_embd"), get("trainer.model.n_head")
         if _is_int(embd) and _is_int(head) and head > 0 and embd % head:
             problems.append(

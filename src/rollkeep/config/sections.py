@@ -297,8 +297,36 @@ class HFTrainerConfig(_GRPOSection):
     `loss_type: bnpo`, where it changes the loss and is a semantic key)."""
 
 
+def _trainer_factory(v: Any) -> str:
+    from pydantic_core import PydanticCustomError
+
+    if isinstance(v, str) and _REWARD_SPEC.match(v):
+        return v
+    raise PydanticCustomError("trainer_factory", "a `package.module:callable` string (a module path, a colon, "
+                              "a class or function name, e.g. `examples.dcp_trainer:make`)")
+
+
+class CustomTrainerConfig(_TrainerSection):
+    """Your own trainer for the built-in GPT (README "Bring your own trainer"): rollkeep
+    builds the model, the character tokenizer and the torch engine as for `torch`, and the
+    trainer with `factory`."""
+
+    name: Literal["custom"] = "custom"
+    """Trainer backend."""
+    factory: Annotated[str, PlainValidator(_trainer_factory)]
+    """`"package.module:callable"` (required), called once at start-up as
+    `callable(model=, tokenizer=, temperature=, seed=, max_completion_length=,
+    scale_rewards=, **kwargs)`; it returns a trainer (`train_step`, `snapshot`, `load`,
+    `weights`, `weights_sha256`: rollkeep.trainers.base). Imported from the current
+    directory or the Python path."""
+    kwargs: dict[str, Any] = {}
+    """More keyword arguments of `factory` (your trainer's own settings)."""
+    model: TorchModelConfig = TorchModelConfig()
+    """Shape of the built-in GPT it trains."""
+
+
 TrainerConfig = Annotated[
-    ToyTrainerConfig | TorchTrainerConfig | HFTrainerConfig,
+    ToyTrainerConfig | TorchTrainerConfig | HFTrainerConfig | CustomTrainerConfig,
     Field(discriminator="name"),
 ]
 
@@ -588,7 +616,7 @@ class Config(_Section):
     engine: EngineConfig = ToyEngineConfig()
     """Generation backend, chosen by `engine.name`: toy, torch, hf, vllm."""
     trainer: TrainerConfig = ToyTrainerConfig()
-    """Training backend, chosen by `trainer.name`: toy, torch, hf."""
+    """Training backend, chosen by `trainer.name`: toy, torch, hf, custom."""
     rollout: RolloutConfig = RolloutConfig()
     """Groups, retries, drops."""
     recovery: RecoveryConfig = RecoveryConfig()

@@ -91,7 +91,7 @@ def build(cfg: Config) -> Parts:
         check_tasks(str(r.get("task", "default")) for r in eval_rows)
     source = PromptSource(dataset, seed=cfg.seed, epochs=cfg.data.epochs)
     env = resolve(cfg.env)  # imports the user's environment: exit 2 on any problem
-    if cfg.trainer.name == "torch":
+    if cfg.trainer.name in ("torch", "custom"):  # custom: the user's trainer on the built-in GPT
         parts = _build_torch(cfg, dataset, source, eval_rows, env)
     elif cfg.trainer.name == "hf":
         parts = _build_hf(cfg, dataset, source, eval_rows, env)

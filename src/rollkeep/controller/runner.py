@@ -316,7 +316,7 @@ class Runner:
             # the open file only, not the trace's buffer, so the loop may go on emitting.
             self.trace.sync_flushed()
             with contextlib.nullcontext() if position is None else self._journal.covering(position, self.store):
-                published = write_checkpoint(self.store, c, trainer_files=snapshot.files(), meta=meta,
+                published = write_checkpoint(self.store, c, trainer_save=snapshot.save, meta=meta,
                                              keep_last=self.cfg.checkpoint.keep_last, trainer_step=snapshot.step)
             return published, time.perf_counter() - t0
 

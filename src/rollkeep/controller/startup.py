@@ -88,7 +88,7 @@ def open_run(
             store, name=resume, source=source, config=semantic,
             allow_config_change=allow_config_change, allow_dataset_change=allow_dataset_change,
             extend_epochs=is_allowed("data.epochs", allow_config_change), config_added=ADDED_KEYS)
-        trainer.load({n: restored.trainer_file(n) for n in restored.trainer_files()}, step=restored.ledger.version)
+        trainer.load(restored.trainer_dir, step=restored.ledger.version)  # verified by the chain
     newest = is_newest(store, restored)
     tail, next_seq, stale = _journal_tail(cfg, run_dir, restored, newest=newest, source=source,
                                           semantic=semantic, allow_config_change=allow_config_change)

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from ..config import ADDED_KEYS, Config, semantic
+from ..core.checkpoint import TRAINER_DIR
 from ..core.configdiff import check_compatible
 from ..core.errors import CheckpointError, ConfigError, DatasetError
 from ..core.source import Dataset
@@ -101,8 +102,7 @@ def run_warmup(cfg: Config, *, dataset: Dataset, trainer: Any, tokenizer: Any, l
         ck = store.open()
         check_compatible(ck.manifest.get("config", {}), semantic(cfg), path=str(ck.path / "MANIFEST.json"),
                          added=ADDED_KEYS)
-        trainer.load({f[len("trainer/"):]: ck.read(f) for f in ck.files() if f.startswith("trainer/")},
-                     step=0)  # the warm start takes no RL step
+        trainer.load(ck.path / TRAINER_DIR, step=0)  # verified by `open`; the warm start takes no RL step
         done = int(ck.manifest["step"])
         if getattr(trainer, "sft_steps", done) != done:  # the trainer file is of another step
             raise CheckpointError(
@@ -178,8 +178,8 @@ def _train(cfg: Config, store: CheckpointStore, done: int, stopped_by: list[str]
                                                              seed=cfg.seed, where=f"row {int(i)}")]
         result = trainer.sft_step(seqs, lr=cfg.warmup.sft_lr)
         if step % cfg.checkpoint.warmup_every_steps == 0 or step == steps or stopped_by:
-            files = {f"trainer/{k}": v for k, v in trainer.snapshot().files().items()}
-            store.publish(step, files, {"phase": "warmup", "config": semantic(cfg)}, keep_last=1)
+            store.publish(step, {}, {"phase": "warmup", "config": semantic(cfg)}, keep_last=1,
+                          saved={TRAINER_DIR: trainer.snapshot().save})
             log(f"warmup: step {step}/{steps}, loss {result['loss']:.3f}, "
                 f"{(step - done) / (time.perf_counter() - t0):.1f} steps/s")
         if metrics is not None:  # seconds: this process's warm start so far, its checkpoint included

@@ -10,14 +10,18 @@ Files of a checkpoint directory:
     ledger.msgpack      custody state (codec.py)
     rows.index          the rows it references that are in the row log, by location (rowindex.py)
     rows.safetensors    the rows it references that are not (a copy)
-    trainer/...         the trainer's own files; the core reads only their step binding
+    trainer/...         the trainer's own files, written by its snapshot's `save(dir)` into
+                        the directory the store gives it (any depth); the core hashes them
+                        and reads only their step binding
     MANIFEST.json       written last by the store, with the meta below
 
 The parts are bound to one step (restore step 5): the manifest's `weight_version` and
 `trainer_step` equal the ledger's version, and so does the `rollkeep_step` every trainer
 file declares (a top-level key of a JSON file, an entry of a safetensors file's
 `__metadata__`). A trainer file copied in from another checkpoint is refused even when the
-manifest's hashes were recomputed to match it.
+manifest's hashes were recomputed to match it. Files in other formats (a
+torch.distributed.checkpoint shard) are opaque to the core: a trainer writing them also
+writes a JSON file declaring the step, and checks in its `load` that the rest belong to it.
 """
 
 from __future__ import annotations
@@ -25,20 +29,28 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from . import codec
 from .audit import audit
 from .errors import AuditFailure
+from .fs import DEFAULT_FS, FS
 from .ledger import AttemptStatus, Ledger, LedgerState
 from .manifest import OpenedCheckpoint
 from .prefixes import Link, PrefixStore, finished_turns
 from .rowindex import ROWS_INDEX, encode_index, extents
 from .rows import RowId, RowPin, RowStore, encode_rows
 from .store import CheckpointStore, Published
-from .untrusted import SAFETENSORS_MAX_HEADER, loads_json, safetensors_header
+from .untrusted import (
+    SAFETENSORS_MAX_HEADER,
+    loads_json,
+    read_prefix,
+    read_regular,
+    safetensors_header,
+)
 
 LEDGER_FILE = "ledger.msgpack"
 ROWS_FILE = "rows.safetensors"
@@ -95,6 +107,34 @@ def declared_step(name: str, data: bytes | memoryview) -> int | None:
     return None
 
 
+def declared_step_of(path: Path) -> int | None:
+    """`declared_step` of a trainer file on disk, reading only a safetensors file's header
+    (for a trainer's `load`, which may face gigabytes of weights)."""
+    if path.name.endswith(".safetensors"):
+        head = read_prefix(path, 8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else 0
+        head = read_prefix(path, 8 + min(max(n, 0), SAFETENSORS_MAX_HEADER))
+        meta = safetensors_header(head, path.stat().st_size).get("__metadata__") or {}
+        return _parse_step(meta.get(STEP_KEY) if isinstance(meta, dict) else None)
+    if path.name.endswith(".json"):
+        return declared_step(path.name, read_regular(path))
+    return None
+
+
+def save_files(files: Mapping[str, bytes], fs: FS = DEFAULT_FS) -> Callable[[Path], None]:
+    """A `trainer_save` that writes `files` (relative path -> bytes) into the directory it
+    is given, through `fs`: for state that is a few bytes (the toy trainer's), and for the
+    simulated disk, which only its `fs` can write."""
+
+    def save(dir: Path) -> None:
+        for rel, data in files.items():
+            for d in list(reversed(Path(rel).parents))[1:]:
+                fs.makedirs(dir / d)
+            fs.write(dir / rel, data)
+
+    return save
+
+
 def declared_step_in(ck: OpenedCheckpoint, rel: str) -> int | None:
     """`declared_step` of a listed file of an opened checkpoint, reading only a
     safetensors file's header (the weights were hashed by `open` already)."""
@@ -149,8 +189,9 @@ def referenced_set(state: LedgerState) -> set[RowId]:
     return set(_sealed(state.groups.items()))
 
 
-def checkpoint_files(c: Cut, trainer_files: Mapping[str, bytes]) -> tuple[dict[str, bytes], dict[str, Any]]:
-    """Encode a cut: its files, and the manifest's `rows` entry. A row with a place in the
+def checkpoint_files(c: Cut) -> tuple[dict[str, bytes], dict[str, Any]]:
+    """Encode a cut: its files (the trainer's are written by its `save`), and the
+    manifest's `rows` entry. A row with a place in the
     row log is named by it in `rows.index` (no row byte is rewritten); one without is copied
     into `rows.safetensors`. Refuses (AuditFailure) to write a ledger that fails its audit."""
     report = audit(c.ledger)
@@ -170,8 +211,6 @@ def checkpoint_files(c: Cut, trainer_files: Mapping[str, bytes]) -> tuple[dict[s
         ROWS_FILE: encode_rows((rid, c.rows.get(rid)) for rid in copied),
         ROWS_INDEX: encode_index(by_ref, chains),
     }
-    for name, blob in trainer_files.items():
-        files[f"{TRAINER_DIR}/{name}"] = blob
     locations = [loc for _, loc in by_ref] + [ch.at for chain in chains.values() for ch in chain]
     rows = {"by_reference": len(by_ref), "copied": len(copied), "segments": extents(locations),
             "partial": len(chains), "partial_tokens": sum(chain[-1].end for chain in chains.values()),
@@ -183,14 +222,18 @@ def write_checkpoint(
     store: CheckpointStore,
     c: Cut,
     *,
-    trainer_files: Mapping[str, bytes],
+    trainer_save: Callable[[Path], None],
     meta: Mapping[str, Any],
     keep_last: int | None,
     trainer_step: int | None = None,
 ) -> Published:
-    """Encode and publish a cut; always releases the cut's row pin. `trainer_step` is the
-    step the trainer's snapshot says it is of; it must be the cut's version (a snapshot
-    from another step would be a bug) and is recorded in the manifest for restore step 5."""
+    """Encode and publish a cut; always releases the cut's row pin. `trainer_save(dir)`
+    (a snapshot's `save`) writes the trainer's files into `dir`, the checkpoint's
+    `trainer/` while it is still a temporary directory, on this (the writer's) thread; the
+    store hashes and lists what it finds (`CheckpointStore.publish`, P3). `trainer_step`
+    is the step the trainer's snapshot says it is of; it must be the cut's version (a
+    snapshot from another step would be a bug) and is recorded in the manifest for
+    restore step 5."""
     try:
         if trainer_step is not None and trainer_step != c.ledger.version:
             raise AuditFailure(
@@ -200,7 +243,7 @@ def write_checkpoint(
                 remedy="this is a bug; the checkpoint was not written",
             )
         with gc_paused():  # O(rows) small objects (see `gc_paused`)
-            files, rows = checkpoint_files(c, trainer_files)
+            files, rows = checkpoint_files(c)
     finally:
         c.rows.release()
     full_meta = {
@@ -212,4 +255,5 @@ def write_checkpoint(
         "rows": rows,
         **meta,
     }
-    return store.publish(c.ledger.version, files, full_meta, keep_last=keep_last)
+    return store.publish(c.ledger.version, files, full_meta, keep_last=keep_last,
+                         saved={TRAINER_DIR: trainer_save})

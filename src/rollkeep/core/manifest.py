@@ -12,7 +12,9 @@ was found, and what to do:
    exists and has a MANIFEST.json.
 2. `ManifestMismatch`: MANIFEST.json is a JSON object in canonical form with a correct
    checksum and the reserved keys with the right types; its name and step match the
-   directory; every listed path is relative, normalised and at most one directory deep;
+   directory; every listed path is relative, normalised (no '.', '..' or empty component)
+   and at most `MAX_DEPTH` components deep; every directory on the way is a real directory
+   (a symlink is refused, so nothing listed resolves outside the checkpoint);
    every listed file is a regular file with the listed size and sha256; nothing else is in
    the directory (no unlisted file or directory is trusted).
 3. `SchemaUnsupported`: `manifest_schema` is 1, and each entry of an optional `schemas`
@@ -34,7 +36,7 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,7 +57,11 @@ RESERVED_KEYS = frozenset(
 )
 
 _NAME_RE = re.compile(r"step_(\d{6,})(?:\.([1-9]\d*))?")
-_COMPONENT_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+# A leading "." is allowed (torch.distributed.checkpoint writes `.metadata`), "." and ".."
+# are not (`_relpath_problem`), nor a leading "-" (a path must never read as an option).
+_COMPONENT_RE = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9._-]*")
+#: The most path components a listed file may have (a trainer's sharded state nests).
+MAX_DEPTH = 8
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _NO_SCHEMA_CHECK: Mapping[str, AbstractSet[int]] = MappingProxyType({})
 
@@ -89,13 +95,14 @@ def _relpath_problem(rel: object) -> str | None:
     if not isinstance(rel, str):
         return f"a path must be a string, not {type(rel).__name__}"
     parts = rel.split("/")
-    if len(parts) > 2:
-        return "at most one level of subdirectory is allowed"
+    if len(parts) > MAX_DEPTH:
+        return f"at most {MAX_DEPTH - 1} levels of subdirectory are allowed"
     for part in parts:
-        if not _COMPONENT_RE.fullmatch(part):
+        if not _COMPONENT_RE.fullmatch(part) or part in (".", ".."):
             return (
-                "each path component must be non-empty, start with a letter, digit or '_', "
-                "and use only letters, digits, '.', '_', '-' (relative, normalised, no '..')"
+                "each path component must be non-empty, start with a letter, digit, '_' or "
+                "'.', and use only letters, digits, '.', '_', '-' (relative, normalised, no "
+                "'.' or '..')"
             )
     if rel == MANIFEST:
         return f"{MANIFEST} is written by the store itself"
@@ -423,8 +430,8 @@ def _open_dir(
                 f"the sha256 of {rel} is malformed", fld + ".sha256", "64 hex digits", repr(digest)
             )
         expected[rel] = (size, digest)
-    subdirs = {rel.split("/")[0] for rel in expected if "/" in rel}
-    for d in subdirs:
+    subdirs = ancestors(expected)
+    for d in sorted(subdirs):
         if d in expected:
             raise bad(
                 f"{d} is listed both as a file and as a directory",
@@ -507,14 +514,25 @@ def _open_dir(
     return OpenedCheckpoint(name, ckdir, manifest, MappingProxyType(expected), fs)
 
 
-def _walk(ckdir: Path, subdirs: set[str], fs: FS) -> list[str]:
-    """Every entry of a checkpoint directory, as relative paths; a listed subdirectory is
-    entered (one level), anything else (including a symlink or a deeper directory) is
-    returned as is, to be refused if it is not a listed regular file."""
+def ancestors(paths: Iterable[str]) -> set[str]:
+    """Every directory the relative `paths` lie in ("a/b/c" -> "a", "a/b")."""
+    out: set[str] = set()
+    for rel in paths:
+        parts = rel.split("/")
+        out.update("/".join(parts[:i]) for i in range(1, len(parts)))
+    return out
+
+
+def _walk(ckdir: Path, subdirs: set[str], fs: FS, rel: str = "") -> list[str]:
+    """Every entry of a checkpoint directory, as relative paths; a directory that a listed
+    file lies in is entered (only a real directory: `listdir` does not follow a symlink),
+    anything else (a symlink, an unlisted directory, a FIFO) is returned as is, to be
+    refused if it is not a listed regular file."""
     out: list[str] = []
-    for name, kind in fs.listdir(ckdir):
-        if name in subdirs and kind == DIR:
-            out.extend(f"{name}/{sub}" for sub, _ in fs.listdir(ckdir / name))
+    for name, kind in fs.listdir(ckdir / rel if rel else ckdir):
+        path = f"{rel}/{name}" if rel else name
+        if path in subdirs and kind == DIR:
+            out.extend(_walk(ckdir, subdirs, fs, path))
         else:
-            out.append(name)
+            out.append(path)
     return out

@@ -147,6 +147,14 @@ class Restored:
     def manifest(self) -> dict[str, Any]:
         return self.checkpoint.manifest
 
+    @property
+    def trainer_dir(self) -> Path:
+        """The checkpoint's `trainer/` directory, every file of it verified (steps 1-3) and
+        of the ledger's step where it says so (step 5): what `Trainer.load` reads. It is
+        read in place after the check, so like every checkpoint file it must not change
+        meanwhile (one writer per store, A4 of `rollkeep.core.store`)."""
+        return self.checkpoint.path / TRAINER_DIR
+
     def trainer_file(self, name: str) -> bytes:
         return self.checkpoint.read(f"{TRAINER_DIR}/{name}")
 

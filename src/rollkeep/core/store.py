@@ -6,8 +6,8 @@ Layout (docs/design.md §4)::
         LATEST                            "step_000012\\n": the newest published checkpoint
         step_000012/
             MANIFEST.json                 written last; lists every other file
-            ledger.msgpack                (the caller's files; names may have one
-            trainer/model.safetensors      level of subdirectory)
+            ledger.msgpack                (the caller's files; names may nest
+            trainer/model.safetensors      up to manifest.MAX_DEPTH components)
 
 A checkpoint is *published* when LATEST names it. Nothing else makes it so: a `step_*`
 directory that LATEST does not name is a leftover (a publication that crashed before its
@@ -46,14 +46,19 @@ Let N = `step_000012` (or a revision such as `step_000012.1`), and HEX a fresh r
 
 P1. Pick the name N (`step_N`, or the next revision when LATEST names a checkpoint of
     the same step: see "Republishing a step"), validate the arguments and build
-    MANIFEST.json in memory (sizes, sha256s, its own checksum). Nothing on disk has
-    changed yet; a bad argument raises ValueError (TypeError for content that is not
-    bytes).
+    MANIFEST.json's fields in memory (sizes, sha256s). Nothing on disk has changed yet; a
+    bad argument raises ValueError (TypeError for content that is not bytes).
 P2. Create `N.tmp-HEX/` (and its subdirectories). Create `checkpoints/` first if needed;
     fsync its parent (at the first publication of every process, whoever created it).
 P3. Write each file and fsync it.                              [crash point publish.file_written]
+    Then each directory of `saved` (the trainer's): create `N.tmp-HEX/D/`, call its
+    `save(dir)`, which writes files into it (any depth), then walk it without following
+    anything: each regular file is hashed (streamed) and fsynced [publish.file_written],
+    and listed as `D/<relative path>`; a symlink, FIFO, socket or device, an empty
+    directory, an empty `D/` or a name the manifest cannot list raises CheckpointError.
     Then fsync each subdirectory, so the files' names are durable.
-P4. Write MANIFEST.json, fsync it, fsync `N.tmp-HEX/`.         [publish.manifest_written]
+P4. Add the saved files to the manifest, compute its checksum; write MANIFEST.json,
+    fsync it, fsync `N.tmp-HEX/`.                              [publish.manifest_written]
     The manifest is written last, so a directory with a manifest has all its files.
 P5. If a directory N already exists, it is a leftover that LATEST does not name (see
     "Republishing a step" below): rename it aside to `N.tmp-HEX`.
@@ -154,15 +159,15 @@ import hashlib
 import re
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rollkeep.core import crashpoints
-from rollkeep.core.errors import CheckpointNotFound
-from rollkeep.core.fs import DIR, FS
+from rollkeep.core.errors import CheckpointError, CheckpointNotFound
+from rollkeep.core.fs import DIR, FILE, FS, SYMLINK
 from rollkeep.core.manifest import (
     _NO_SCHEMA_CHECK,
     LATEST,
@@ -180,6 +185,7 @@ from rollkeep.core.manifest import (
     _parse_latest,
     _relpath_problem,
     _step_of,
+    ancestors,
     checkpoint_name,
     checkpoint_order,
     open_path,
@@ -248,24 +254,32 @@ class CheckpointStore:
         meta: Mapping[str, Any],
         *,
         keep_last: int | None,
+        saved: Mapping[str, Callable[[Path], None]] | None = None,
     ) -> Published:
-        """Publish a checkpoint of `step` holding `files` (relative path -> bytes), with
-        `meta` merged into its MANIFEST.json; then keep only the `keep_last` newest
-        checkpoints (None keeps all). Steps P1-P9 of the module docstring."""
+        """Publish a checkpoint of `step` holding `files` (relative path -> bytes) and the
+        files each `saved[D](dir)` writes into the directory `D/` it is given, with `meta`
+        merged into its MANIFEST.json; then keep only the `keep_last` newest checkpoints
+        (None keeps all). Steps P1-P9 of the module docstring."""
         t0 = time.perf_counter()
         fs, root = self._fs, self.root
+        saved = dict(saved or {})
 
         # P1: validate everything and build the manifest before touching the disk.
         name = self._next_name(step)
         if keep_last is not None and (not _is_int(keep_last) or keep_last < 1):
             raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
         entries = _check_files(files)
+        tops = {rel.split("/")[0] for rel, _ in entries}
+        for d in saved:
+            if not isinstance(d, str) or "/" in d or _relpath_problem(d) is not None or d in tops:
+                raise ValueError(f"saved directory {d!r}: one path component, not one of the files'")
         fields = _manifest_fields(name, step, entries, meta)
         manifest_bytes = _encode_manifest(fields)
         if _encode_manifest(_decode_json(manifest_bytes)) != manifest_bytes:
             raise ValueError("meta does not survive a JSON round trip unchanged")
-        subdirs = sorted({rel.split("/")[0] for rel, _ in entries if "/" in rel})
+        subdirs = sorted(ancestors(rel for rel, _ in entries), key=lambda d: (d.count("/"), d))
         final = root / name
+        saved_bytes = 0
 
         self._ensure_root()
         tmp = root / (name + _tmp_suffix())
@@ -284,8 +298,20 @@ class CheckpointStore:
                 fs.write(tmp / rel, view)
                 fs.fsync(tmp / rel)
                 crashpoints.hit(crashpoints.PUBLISH_FILE_WRITTEN)
-            for d in subdirs:
+            for d, save in sorted(saved.items()):
+                fs.mkdir(tmp / d)
+                save(tmp / d)
+                listed, dirs = _saved_files(fs, tmp, d)
+                for rel, size, digest in listed:
+                    fs.fsync(tmp / rel)
+                    crashpoints.hit(crashpoints.PUBLISH_FILE_WRITTEN)
+                    fields["files"][rel] = {"size": size, "sha256": digest}
+                    saved_bytes += size
+                subdirs += dirs
+            for d in sorted(subdirs, key=lambda d: (-d.count("/"), d)):  # the deepest first
                 fs.fsync(tmp / d)
+            if saved:
+                manifest_bytes = _encode_manifest(fields)
             # P4: the manifest last, so a manifest vouches for files already durable.
             fs.write(tmp / MANIFEST, manifest_bytes)
             fs.fsync(tmp / MANIFEST)
@@ -327,7 +353,7 @@ class CheckpointStore:
         if aside is not None:
             fs.rmtree(aside)
         self._retain(keep_last, name)
-        total = sum(len(view) for _, view in entries) + len(manifest_bytes)
+        total = sum(len(view) for _, view in entries) + saved_bytes + len(manifest_bytes)
         return Published(name, final, total, time.perf_counter() - t0)
 
     def _next_name(self, step: int) -> str:
@@ -579,6 +605,50 @@ class CheckpointStore:
 # -- publication helpers -----------------------------------------------------------------
 
 
+def _saved_files(fs: FS, tmp: Path, top: str) -> tuple[list[tuple[str, int, str]], list[str]]:
+    """What a `save` wrote into `tmp/top/`: (relative path, size, sha256) of every regular
+    file, sorted, and every directory (`top` included). Nothing is followed: a symlink
+    could point outside the checkpoint, a FIFO would block a reader, and neither can be
+    verified by a sha256 of its bytes, so anything but a regular file or a directory is
+    refused, as is an empty directory (the manifest lists files, so `open` would refuse
+    it as unlisted) and a name the manifest cannot list."""
+
+    def refuse(rel: str, what: str, expected: str, found: str) -> CheckpointError:
+        return CheckpointError(
+            f"the trainer's save wrote {what} into the checkpoint; nothing was published",
+            path=str(tmp / rel), expected=expected, found=found,
+            remedy="make the trainer's save(dir) write only regular files (and directories "
+            "holding them) with plain names into dir, and record its step in one of them",
+        )
+
+    files: list[tuple[str, int, str]] = []
+    dirs: list[str] = []
+
+    def walk(rel: str) -> None:
+        dirs.append(rel)
+        entries = fs.listdir(tmp / rel)
+        if not entries:
+            raise refuse(rel, "an empty directory", "at least one file in every directory",
+                         "an empty directory")
+        for name, kind in entries:
+            sub = f"{rel}/{name}"
+            problem = _relpath_problem(sub)
+            if problem is not None:
+                raise refuse(sub, f"a name the manifest cannot list ({name!r})", problem, repr(sub))
+            if kind == DIR:
+                walk(sub)
+            elif kind == FILE:
+                size, digest = fs.hash(tmp / sub)  # streamed; never the whole file in memory
+                files.append((sub, size, digest))
+            else:
+                what = "a symlink" if kind == SYMLINK else "a special file (FIFO, socket or device)"
+                raise refuse(sub, f"{what} {name!r}", "only regular files and directories",
+                             fs.describe(tmp / sub))
+
+    walk(top)
+    return sorted(files), dirs
+
+
 def _check_files(files: Mapping[str, bytes]) -> list[tuple[str, memoryview]]:
     entries: list[tuple[str, memoryview]] = []
     for rel, data in files.items():
@@ -590,9 +660,8 @@ def _check_files(files: Mapping[str, bytes]) -> list[tuple[str, memoryview]]:
         entries.append((rel, memoryview(data).cast("B")))
     entries.sort()
     names = {rel for rel, _ in entries}
-    for rel, _ in entries:
-        if "/" in rel and rel.split("/")[0] in names:
-            raise ValueError(f"checkpoint file {rel.split('/')[0]!r} is also a directory")
+    for d in sorted(ancestors(names) & names):
+        raise ValueError(f"checkpoint file {d!r} is also a directory")
     return entries
 
 

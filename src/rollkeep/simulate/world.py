@@ -57,7 +57,7 @@ from ..controller.journaling import JournalThread
 from ..controller.rundir import published_in_trace, start_point
 from ..controller.startup import is_newest, journal_tail, set_journal_aside
 from ..core import crashpoints
-from ..core.checkpoint import write_checkpoint
+from ..core.checkpoint import save_files, write_checkpoint
 from ..core.errors import ExternalError, FilesystemError
 from ..core.events import DATA, INFRA, Event
 from ..core.generation import Chunk, Completion, GenRequest
@@ -87,7 +87,7 @@ from ..core.store import CheckpointStore
 from ..core.trace_schema import CheckpointPublished, Restored, RunFailed, RunFinished, RunStarted
 from ..lineage import EVENTS, exactly_once, lineage
 from ..trace import Trace, parse_trace
-from ..trainers.toy import ToyTrainer
+from ..trainers.toy import STATE_FILE, ToyTrainer
 from .memfs import MemFS, SimCrash
 
 RUN_DIR = Path("/sim/run")
@@ -299,8 +299,7 @@ class World:
         restored = None
         if name is not None:
             restored = restore_chain(self.store, name=name, source=self.source, config=None)
-            trainer.load({n: restored.trainer_file(n) for n in restored.trainer_files()},
-                         step=restored.ledger.version)
+            trainer.load_state(restored.trainer_file(STATE_FILE), step=restored.ledger.version)
         tail, next_seq = None, 1
         if plan.journal:  # as `startup.open_run`: LATEST and the journal's tail after it
             tail, next_seq, stale = journal_tail(RUN_DIR, restored, newest=is_newest(self.store, restored),
@@ -564,7 +563,9 @@ class _Process:
             meta["journal"] = {"seq": position[0], "rows_segment": position[1]}  # as `startup.checkpoint_meta`
         w.trace.sync_flushed()  # as the runner's `_write`: the durable trace has every commit first
         with contextlib.nullcontext() if position is None else w.journal.covering(position, w.store):
-            published = write_checkpoint(w.store, captured, trainer_files=snapshot.files(), meta=meta,
+            # The toy's own `save` writes real files; the simulated disk takes them through its fs.
+            save = save_files({STATE_FILE: snapshot.state()}, w.fs)
+            published = write_checkpoint(w.store, captured, trainer_save=save, meta=meta,
                                          keep_last=w.plan.keep_last, trainer_step=snapshot.step)
         w.trace.emit(CheckpointPublished(step=cmd.step, name=published.name, cut_time=captured.time))
         self.sched.on_cut_written(cmd.step)

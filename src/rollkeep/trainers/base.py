@@ -2,13 +2,14 @@
 
 `train_step` runs in a worker thread while the rollout pump keeps going; it reads only its
 batch (rows are immutable). `snapshot` runs on the loop thread at a step boundary — the
-cut — and must be quick (copy tensors); the snapshot's `files()` serialises on the
-checkpoint writer's thread.
+cut — and must be quick (copy tensors); the snapshot's `save(dir)` writes the files on the
+checkpoint writer's thread, into a directory the store gives it; `load(dir, step=)` reads
+them back from the checkpoint's verified `trainer/` directory.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Protocol
 
 from ..core.batch import Batch, TrainGroup
@@ -20,12 +21,16 @@ __all__ = ["Batch", "TrainGroup", "Trainer", "TrainerSnapshot", "check_step"]
 class TrainerSnapshot(Protocol):
     step: int  # optimizer steps taken = the weight version the state is of
 
-    def files(self) -> dict[str, bytes]:
-        """The trainer's checkpoint files (names relative to `trainer/`). Off-loop.
+    def save(self, dir: Path) -> None:
+        """Write the trainer's checkpoint files into `dir` (an empty directory, the
+        checkpoint's `trainer/` before it is published), on the checkpoint writer's thread.
+        Subdirectories are allowed (a sharded state); only regular files and directories,
+        with names of letters, digits, '.', '_' and '-'. The store hashes and fsyncs them.
 
-        Each file declares `step` (`rollkeep_step`: a top-level key of a JSON file, a
-        safetensors `__metadata__` entry), so the restore chain can refuse a file copied
-        in from another checkpoint (docs/design.md §5, step 5)."""
+        Record `step` in the files (`rollkeep_step`: a top-level key of a JSON file, a
+        safetensors `__metadata__` entry), so the restore chain can refuse a file copied in
+        from another checkpoint (docs/design.md §5, step 5). Files the core cannot read (a
+        `.distcp` shard) need a JSON file beside them that records the step."""
         ...
 
 
@@ -37,12 +42,14 @@ class Trainer(Protocol):
         ...
 
     def snapshot(self) -> TrainerSnapshot:
-        """State at this step boundary, copied so later steps cannot change it."""
+        """State at this step boundary, copied so later steps cannot change it (loop
+        thread: a copy, no serialisation)."""
         ...
 
-    def load(self, files: Mapping[str, bytes], *, step: int | None = None) -> None:
-        """Restore from the files of a snapshot. Raises CheckpointError if they are bad or,
-        with `step`, if they are not of that step (the controller always passes it)."""
+    def load(self, dir: Path, *, step: int | None = None) -> None:
+        """Restore from a directory a snapshot's `save` wrote (its files verified against
+        the manifest); read it, never modify it. Raises CheckpointError if the files are
+        bad or, with `step`, if they are not of that step (the controller always passes it)."""
         ...
 
     def weights(self) -> Any:

@@ -42,7 +42,8 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -65,6 +66,7 @@ from .grpo_snapshot import (
     RNG_FILE,
     STATE_FILE,
     GRPOSnapshot,
+    TrainerFiles,
     _bad,
     _check_steps,
     _check_tensors,
@@ -349,10 +351,12 @@ class GRPOTrainer:
             reference=reference,
         )
 
-    def load(self, files: Mapping[str, bytes], *, step: int | None = None) -> None:
-        """Restore a snapshot's files bit-exactly. Checks everything, then changes state.
-        With `step`, every file must declare that step (`rl_steps` is the weight version)."""
+    def load(self, dir: Path, *, step: int | None = None) -> None:
+        """Restore the files a snapshot saved into `dir` bit-exactly. Checks everything,
+        then changes state (nothing in `dir`). With `step`, every file must declare that
+        step (`rl_steps` is the weight version)."""
         # 1. Check every file against this trainer; nothing changes yet.
+        files = TrainerFiles(dir)
         for name in files:
             if name not in ALL_FILES:
                 raise _bad(name, f"Unknown trainer file {name!r}", expected=f"only {ALL_FILES}")

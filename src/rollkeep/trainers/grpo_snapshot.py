@@ -2,8 +2,8 @@
 files it writes, and the checks `GRPOTrainer.load` runs on reading them back before it
 changes anything.
 
-Checkpoint files (`snapshot().files()`; docs/design.md §4: no pickle)
----------------------------------------------------------------------
+Checkpoint files (`snapshot().save(dir)`; docs/design.md §4: no pickle)
+-----------------------------------------------------------------------
     model.safetensors      the model's state dict, each storage once: a tied tensor (GPT's
                            `head.weight` is `wte.weight`) is saved under its first name in
                            state-dict order only; `trainer.json` lists the ties and `load`
@@ -20,7 +20,7 @@ Checkpoint files (`snapshot().files()`; docs/design.md §4: no pickle)
     reference.safetensors  the KL reference's weights, when one exists
 
 Every file declares the step its state is of (`rollkeep_step`: in trainer.json, and in
-each safetensors file's metadata), which is `rl_steps`, the weight version; `load(files,
+each safetensors file's metadata), which is `rl_steps`, the weight version; `load(dir,
 step=N)` refuses a file of another step, so trainer files copied from another checkpoint
 never load under a ledger of a different version.
 
@@ -33,21 +33,24 @@ and the tensor.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import os
+import stat
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
+from safetensors.torch import load_file as st_load_file
+from safetensors.torch import save_file as st_save_file
 from torch import Tensor
 
-from ..core.checkpoint import STEP_KEY, declared_step, step_metadata
+from ..core.checkpoint import STEP_KEY, declared_step_of, step_metadata
 from ..core.errors import CheckpointError
-from ..core.untrusted import loads_json
+from ..core.untrusted import loads_json, read_regular
 from .base import check_step
 
-__all__ = ["GRPOSnapshot", "OptimizerState"]
+__all__ = ["GRPOSnapshot", "OptimizerState", "TrainerFiles"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -89,8 +92,9 @@ class GRPOSnapshot:
         """The weight version this state is of: RL steps taken (the warm start is step 0)."""
         return self.rl_steps
 
-    def files(self) -> dict[str, bytes]:
-        """Serialise (on the checkpoint writer's thread): safetensors and JSON only."""
+    def save(self, dir: Path) -> None:
+        """Write the files into `dir` (on the checkpoint writer's thread): safetensors and
+        JSON only, each tensor file straight to disk (no second copy in memory)."""
         optimizer_tensors = {
             f"{opt}.{key}": t for opt, s in self.optimizers.items() for key, t in s.tensors.items()
         }
@@ -107,15 +111,48 @@ class GRPOSnapshot:
             },
         }
         bound = step_metadata(self.rl_steps)  # each file says which step it is of
-        out = {
-            MODEL_FILE: st_save(self.model, metadata=bound),
-            OPTIMIZER_FILE: st_save(optimizer_tensors, metadata=bound),
-            STATE_FILE: json.dumps(meta, indent=1, sort_keys=True).encode(),
-            RNG_FILE: st_save({"cpu": self.rng}, metadata=bound),
-        }
+        dir = Path(dir)
+        st_save_file(self.model, dir / MODEL_FILE, metadata=bound)
+        st_save_file(optimizer_tensors, dir / OPTIMIZER_FILE, metadata=bound)
+        (dir / STATE_FILE).write_bytes(json.dumps(meta, indent=1, sort_keys=True).encode())
+        st_save_file({"cpu": self.rng}, dir / RNG_FILE, metadata=bound)
         if self.reference is not None:
-            out[REFERENCE_FILE] = st_save(self.reference, metadata=bound)
-        return out
+            st_save_file(self.reference, dir / REFERENCE_FILE, metadata=bound)
+
+
+class TrainerFiles:
+    """The files of a trainer directory, as `load` reads them: names relative to it
+    (recursive; an entry that is neither a regular file nor a directory is listed under its
+    name, so `load` refuses it as unknown), read without following a symlink."""
+
+    def __init__(self, dir: Path) -> None:
+        self.dir = Path(dir)
+        try:
+            self.names = sorted(self._walk(""))
+        except OSError as e:
+            raise _bad("", "The trainer directory cannot be listed", expected="a directory",
+                       found=e.strerror or str(e)) from None
+
+    def _walk(self, rel: str) -> Iterator[str]:
+        with os.scandir(self.dir / rel if rel else self.dir) as it:
+            for e in it:
+                name = f"{rel}/{e.name}" if rel else e.name
+                if e.is_dir(follow_symlinks=False):
+                    yield from self._walk(name)
+                else:
+                    yield name
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def path(self, name: str) -> Path:
+        return self.dir / name
+
+    def read(self, name: str) -> bytes:
+        return read_regular(self.dir / name)
 
 
 def _unique_state(state: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, str]]:
@@ -178,12 +215,14 @@ def _bad(file: str, what: str, *, field: str | None = None, expected: str | None
                            found=found, remedy=remedy)
 
 
-def _read_tensors(files: Mapping[str, bytes], name: str) -> dict[str, Tensor]:
+def _read_tensors(files: TrainerFiles, name: str) -> dict[str, Tensor]:
     if name not in files:
         raise _bad(name, f"The trainer file {name} is missing", expected=f"a file {name}",
                    found=f"only {sorted(files)}")
     try:
-        return st_load(bytes(files[name]))
+        if not stat.S_ISREG(os.lstat(files.path(name)).st_mode):  # no symlink, never a FIFO
+            raise ValueError("not a regular file")
+        return st_load_file(files.path(name))  # mmap'd, not read into a second buffer
     except Exception as err:  # SafetensorError, or whatever a malformed header provokes
         raise _bad(name, f"{name} is not a readable safetensors file",
                    expected="a complete safetensors file", found=f"{type(err).__name__}: {err}"
@@ -209,12 +248,15 @@ def _check_tensors(found: Mapping[str, Tensor], expected: Mapping[str, Tensor], 
                        remedy=_REMEDY_SHAPE)
 
 
-def _read_meta(files: Mapping[str, bytes]) -> dict[str, Any]:
+def _read_meta(files: TrainerFiles) -> dict[str, Any]:
     if STATE_FILE not in files:
         raise _bad(STATE_FILE, f"The trainer file {STATE_FILE} is missing",
                    found=f"only {sorted(files)}")
     try:
-        meta = loads_json(files[STATE_FILE])
+        meta = loads_json(files.read(STATE_FILE))
+    except OSError as err:
+        raise _bad(STATE_FILE, f"{STATE_FILE} cannot be read", expected="a regular file",
+                   found=err.strerror or str(err)) from None
     except ValueError as err:
         raise _bad(STATE_FILE, f"{STATE_FILE} is not valid JSON", found=str(err)) from None
     shape = {"format": str, "rl_steps": int, "sft_steps": int, "ties": dict,
@@ -250,7 +292,7 @@ def _read_meta(files: Mapping[str, bytes]) -> dict[str, Any]:
     return meta
 
 
-def _check_steps(files: Mapping[str, bytes], meta: Mapping[str, Any], step: int | None) -> None:
+def _check_steps(files: TrainerFiles, meta: Mapping[str, Any], step: int | None) -> None:
     """Every file declares the same step: `rl_steps` (trainer.json's `rollkeep_step`, and
     each safetensors file's metadata). A file copied from another checkpoint is refused."""
     bound = STEP_KEY in meta
@@ -258,19 +300,19 @@ def _check_steps(files: Mapping[str, bytes], meta: Mapping[str, Any], step: int 
         raise _bad(STATE_FILE, f"{STEP_KEY} and rl_steps disagree", field=STEP_KEY,
                    expected=str(meta["rl_steps"]), found=str(meta[STEP_KEY]))
     check_step(STATE_FILE, meta["rl_steps"], step)
-    for name, data in sorted(files.items()):
+    for name in files:
         if not name.endswith(".safetensors"):
             continue
         try:
-            declared = declared_step(name, data)
-        except ValueError as err:
+            declared = declared_step_of(files.path(name))  # the header only
+        except (OSError, ValueError) as err:
             raise _bad(name, f"{name} is not a readable safetensors file", found=str(err)) from None
         if bound or declared is not None:
             check_step(name, declared, meta["rl_steps"])
 
 
 def _read_optimizers(
-    files: Mapping[str, bytes], meta: Mapping[str, Any], params: Sequence[Tensor]
+    files: TrainerFiles, meta: Mapping[str, Any], params: Sequence[Tensor]
 ) -> dict[str, dict[int, dict[str, Any]]]:
     """optimizer.safetensors (+ scalars) -> {opt: {param_index: {name: value}}}, checked:
     known optimizers, indices in range, moments shaped like their parameter, 0-d steps."""

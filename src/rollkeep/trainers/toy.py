@@ -8,14 +8,14 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import msgspec
 
-from ..core.checkpoint import STEP_KEY
+from ..core.checkpoint import STEP_KEY, save_files
 from ..core.errors import CheckpointError
-from ..core.untrusted import loads_json
+from ..core.untrusted import loads_json, read_regular
 from .base import Batch, check_step
 
 STATE_FILE = "toy_trainer.json"
@@ -39,8 +39,12 @@ class ToySnapshot:
     digest: str
     step: int  # optimizer steps taken = the weight version this state is of
 
-    def files(self) -> dict[str, bytes]:
-        return {STATE_FILE: json.dumps({"digest": self.digest, STEP_KEY: self.step}).encode()}
+    def state(self) -> bytes:
+        """The one file's bytes (the simulated disk writes them through its own `fs`)."""
+        return json.dumps({"digest": self.digest, STEP_KEY: self.step}).encode()
+
+    def save(self, dir: Path) -> None:
+        save_files({STATE_FILE: self.state()})(dir)
 
 
 class ToyTrainer:
@@ -62,9 +66,23 @@ class ToyTrainer:
     def snapshot(self) -> ToySnapshot:
         return ToySnapshot(self._digest, self._steps)
 
-    def load(self, files: Mapping[str, bytes], *, step: int | None = None) -> None:
+    def load(self, dir: Path, *, step: int | None = None) -> None:
         try:
-            state = loads_json(files[STATE_FILE])
+            data = read_regular(Path(dir) / STATE_FILE)
+        except OSError as e:
+            raise CheckpointError(
+                "the toy trainer state cannot be read",
+                path=f"trainer/{STATE_FILE}",
+                expected="a regular file",
+                found=e.strerror or str(e),
+                remedy="restore from another checkpoint",
+            ) from None
+        self.load_state(data, step=step)
+
+    def load_state(self, data: bytes, *, step: int | None = None) -> None:
+        """`load` from the file's bytes (the simulated disk reads them through its `fs`)."""
+        try:
+            state = loads_json(data)
             # Before the step binding the same count was called "steps".
             digest, steps = state["digest"], state.get(STEP_KEY, state.get("steps"))
             if not (isinstance(digest, str) and len(digest) == 64 and type(steps) is int and steps >= 0):
