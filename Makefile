@@ -22,7 +22,7 @@ run: $(STAMP)
 	$(PY) -m rollkeep train $(CONFIG) $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -n 2 --durations=15
+	$(PY) -m pytest -n 2 --dist loadgroup --durations=15
 
 bench: $(STAMP)
 	$(PY) -m rollkeep bench $(ARGS)

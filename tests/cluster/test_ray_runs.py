@@ -1,0 +1,125 @@
+"""Runs whose engine replicas are Ray actors (`cluster.backend: ray`), on the session's
+local Ray: the same custody guarantees as one local engine, a replica killed with
+SIGKILL mid-run, elastic resume (2 replicas -> local -> 3), and deterministic runs that
+end byte-identical to a local one whichever replica ran what."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from run_harness import check, config, events, final_sha, killed, run_child, run_to_end
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
+
+TORCH = [
+    "engine.name=torch", "trainer.name=torch", "engine.max_new_tokens=4",
+    "trainer.model.n_layer=1", "trainer.model.n_head=2", "trainer.model.n_embd=32",
+    "trainer.model.block_size=16", "trainer.micro_batch_size=8",
+    "rollout.group_size=4", "train.num_prompts_per_step=4", "train.total_steps=6",
+    "checkpoint.every_steps=2", "warmup.sft_steps=0", "data.generated.n_rows=64", "data.epochs=null",
+    "deterministic=true", "rollout.on_dropped_prompt=shrink",
+]
+TOY_DET = ["deterministic=true", "rollout.on_dropped_prompt=shrink", "engine.latency_ms=2"]
+
+
+def on_ray(address: str, replicas: int) -> list[str]:
+    return ["cluster.backend=ray", f"cluster.address={address}", f"engine.replicas={replicas}",
+            "cluster.replica_cpus=0.25"]
+
+
+def replicas_that_sealed(cfg) -> Counter:
+    return Counter(x["replica"] for x in events(cfg, "sealed"))
+
+
+def test_two_toy_replicas_keep_custody_exactly_once(tmp_path, ray_address) -> None:
+    cfg = config(tmp_path / "run", *on_ray(ray_address, 2), "engine.latency_ms=5", "engine.infra_fail_rate=0.05")
+    run_to_end(cfg)
+    check(cfg)
+    started = events(cfg, "engine_replica_started")
+    assert sorted(x["replica"] for x in started) == [0, 1]
+    assert all(x["pid"] > 0 and x["node"] and x["restart"] == 0 for x in started)
+    assert set(replicas_that_sealed(cfg)) == {0, 1}  # the pool used both
+    record = json.loads((Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["engine/replicas_live"] == 2 and "replica/1/attempts" in record
+
+
+def test_two_torch_replicas_end_byte_identical_to_one_local_engine(tmp_path, ray_address) -> None:
+    """Sampling is a function of (seed, position, weights): not of the replica or the batch."""
+    local = config(tmp_path / "local", *TORCH)
+    run_to_end(local)
+    cfg = config(tmp_path / "ray", *TORCH, *on_ray(ray_address, 2))
+    run_to_end(cfg)
+    check(cfg, final_sha(local))
+    assert set(replicas_that_sealed(cfg)) == {0, 1}
+
+
+def _kill_replica_when_it_seals(cfg, replica: int) -> int:
+    """Follow the run's trace; once `replica` sealed an attempt, SIGKILL its process.
+    Returns the pid killed."""
+    trace = Path(cfg.run_dir) / "trace.jsonl"
+    pid = None
+    seen = 0
+    for _ in range(60_000):  # (bounded: the run itself dies of SIGALRM after 120 s)
+        lines = trace.read_text().splitlines() if trace.exists() else []
+        for line in lines[seen:]:
+            try:
+                x = json.loads(line)
+            except ValueError:
+                break  # a line still being written: read it again next time
+            seen += 1
+            if x["event"] == "engine_replica_started" and x["replica"] == replica:
+                pid = x["pid"]
+            elif x["event"] == "sealed" and x["replica"] == replica and pid is not None:
+                os.kill(pid, signal.SIGKILL)
+                return pid
+        threading.Event().wait(0.005)  # polling a file another process writes
+    raise AssertionError("the replica never sealed an attempt")
+
+
+def test_a_replica_killed_mid_run_fails_its_attempts_as_infra_and_comes_back_refit(tmp_path, ray_address) -> None:
+    # The toy trainer's step sleep keeps the run going for 2 s whatever the engine's speed,
+    # so the kill lands while the run generates.
+    cfg = config(tmp_path / "run", *on_ray(ray_address, 2), "engine.latency_ms=20", "train.total_steps=20",
+                 "trainer.step_sleep_ms=100", "data.generated.n_rows=200", *TOY_DET[:2])
+    reference = config(tmp_path / "reference", "engine.latency_ms=20", "train.total_steps=20",
+                       "data.generated.n_rows=200", *TOY_DET[:2])
+    run_to_end(reference)
+    code: list[int] = []
+    child = threading.Thread(target=lambda: code.append(run_child(cfg)))
+    child.start()
+    try:
+        pid = _kill_replica_when_it_seals(cfg, 0)
+    finally:
+        child.join()
+    assert code == [0]
+    check(cfg, final_sha(reference))  # exactly once, and the weights of a run nobody touched
+    died = events(cfg, "engine_replica_died")
+    assert [x["replica"] for x in died] == [0] and not died[0]["gone"]
+    back = [x for x in events(cfg, "engine_replica_started") if x["replica"] == 0]
+    assert [x["restart"] for x in back] == [0, 1] and back[0]["pid"] == pid != back[1]["pid"]
+    assert back[1]["down_seconds"] is not None and back[1]["down_seconds"] >= 0
+    failed = [x for x in events(cfg, "failed") if "engine replica 0 died" in x["error"]]
+    assert len(failed) == died[0]["attempts_failed"] and all(x["kind"] == "infra" for x in failed)
+    assert any(x["replica"] == 0 and x["t"] >= back[1]["t"] for x in events(cfg, "sealed"))  # it got work again
+
+
+def test_elastic_resume_two_replicas_then_local_then_three(tmp_path, ray_address) -> None:
+    """Custody is per attempt, never per worker: a run checkpointed with 2 replicas resumes
+    on the local backend and then on 3, with no --allow-config-change, exactly once."""
+    base = ["train.total_steps=16", "data.generated.n_rows=120", *TOY_DET]
+    reference = config(tmp_path / "reference", *base)
+    run_to_end(reference)
+    run_dir = tmp_path / "run"
+    assert killed(run_child(config(run_dir, *base, *on_ray(ray_address, 2)), "ledger.sealed:120"))
+    assert killed(run_child(config(run_dir, *base), "ledger.sealed:80"))
+    cfg = config(run_dir, *base, *on_ray(ray_address, 3))
+    run_to_end(cfg)
+    report = check(cfg, final_sha(reference))
+    assert report.restarts == 2
+    assert set(replicas_that_sealed(cfg)) == {0, 1, 2}
