@@ -13,7 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from run_harness import check, config, events, final_sha, killed, run_child, run_to_end
+from run_harness import DEFAULTS, FAST, check, config, events, final_sha, killed, run_child, run_to_end
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 
@@ -123,3 +123,34 @@ def test_elastic_resume_two_replicas_then_local_then_three(tmp_path, ray_address
     report = check(cfg, final_sha(reference))
     assert report.restarts == 2
     assert set(replicas_that_sealed(cfg)) == {0, 1, 2}
+
+
+def test_with_every_replica_gone_the_run_stops_with_a_final_checkpoint_and_exit_5(tmp_path, ray_address) -> None:
+    base = ["engine.latency_ms=20", "train.total_steps=20", "trainer.step_sleep_ms=100", "data.generated.n_rows=200"]
+    cfg = config(tmp_path / "run", *base, *on_ray(ray_address, 1), "cluster.max_restarts=0")
+    code: list[int] = []
+    child = threading.Thread(target=lambda: code.append(run_child(cfg)))
+    child.start()
+    try:
+        _kill_replica_when_it_seals(cfg, 0)
+    finally:
+        child.join()
+    assert code == [5]
+    assert [x["gone"] for x in events(cfg, "engine_replica_died")] == [True]
+    finished = events(cfg, "run_finished")[-1]
+    assert finished["reason"] == "no engine replica" and finished["step"] < 20
+    assert not [x for x in events(cfg, "dropped")]  # nothing spent its budget on the dead pool
+    # The final checkpoint is good: the run resumes, here on the local backend, exactly once.
+    resumed = config(tmp_path / "run", *base)
+    run_to_end(resumed)
+    check(resumed)
+
+
+def test_replicas_that_cannot_be_placed_are_exit_5_and_nothing_is_written(tmp_path, ray_address) -> None:
+    from rollkeep.cli import main
+
+    run_dir = tmp_path / "run"
+    code = main(["train", DEFAULTS, *FAST, f"run_dir={run_dir}", *on_ray(ray_address, 2),
+                 "cluster.replica_cpus=64", "cluster.replica_timeout_s=1"])
+    assert code == 5
+    assert not run_dir.exists() or not any(run_dir.iterdir())

@@ -143,9 +143,9 @@ class EnginePool:
     async def generate(self, request: GenRequest, progress: Any = None) -> Completion:
         key = (request.group_id, request.generation, request.attempt)
         while (i := self.replicas.choose()) is None:
-            if not self.replicas.alive():
-                raise InfraError("engine pool: every engine replica is gone")
-            await self._until(lambda: self.replicas.live() or not self.replicas.alive())
+            # Wait, even with every replica gone: failing now would spend the attempt's
+            # budget on nothing; the run is stopping (`on_unavailable`) and cancels it.
+            await self._until(self.replicas.live)
         incarnation = self.replicas.begin(i, key)
         tokens = None
         try:

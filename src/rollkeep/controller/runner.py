@@ -110,7 +110,7 @@ class Runner:
                 await self.engine.open()
             except ReplicaGone as e:
                 raise ExternalError(
-                    f"the engine replicas did not start: {e}", field="engine.replicas",
+                    "the engine replicas did not start", field="engine.replicas",
                     expected=f"{self.cfg.engine.replicas} replica(s) of engine {self.cfg.engine.name} on Ray",
                     found=str(e), remedy="check the Ray cluster's resources (cluster.replica_cpus, "
                     "cluster.replica_gpus) and the engine's own errors above; nothing was changed") from None
