@@ -9,6 +9,11 @@ until it finishes, and then checks, from the trace and the final checkpoint alon
   - with `deterministic: true`, the final `weights_sha256` equals that of a run of the
     same config that was never killed.
 
+With engine replicas on Ray (`cluster.backend: ray`), `replica_kills` also SIGKILLs a
+replica's process in that many of the runs, once it has sealed an attempt, before the
+controller's own kill: the pool fails its attempts as infra, Ray restarts it, and the
+checks above must hold all the same.
+
 Kills alternate between two kinds: SIGKILL at a random instant, and a named crash point
 (`ROLLKEEP_CRASH_AT`): a ledger transition after a random number of occurrences, or a step
 of checkpoint publication (deliberately mid-write), chosen at random. Each kill is sized
@@ -19,6 +24,8 @@ checkpoints are left for few kills), and short of the end.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import random
 import shutil
@@ -40,7 +47,13 @@ from .core.restore import restore_chain
 from .core.rowlog import ROWLOG_AFTER_FSYNC, ROWLOG_BEFORE_FSYNC
 from .core.source import PromptSource
 from .core.store import CheckpointStore
-from .core.trace_schema import CHECKPOINT_PUBLISHED, RUN_FINISHED, RUN_STARTED
+from .core.trace_schema import (
+    CHECKPOINT_PUBLISHED,
+    ENGINE_REPLICA_STARTED,
+    RUN_FINISHED,
+    RUN_STARTED,
+    SEALED,
+)
 from .lineage import exactly_once, lineage
 from .trace import last_committed_in_trace, read_trace
 
@@ -78,6 +91,7 @@ class ChaosReport:
     problems: list[str] = field(default_factory=list)
     seconds: float = 0.0
     unspent: int = 0  # kills not attempted: the run had its final checkpoint already
+    replica_kills: int = 0  # engine replica processes SIGKILLed (cluster.backend: ray)
 
     @property
     def passed(self) -> bool:
@@ -89,7 +103,8 @@ class ChaosReport:
             f"kills: {landed} landed of {len(self.kills)} attempted "
             f"({sum(k.kind == 'timer' and k.killed for k in self.kills)} at random instants, "
             f"{sum(k.kind == 'crash point' and k.killed for k in self.kills)} at crash points)"
-            + (f"; {self.unspent} not attempted: the run had reached its final checkpoint" if self.unspent else ""),
+            + (f"; {self.unspent} not attempted: the run had reached its final checkpoint" if self.unspent else "")
+            + (f"; and {self.replica_kills} engine replica(s) killed" if self.replica_kills else ""),
         ]
         out += [f"  - {k.kind:11} {k.detail:32} {'killed' if k.killed else 'finished first'}"
                 f" ({'a fresh start' if k.resumed_from is None else f'resumed from step {k.resumed_from}'})"
@@ -145,11 +160,36 @@ def _wait_started(proc: subprocess.Popen, trace: Path, mark: int, timeout: float
     return False
 
 
+def _kill_a_replica(proc: subprocess.Popen, trace: Path, mark: int, rng: random.Random, timeout: float) -> bool:
+    """Poll (a supervisor) the trace after `mark` until some engine replica of this run has
+    sealed an attempt; SIGKILL that replica's process. False if the run ended first."""
+    deadline = time.monotonic() + timeout
+    pids: dict[int, int] = {}
+    while time.monotonic() < deadline and proc.poll() is None:
+        with contextlib.suppress(FileNotFoundError):
+            with open(trace, "rb") as f:
+                f.seek(mark)
+                for raw in f.read().splitlines():
+                    try:
+                        x = json.loads(raw)
+                    except ValueError:
+                        continue  # a line still being written
+                    if x.get("event") == ENGINE_REPLICA_STARTED:
+                        pids[x["replica"]] = x["pid"]
+                    elif x.get("event") == SEALED and x.get("replica") in pids:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pids[rng.choice(sorted(pids))], signal.SIGKILL)
+                        return True
+        time.sleep(0.01)
+    return False
+
+
 def run_chaos(
     config: str | None,
     overrides: list[str],
     *,
     kills: int,
+    replica_kills: int = 0,
     seed: int = 0,
     workdir: Path | None = None,
     timeout: float = 600.0,
@@ -221,6 +261,9 @@ def run_chaos(
                     crash_at = f"ledger.{point}:{max(1, round(fresh * counts[point]))}"
         mark = _trace_mark(trace)
         proc = subprocess.Popen(cmd, env=_env(crash_at), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        if report.replica_kills < replica_kills and _kill_a_replica(proc, trace, mark, rng, timeout):
+            report.replica_kills += 1
+            log(f"chaos: run {i + 1}: killed an engine replica")
         if crash_at is None:
             delay = share * duration
             if _wait_started(proc, trace, mark, timeout):

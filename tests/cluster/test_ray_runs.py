@@ -154,3 +154,14 @@ def test_replicas_that_cannot_be_placed_are_exit_5_and_nothing_is_written(tmp_pa
                  "cluster.replica_cpus=64", "cluster.replica_timeout_s=1"])
     assert code == 5
     assert not run_dir.exists() or not any(run_dir.iterdir())
+
+
+def test_chaos_with_controller_and_replica_kills_mixed(tmp_path, ray_address) -> None:
+    from rollkeep.chaos import run_chaos
+
+    overrides = [*FAST, f"run_dir={tmp_path}", *on_ray(ray_address, 2), "train.total_steps=16",
+                 "data.generated.n_rows=120", "engine.latency_ms=5", "trainer.step_sleep_ms=20", *TOY_DET[:2]]
+    report = run_chaos(DEFAULTS, overrides, kills=3, replica_kills=3, seed=1, log=lambda *_: None)
+    assert report.passed, "\n".join(report.lines())
+    assert report.replica_kills >= 1 and sum(k.killed for k in report.kills) >= 1
+    assert report.weights_sha256 == report.reference_sha256
