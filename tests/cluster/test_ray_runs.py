@@ -13,7 +13,17 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from run_harness import DEFAULTS, FAST, check, config, events, final_sha, killed, run_child, run_to_end
+from run_harness import (
+    DEFAULTS,
+    FAST,
+    check,
+    config,
+    events,
+    final_sha,
+    killed,
+    run_child,
+    run_to_end,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 

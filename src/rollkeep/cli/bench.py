@@ -8,7 +8,7 @@ import math
 import time
 from typing import Any
 
-SUITES = ("core", "preemption", "speedup", "waste", "restart", "all")
+SUITES = ("core", "preemption", "speedup", "waste", "restart", "cluster", "all")
 
 HELP = """\
 Run the benchmark suite and print what it measured, side by side, in one invocation:
@@ -38,6 +38,14 @@ Run the benchmark suite and print what it measured, side by side, in one invocat
               the restore, next to `import torch` alone (target: at most import torch +
               0.3 s), and the restore chain's own time. 7 restarts (3 with --quick)
               unless --repeats says otherwise
+  cluster     Ray scale-out on this machine (a local Ray head; needs the ray extra, else
+              skipped): import ray + ray.init in a fresh process, EnginePool.open until 1,
+              2, 4 toy replicas answer; tokens/s and steps/s of the same job on the local
+              backend and on 1, 2, 4 replicas (toy engine at 50 ms per generation) and 1, 2
+              (the built-in GPT), with the most attempts in flight; a replica SIGKILLed
+              mid-run: until it is back, and until its failed attempts are dispatched and
+              sealed again; the built-in GPT's weights: size, ray.put, refit of 1, 2, 4
+              replicas
 
 Medians over --repeats; ratios against sibling (preemption), lookahead 0 (speedup) and
 in_order (waste).
@@ -49,6 +57,7 @@ examples:
   rollkeep bench --suite speedup                          # ~3 minutes
   rollkeep bench --suite waste --json w.json              # ~30 seconds
   rollkeep bench --suite restart --json r.json            # ~1 minute (the warm start first)
+  rollkeep bench --suite cluster --json c.json            # ~4 minutes (pip install 'rollkeep[ray]')
 """
 
 
@@ -77,8 +86,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "--repeats",
         type=int,
         default=None,
-        help="preemption, speedup and waste: repeats, medians reported (default 3; 1 with "
-        "--quick); restart: restarts (default 7; 3 with --quick)",
+        help="preemption, speedup, waste and cluster: repeats, medians reported (default 3; 1 "
+        "with --quick); restart: restarts (default 7; 3 with --quick)",
     )
     p.add_argument("--seed", type=int, default=0, help="preemption: seed of the kill schedules")
     p.add_argument("--json", help="also write the results as JSON to this file")
@@ -149,6 +158,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"== restart latency ({restarts} restart(s))")
         results["restart"] = restart_latency(repeats=restarts, quick=args.quick, log=_note)
         _print(restart_table(results["restart"]))
+    if "cluster" in suites:
+        from ..bench.cluster import cluster_bench
+
+        print(f"== Ray scale-out ({repeats} repeat(s))")
+        results["cluster"] = cluster_bench(repeats=repeats, quick=args.quick, log=_note)
+        if "skipped" in results["cluster"]:
+            _note(results["cluster"]["skipped"])
+        else:
+            for titled in cluster_tables(results["cluster"]):
+                _print(titled)
     results["settings"]["seconds"] = time.monotonic() - t0
     if args.json:
         with open(args.json, "w") as f:
@@ -293,6 +312,102 @@ def restart_table(r: dict) -> tuple[str, Any]:
     ):
         t.add_row(label, f"{r['median'][key]:.3f}", f"{r['min'][key]:.3f}", f"{r['max'][key]:.3f}")
     return title, t
+
+
+def cluster_tables(r: dict) -> list[tuple[str, Any]]:
+    """(title, rich table) pairs of a `cluster_bench` result (the parts it ran)."""
+    from rich.table import Table
+
+    out = []
+    reps = f"medians of {r['repeats']} repeat(s)"
+    if "ray_init" in r:
+        t = Table()
+        for col in ("measure", "seconds"):
+            t.add_column(col, justify="left" if col == "measure" else "right")
+        m = r["ray_init"]["median"]
+        t.add_row("import ray (fresh process)", f"{m['import_s']:.2f}")
+        t.add_row("ray.init(num_cpus=2), a new local Ray", f"{m['init_s']:.2f}")
+        t.add_row("ray.shutdown", f"{m['shutdown_s']:.2f}")
+        t.add_row("the whole subprocess", f"{m['wall_s']:.2f}", end_section=True)
+        for n, s in r["pool_open_s"].items():
+            t.add_row(f"EnginePool.open: {n} toy replica(s) answer (on a running Ray)", f"{s:.2f}")
+        out.append((f"Ray start-up on {r['cpus']} CPU(s); {reps}", t))
+    for name in ("toy", "torch"):
+        if name not in r:
+            continue
+        x = r[name]
+        t = Table()
+        for col in (
+            "backend",
+            "tokens/s",
+            "attempts/s",
+            "steps/s",
+            f"speed vs\n{x['baseline']}",
+            "peak attempts\nin flight",
+            "sealed per\nreplica",
+            "run s",
+            "wall s\n(w/ start-up)",
+        ):
+            t.add_column(col, justify="left" if col == "backend" else "right")
+        for label, m in x["variants"].items():
+            t.add_row(
+                label,
+                f"{m['tokens_per_s']:,.0f}",
+                f"{m['attempts_per_s']:,.0f}",
+                f"{m['steps_per_s']:.2f}",
+                _x(m["speed_vs_first"]),
+                f"{m['peak_in_flight']:g}",
+                "/".join(str(v) for v in m["sealed_per_replica"].values()),
+                f"{m['run_s']:.2f}",
+                f"{m['wall_s']:.1f}",
+            )
+        out.append(
+            (
+                f"throughput vs replicas, {x['describe']}; replicas at cluster.replica_cpus="
+                f"{r['replica_cpus']:g}, uninterrupted, run_started -> run_finished; {reps}",
+                t,
+            )
+        )
+    if "kill" in r:
+        k = r["kill"]
+        t = Table()
+        for col in ("measure", "median"):
+            t.add_column(col, justify="left" if col == "measure" else "right")
+        m = k["median"]
+        for key, label, fmt in (
+            ("kill_to_died_s", "SIGKILL -> engine_replica_died (the pool sees it), s", "{:.3f}"),
+            ("down_s", "down_seconds: death -> restarted, refit and getting work, s", "{:.3f}"),
+            ("kill_to_back_s", "SIGKILL -> engine_replica_started (restart 1), s", "{:.3f}"),
+            ("attempts_failed", "attempts it failed (infra)", "{:g}"),
+            ("retry_dispatched_s", "death -> all of them dispatched again, s", "{:.3f}"),
+            ("retry_sealed_s", "death -> all of them sealed, s", "{:.3f}"),
+            ("sealed_after_back", "attempts it sealed after coming back", "{:g}"),
+        ):
+            t.add_row(label, fmt.format(m[key]))
+        back = (
+            "every killed replica came back"
+            if k["all_came_back"]
+            else "a killed replica DID NOT come back"
+        )
+        out.append((f"a replica killed mid-run: {k['describe']}; {back}; {reps}", t))
+    if "weights" in r:
+        w = r["weights"]
+        t = Table()
+        for col in ("measure", "ms"):
+            t.add_column(col, justify="left" if col == "measure" else "right")
+        t.add_row("ray.put(trainer.weights())", f"{w['put_s'] * 1e3:.1f}")
+        for n, s in w["refit_s"].items():
+            t.add_row(
+                f"EnginePool.update_weights, {n} replica(s) (publish + refit all)", f"{s * 1e3:.1f}"
+            )
+        out.append(
+            (
+                f"weight publication, built-in GPT at arith.yaml's size ({w['params']:,} parameters, "
+                f"{w['mb']:.2f} MB); medians",
+                t,
+            )
+        )
+    return out
 
 
 def _x(v: float) -> str:
