@@ -12,7 +12,8 @@ Four parts, medians over repeats:
               answer (N = 1, 2, 4; actors created and the pool ready)
   throughput  the same uninterrupted job with cluster.backend=local (one engine in the
               controller's process) and with 1, 2, 4 replicas (`cluster.replica_cpus` 0.25):
-              the toy engine at a fixed 50 ms per generation, and the built-in GPT (torch,
+              the toy engine at a fixed 50 ms per generation and at most 8 at once per
+              engine (`engine.max_concurrent`: a GPU engine's batch capacity), and the built-in GPT (torch,
               CPU) on arith from scratch; tokens generated per second and steps per second
               over run_started -> run_finished (start-up, the replicas' included, excluded;
               `wall_s` includes it), and the most attempts in flight at once (from the
@@ -36,10 +37,11 @@ in a subprocess of their own, so this process never becomes a Ray driver. Withou
 suite returns `{"skipped": RAY_MISSING}`.
 
 What limits throughput: with in_order, lookahead 1 and no `max_inflight_prompts`, at most
-P x (lookahead + 1) prompt groups are in flight, i.e. 2 x P x G attempts; the toy engine
-sleeps (asyncio) and any one replica runs all of them at once, so with the toy engine more
-replicas add no generation capacity: the run is bound by that in-flight cap over the
-latency, and the replica count shows only Ray's per-attempt cost.
+P x (lookahead + 1) prompt groups are in flight, i.e. 2 x P x G = 64 attempts. An unbounded
+toy engine only sleeps, so one replica would run all 64 at once and more replicas could add
+nothing. Each toy engine therefore runs at most 8 attempts at once: one replica's ceiling is
+8 / 50 ms = 160 attempts/s, and the replica count shows how the pool scales until Ray's
+per-attempt cost on these 2 cores (also measured: the local engine, unbounded) caps it.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ from .preemption import measure, run_preempted
 RAY_MISSING = "skipped: ray is not installed (pip install 'rollkeep[ray]')"
 REPLICA_CPUS = 0.25
 TOY_LATENCY_MS = 50
+TOY_MAX_CONCURRENT = 8  # per engine: a batch capacity, so replicas add generation capacity
 KILL_AFTER_SEALED = 16  # replica 0 is killed once it has sealed this many attempts
 
 HEAD = """
@@ -315,6 +318,7 @@ def _probe(
 def toy_job(steps: int) -> tuple[str, list[str], str]:
     overrides = [
         f"engine.latency_ms={TOY_LATENCY_MS}",
+        f"engine.max_concurrent={TOY_MAX_CONCURRENT}",
         "engine.latency_jitter_ms=0",
         "engine.infra_fail_rate=0",
         "engine.data_fail_rate=0",
@@ -325,7 +329,8 @@ def toy_job(steps: int) -> tuple[str, list[str], str]:
         "data.epochs=null",
     ]
     describe = (
-        f"toy engine {TOY_LATENCY_MS} ms per generation, no failures, trainer 0 ms/step, P=8, G=4, "
+        f"toy engine {TOY_LATENCY_MS} ms per generation, at most {TOY_MAX_CONCURRENT} at once per engine, "
+        f"no failures, trainer 0 ms/step, P=8, G=4, "
         f"in_order lookahead 1 (at most 16 groups = 64 attempts in flight), {steps} steps"
     )
     return str(files("rollkeep") / "configs" / "toy.yaml"), overrides, describe

@@ -25,4 +25,4 @@ def open_engine(cfg: Any, recipe: EngineRecipe) -> Engine:
         return recipe.make()
     from .ray_actors import ray_pool
 
-    return ray_pool(cfg.cluster, recipe, replicas=cfg.engine.replicas)
+    return ray_pool(cfg.cluster, recipe, replicas=cfg.engine.replicas, flush_s=cfg.recovery.progress_ms / 1000)

@@ -1,9 +1,11 @@
 """Engine replicas as Ray actors (`cluster.backend: ray`, docs/design.md §10).
 
 Each replica is one actor in its own process, holding one engine of any backend built
-there from the run's `EngineRecipe`. The actor is async: `generate` is a streaming
-generator that yields the engine's chunks as they come (batched per wake-up) and then the
-completion, so partial generations stay durable across processes as in one. Engine
+there from the run's `EngineRecipe`. The actor is async. For a run that records partial
+generations, `generate` is a streaming generator: it yields the engine's chunks, joined
+over `recovery.progress_ms` (the scheduler records them no more often; one Ray object per
+token would cost more than the token), and then the completion, so partial generations
+stay durable across processes as in one. Otherwise `generate_once` returns the result alone. Engine
 failures travel as values (`("infra" | "data", message)`), not as exceptions, so nothing
 of Ray's exception wrapping decides what kind a failure is.
 
@@ -43,7 +45,7 @@ def import_ray() -> Any:
     return ray
 
 
-def ray_pool(cluster: Any, recipe: EngineRecipe, *, replicas: int) -> EnginePool:
+def ray_pool(cluster: Any, recipe: EngineRecipe, *, replicas: int, flush_s: float) -> EnginePool:
     """Connect to Ray (start a local one, loopback only, when `cluster.address` is unset)
     and make the pool of `replicas` actors; they start in `EnginePool.open`."""
     ray = import_ray()
@@ -67,7 +69,7 @@ def ray_pool(cluster: Any, recipe: EngineRecipe, *, replicas: int) -> EnginePool
         gpus = float(getattr(recipe.section, "tensor_parallel_size", 0)) if recipe.section.name == "vllm" else 0.0
     actor_cls = ray.remote(num_cpus=cluster.replica_cpus, num_gpus=gpus, max_restarts=cluster.max_restarts,
                            max_task_retries=0, max_concurrency=1000)(ReplicaActor)
-    handles = [RayReplica(ray, actor_cls, recipe, i) for i in range(replicas)]
+    handles = [RayReplica(ray, actor_cls, recipe, i, flush_s) for i in range(replicas)]
     return EnginePool(handles, publish=ray.put, max_restarts=cluster.max_restarts,
                       replica_timeout_s=cluster.replica_timeout_s, on_close=ray.shutdown if own else None)
 
@@ -75,8 +77,8 @@ def ray_pool(cluster: Any, recipe: EngineRecipe, *, replicas: int) -> EnginePool
 class RayReplica:
     """The pool's handle of one actor (`replicas.ReplicaHandle`)."""
 
-    def __init__(self, ray: Any, actor_cls: Any, recipe: EngineRecipe, index: int) -> None:
-        self._ray, self._cls, self._recipe, self.index = ray, actor_cls, recipe, index
+    def __init__(self, ray: Any, actor_cls: Any, recipe: EngineRecipe, index: int, flush_s: float) -> None:
+        self._ray, self._cls, self._recipe, self.index, self._flush_s = ray, actor_cls, recipe, index, flush_s
         self._actor: Any = None
 
     async def start(self) -> ReplicaInfo:
@@ -96,9 +98,14 @@ class RayReplica:
     async def generate(self, request: GenRequest, progress: Any) -> Completion:
         from ray.exceptions import RayActorError
 
-        stream = self._actor.generate.options(num_returns="streaming").remote(request, progress is not None)
+        if progress is None:
+            call = self._actor.generate_once.remote(request)
+            items = _one(call)
+        else:
+            call = self._actor.generate.options(num_returns="streaming").remote(request, self._flush_s)
+            items = call
         try:
-            async for ref in stream:
+            async for ref in items:
                 kind, value = await ref
                 if kind == "chunk":
                     progress(value)
@@ -107,7 +114,7 @@ class RayReplica:
                 else:
                     raise (InfraError if kind == "infra" else DataError)(value)
         except asyncio.CancelledError:
-            self._ray.cancel(stream)
+            self._ray.cancel(call)
             raise
         except RayActorError as e:
             raise ReplicaLost(_reason(e)) from None
@@ -124,6 +131,10 @@ class RayReplica:
     async def close(self) -> None:
         if self._actor is not None:
             self._ray.kill(self._actor, no_restart=True)
+
+
+async def _one(ref: Any):
+    yield ref
 
 
 def _reason(e: BaseException) -> str:
@@ -156,7 +167,15 @@ class ReplicaActor:
                            episode_tokenizer=getattr(e, "episode_tokenizer", None),
                            completion_limit=getattr(e, "completion_limit", None))
 
-    async def generate(self, request: GenRequest, stream: bool):
+    async def generate_once(self, request: GenRequest) -> tuple[str, Any]:
+        try:
+            return "done", await self.engine.generate(request)
+        except InfraError as e:
+            return "infra", str(e)
+        except DataError as e:
+            return "data", str(e)
+
+    async def generate(self, request: GenRequest, flush_s: float):
         chunks: list[Chunk] = []
         wake = asyncio.Event()
 
@@ -164,13 +183,14 @@ class ReplicaActor:
             chunks.append(chunk)
             wake.set()
 
-        task = asyncio.ensure_future(self.engine.generate(request, progress) if stream
-                                     else self.engine.generate(request))
+        task = asyncio.ensure_future(self.engine.generate(request, progress))
         try:
             while not task.done():
                 waiter = asyncio.ensure_future(wake.wait())
                 await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
                 waiter.cancel()
+                if chunks and not task.done():  # what else comes within flush_s joins them
+                    await asyncio.wait((task,), timeout=flush_s)
                 wake.clear()
                 if chunks:
                     yield "chunk", _joined(chunks)

@@ -107,6 +107,9 @@ class ToyEngineConfig(_EngineSection):
     """Simulated time per generated token, in milliseconds, on top of `latency_ms`; with it the
     engine streams one chunk per token, so long generations are cheap to test (at 0 a
     generation is instant and reports only its result)."""
+    max_concurrent: int = Field(0, ge=0, le=1_000_000)
+    """Most attempts one toy engine runs at once, the others queued (a GPU engine's batch
+    capacity, so throughput grows with `engine.replicas`); 0 = unbounded."""
     hang_rate: float = Field(0.0, ge=0.0, le=1.0)
     """Probability that an attempt never returns (until `rollout.timeout_s` aborts it);
     keyed by the sibling's infra-retry count like `infra_fail_rate`, so the same hangs

@@ -50,6 +50,7 @@ _NOT_SEMANTIC = (
     "engine.infra_fail_rate",
     "engine.data_fail_rate",
     "engine.hang_rate",
+    "engine.max_concurrent",
     "engine.token_ms",
     "engine.max_batch_size",
     "engine.replicas",

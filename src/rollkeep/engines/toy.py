@@ -78,6 +78,7 @@ class ToyEngine:
         hang_rate: float = 0.0,
         token_ms: float = 0.0,
         tool_turns: int = 0,
+        max_concurrent: int = 0,
     ) -> None:
         self.latency_ms = latency_ms
         self.latency_jitter_ms = latency_jitter_ms
@@ -87,6 +88,9 @@ class ToyEngine:
         self.hang_rate = hang_rate
         self.token_ms = token_ms
         self.tool_turns = tool_turns
+        # A batch capacity: attempts past it wait their turn (made on first use, in the loop).
+        self.max_concurrent = max_concurrent
+        self._slots: asyncio.Semaphore | None = None
         self._version = 0
 
     @property
@@ -94,6 +98,14 @@ class ToyEngine:
         return self._version
 
     async def generate(self, req: GenRequest, progress: Progress | None = None) -> Completion:
+        if not self.max_concurrent:
+            return await self._generate(req, progress)
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.max_concurrent)
+        async with self._slots:
+            return await self._generate(req, progress)
+
+    async def _generate(self, req: GenRequest, progress: Progress | None) -> Completion:
         # (Each draw is made only when its rate can matter: the control-plane benchmark runs
         # this engine at zero latency and without failures.)
         delay = self.latency_ms
