@@ -126,8 +126,8 @@ def test_elastic_resume_two_replicas_then_local_then_three(tmp_path, ray_address
     reference = config(tmp_path / "reference", *base)
     run_to_end(reference)
     run_dir = tmp_path / "run"
-    assert killed(run_child(config(run_dir, *base, *on_ray(ray_address, 2)), "ledger.sealed:120"))
-    assert killed(run_child(config(run_dir, *base), "ledger.sealed:80"))
+    assert killed(run_child(config(run_dir, *base, *on_ray(ray_address, 2)), "ledger.sealed:60"))
+    assert killed(run_child(config(run_dir, *base), "ledger.sealed:40"))  # (of the 130 or more left)
     cfg = config(run_dir, *base, *on_ray(ray_address, 3))
     run_to_end(cfg)
     report = check(cfg, final_sha(reference))
