@@ -41,8 +41,8 @@ class FakeReplica:
         if self.incarnation and not self.can_restart:
             raise ReplicaGone("restarts spent")
         self.incarnation += 1
-        self.version = 0  # a new process: its engine's initial weights
-        return ReplicaInfo(pid=100 + self.index, node="fake", version=0, continues=True)
+        self.version, self.weights = 0, "initial"  # a new process: its engine's initial weights
+        return ReplicaInfo(pid=100 + self.index, node="fake", continues=True)
 
     async def generate(self, req: GenRequest, progress) -> Completion:
         self.generated.append((req.group_id, self.version))
@@ -61,7 +61,7 @@ class FakeReplica:
     async def refit(self, weights, version: int) -> None:
         if not self.up.is_set():
             raise ReplicaLost("dead")
-        self.version = version
+        self.version, self.weights = version, weights
 
     def kill(self) -> None:
         self.up.clear()
@@ -148,6 +148,26 @@ def test_a_dead_replica_fails_its_attempts_as_infra_and_is_refit_before_it_gets_
     asyncio.run(main())
 
 
+def test_a_restarted_replica_is_refit_even_to_version_0() -> None:
+    """Version 0 is the trainer's weights after the warm start, not the engine's initial ones."""
+
+    async def main():
+        pool, replicas, _, _, _ = make_pool(1)
+        await pool.open()
+        await pool.update_weights({"after": "warm start"}, 0)
+        task = asyncio.ensure_future(pool.generate(request(0)))
+        await settle()
+        replicas[0].kill()
+        with pytest.raises(InfraError):
+            await task
+        replicas[0].up.set()
+        await settle()
+        assert replicas[0].weights == ("ref", 1)  # the published version-0 weights, not its initial ones
+        await pool.close()
+
+    asyncio.run(main())
+
+
 def test_a_replica_whose_restarts_are_spent_is_gone_and_with_none_left_the_pool_gives_up() -> None:
     async def main():
         pool, replicas, _, trace, unavailable = make_pool(1, max_restarts=0)
@@ -218,7 +238,7 @@ def test_the_replica_table_routes_only_to_ready_replicas_and_counts_each_death_o
     for what, i in events:
         s = table.state(i)
         if what == "start" and s is State.STARTING:
-            table.started(i, 0)
+            table.started(i)
         elif what == "refit" and s in (State.REFITTING, State.READY):
             table.refitted(i, 1)
         elif what == "begin" and (j := table.choose()) is not None:

@@ -123,7 +123,7 @@ class EnginePool:
             self._changed()
             return
         self._info[i] = info
-        incarnation = self.replicas.started(i, info.version)
+        incarnation = self.replicas.started(i)
         try:
             while self._weights is not None and self.replicas.version(i) != self._weights[1]:
                 published, version = self._weights
@@ -132,7 +132,7 @@ class EnginePool:
         except ReplicaLost as e:
             self._lost(i, incarnation, str(e))
             return
-        self.replicas.refitted(i, self.replicas.version(i) if self._weights is None else self._weights[1])
+        self.replicas.refitted(i, None if self._weights is None else self._weights[1])
         restarts, down = self.replicas.back(i, time.monotonic())
         self._trace(EngineReplicaStarted(replica=i, pid=info.pid, node=info.node, restart=restarts,
                                          down_seconds=down))

@@ -162,7 +162,7 @@ class ReplicaActor:
 
         e = self.engine
         return ReplicaInfo(pid=os.getpid(), node=f"{socket.gethostname()}/{ray.get_runtime_context().get_node_id()[:8]}",
-                           version=e.version, streams=bool(getattr(e, "streams", False)),
+                           streams=bool(getattr(e, "streams", False)),
                            continues=bool(getattr(e, "continues", False)),
                            episode_tokenizer=getattr(e, "episode_tokenizer", None),
                            completion_limit=getattr(e, "completion_limit", None))

@@ -39,7 +39,6 @@ class ReplicaInfo:
 
     pid: int
     node: str
-    version: int  # the weight version its engine holds
     streams: bool = False
     continues: bool = False
     episode_tokenizer: Any = None
@@ -124,16 +123,19 @@ class ReplicaSet:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def started(self, i: int, version: int) -> int:
-        """Replica i answers, holding `version`; returns its incarnation."""
+    def started(self, i: int) -> int:
+        """Replica i answers, holding its engine's initial weights (which are not the
+        trainer's of any version: after a warm start not even of version 0); returns its
+        incarnation."""
         self._go(i, "started")
         r = self._r[i]
         r.incarnation += 1
-        r.version = version
+        r.version = None
         return r.incarnation
 
-    def refitted(self, i: int, version: int) -> None:
-        """Replica i loaded `version` (READY: its first refit after a start makes it READY)."""
+    def refitted(self, i: int, version: int | None) -> None:
+        """Replica i loaded `version` (None: nothing was published yet); the first refit
+        after a start makes it READY."""
         r = self._r[i]
         r.version = version
         if r.state is State.REFITTING:
