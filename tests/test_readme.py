@@ -27,8 +27,8 @@ def test_readme_and_help_agree() -> None:
     out = io.StringIO()
     with redirect_stdout(out):
         assert main(["bench", "--help"]) == 0
-    assert "--quick" in out.getvalue() and "# everything small, about a minute" in out.getvalue()
-    assert "`--quick` for a smoke\nrun (about a minute on 2 cores)" in text
+    assert "--quick" in out.getvalue() and "# everything small, about a minute and a half" in out.getvalue()
+    assert "`--quick` for a smoke\nrun (about a minute and a half on 2 cores)" in text
     for command in ("train", "inspect", "audit", "chaos", "trace", "bench", "export"):
         assert f"rollkeep {command} " in text, command
 

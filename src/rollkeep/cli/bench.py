@@ -51,7 +51,7 @@ Medians over --repeats; ratios against sibling (preemption), lookahead 0 (speedu
 in_order (waste).
 
 examples:
-  rollkeep bench --quick                                  # everything small, about a minute
+  rollkeep bench --quick                                  # everything small, about a minute and a half
   rollkeep bench --suite core --json core.json            # the custody core, a few minutes
   rollkeep bench --suite preemption --kills 4 --repeats 3 --json p.json  # ~7 minutes
   rollkeep bench --suite speedup                          # ~3 minutes
