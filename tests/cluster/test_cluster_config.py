@@ -47,3 +47,16 @@ def test_replicas_and_the_cluster_are_not_semantic(tmp_path) -> None:
     many = load_config(None, [*FAST, f"run_dir={tmp_path}", "cluster.backend=ray", "engine.replicas=4",
                               "cluster.address=127.0.0.1:6379", "cluster.max_restarts=9"])
     assert semantic(one) == semantic(many)
+
+
+def test_a_cluster_address_nothing_answers_at_is_exit_2_at_once(tmp_path, capsys) -> None:
+    import socket
+
+    pytest.importorskip("ray")
+    with socket.socket() as s:  # a port nothing listens on: bound, never listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        code = main(["train", DEFAULTS, *FAST, f"run_dir={tmp_path / 'run'}", "cluster.backend=ray",
+                     f"cluster.address=127.0.0.1:{port}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "nothing answers at cluster.address" in err and "Traceback" not in err

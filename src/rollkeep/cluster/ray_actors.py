@@ -56,6 +56,7 @@ def ray_pool(cluster: Any, recipe: EngineRecipe, *, replicas: int, flush_s: floa
             ray.init(num_cpus=cluster.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
                      log_to_driver=True, configure_logging=False)
         else:
+            _check_reachable(cluster.address)
             try:
                 ray.init(address=cluster.address, log_to_driver=True, configure_logging=False)
             except (ConnectionError, RuntimeError, ValueError) as e:
@@ -72,6 +73,21 @@ def ray_pool(cluster: Any, recipe: EngineRecipe, *, replicas: int, flush_s: floa
     handles = [RayReplica(ray, actor_cls, recipe, i, flush_s) for i in range(replicas)]
     return EnginePool(handles, publish=ray.put, max_restarts=cluster.max_restarts,
                       replica_timeout_s=cluster.replica_timeout_s, on_close=ray.shutdown if own else None)
+
+
+def _check_reachable(address: str) -> None:
+    """Refuse a `host:port` nothing listens on at once: Ray itself retries it for minutes."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or address.startswith(("ray://", "auto")):
+        return  # `auto` or a client address: Ray resolves and reports it
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+    except OSError as e:
+        raise ConfigError(
+            f"nothing answers at cluster.address {address}", field="cluster.address",
+            expected="the address of a running Ray cluster's head (`ray start --head` prints it, e.g. 127.0.0.1:6379)",
+            found=f"{type(e).__name__}: {e}", remedy="start the cluster first, fix cluster.address, or unset it to "
+            "start a local Ray") from None
 
 
 class RayReplica:
