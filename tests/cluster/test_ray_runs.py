@@ -26,6 +26,7 @@ from run_harness import (
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
+CALC_TOY = str(Path(__file__).resolve().parents[2] / "configs" / "calc_toy.yaml")
 
 TORCH = [
     "engine.name=torch", "trainer.name=torch", "engine.max_new_tokens=4",
@@ -174,3 +175,38 @@ def test_chaos_with_controller_and_replica_kills_mixed(tmp_path, ray_address) ->
     assert report.passed, "\n".join(report.lines())
     assert report.replica_kills >= 1 and sum(k.killed for k in report.kills) >= 1
     assert report.weights_sha256 == report.reference_sha256
+
+
+def test_multi_turn_episodes_on_two_replicas_continue_across_a_kill(tmp_path, ray_address) -> None:
+    """An episode's turns may run on different replicas; the pool gives episodes its
+    replicas' tokenizer and limits; a killed controller's finished turns are continued."""
+    from rollkeep.config import load_config
+
+    calc = ["deterministic=true", "rollout.on_dropped_prompt=shrink", "engine.infra_fail_rate=0",
+            "engine.data_fail_rate=0", "logger.progress=none", "train.total_steps=10", "checkpoint.every_steps=3"]
+    reference = load_config(CALC_TOY, [*calc, f"run_dir={tmp_path / 'reference'}"])
+    run_to_end(reference)
+    cfg = load_config(CALC_TOY, [*calc, f"run_dir={tmp_path / 'run'}", *on_ray(ray_address, 2)])
+    assert killed(run_child(cfg, "ledger.turn_sealed:60"))
+    run_to_end(cfg)
+    check(cfg, final_sha(reference))
+    assert events(cfg, "restored")[-1]["turns_reused"] > 0
+    assert set(replicas_that_sealed(cfg)) == {0, 1}
+
+
+def test_the_hf_engine_runs_on_two_replicas(tmp_path, ray_address) -> None:
+    pytest.importorskip("transformers")
+    from hf_fixture import make_tiny_hf_model
+
+    model = make_tiny_hf_model(tmp_path / "tiny")
+    rows = tmp_path / "data.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{i}+{i % 7}=", "answer": str(i + i % 7), "task": "arith"}) + "\n"
+                            for i in range(24)))
+    cfg = config(tmp_path / "run", "engine.name=hf", f"engine.model_path={model}", "engine.max_new_tokens=4",
+                 "trainer.name=hf", f"trainer.model_path={model}", f"data.path={rows}", "train.total_steps=4",
+                 *on_ray(ray_address, 2))
+    assert killed(run_child(cfg, "ledger.step_committed:2"))
+    run_to_end(cfg)
+    report = check(cfg)
+    assert report.steps == 4 and report.trained == 16
+    assert set(replicas_that_sealed(cfg)) == {0, 1}

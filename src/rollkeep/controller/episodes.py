@@ -62,7 +62,8 @@ async def run_episode(engine: Any, spec: EnvSpec, req: GenRequest, progress: Any
             finish = "stop" if step.done else "length"
             break
         response = np.asarray(tok.encode(step.response, bos=False), np.int32)
-        limit = engine.completion_limit(len(c.prompt_ids)) if hasattr(engine, "completion_limit") else None
+        limit_of = getattr(engine, "completion_limit", None)  # (an engine pool's is None for the toy engine)
+        limit = None if limit_of is None else limit_of(len(c.prompt_ids))
         if limit is not None and len(traj) + len(response) >= limit:
             break  # the response would spend what is left of the budget: the episode is cut here
         traj = Tokens(np.concatenate([traj.completion_ids, response]),
@@ -74,7 +75,7 @@ async def run_episode(engine: Any, spec: EnvSpec, req: GenRequest, progress: Any
         turns.append(len(traj))
     return Completion(prompt_ids=c.prompt_ids, completion_ids=traj.completion_ids,
                       logprobs=traj.logprobs, versions=traj.versions, finish_reason=finish,
-                      text="".join(texts)), float(step.reward)
+                      text="".join(texts), replica=c.replica), float(step.reward)  # (its last turn's)
 
 
 def check_restored(prefixes: PrefixStore, spec: EnvSpec | None, where: str) -> None:
