@@ -38,10 +38,13 @@ DET = ["deterministic=true", "rollout.on_dropped_prompt=shrink", "sampler.name=i
 def assert_episodes_whole(cfg, turns: int = 3) -> None:
     """Every trained sibling's row is a whole episode: `turns` model turns, the environment's
     answers between them, as the trace's turn_sealed events of its attempt counted them."""
-    seals = {(x["group_id"], x["generation"], x["attempt"]): x for x in events(cfg, "sealed")}
+    # Keyed by process too: a process that resumed an older checkpoint (a stop's restore
+    # abandons the newer ones it cannot vouch for) runs the same attempt numbers again. An
+    # attempt sealed with nothing resumed ran all its turns in the process that sealed it.
+    seals = {(x["run_id"], x["group_id"], x["generation"], x["attempt"]): x for x in events(cfg, "sealed")}
     last_turn = {}
     for x in events(cfg, "turn_sealed"):
-        last_turn[(x["group_id"], x["generation"], x["attempt"])] = x
+        last_turn[(x["run_id"], x["group_id"], x["generation"], x["attempt"])] = x
     for key, seal in seals.items():
         turn = last_turn.get(key)
         if seal["resumed_from"] == 0:
