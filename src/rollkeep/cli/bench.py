@@ -180,17 +180,14 @@ def run(args: argparse.Namespace) -> int:
 
 def preemption_table(r: dict) -> tuple[str, Any]:
     """(title, rich table) of one workload's `goodput` result."""
-    from rich.table import Table
-
     title = (
         f"goodput under preemption, {r['workload']}: {r['describe']}; "
         f"{r['kills']} kill(s) per job at instants uniform in the first "
         f"{r['kill_window_s']:.2f} s of run time (the same instants for every mode); "
         f"medians of {r['repeats']} repeat(s)"
     )
-    t = Table()
     base = r.get("baseline", "sibling")
-    for col in (
+    t = _table(
         "variant",
         "goodput\ntrained/gen",
         f"vs {base}\n(goodput)",
@@ -202,8 +199,7 @@ def preemption_table(r: dict) -> tuple[str, Any]:
         "wall s\n(w/ start-up)",
         f"vs {base}\n(wall)",
         "run s\n(no start-up)",
-    ):
-        t.add_column(col, justify="left" if col == "variant" else "right")
+    )
     ref = r["reference"]
     t.add_row(
         "uninterrupted",
@@ -254,14 +250,11 @@ def speedup_table(r: dict) -> tuple[str, Any]:
 
 def waste_table(r: dict) -> tuple[str, Any]:
     """(title, rich table) of a `waste` result."""
-    from rich.table import Table
-
     title = (
         f"wasted generation per sampler: {r['describe']}; completions generated / trained "
         f"(1.00 = nothing generated twice); medians of {r['repeats']} repeat(s)"
     )
-    t = Table()
-    for col in (
+    t = _table(
         "sampler",
         "completions\ngenerated",
         "completions\ntrained",
@@ -271,8 +264,7 @@ def waste_table(r: dict) -> tuple[str, Any]:
         "steps/s",
         "trained\ncompletions/s",
         "vs in_order\n(speed)",
-    ):
-        t.add_column(col, justify="left" if col == "sampler" else "right")
+    )
     for sampler, m in r["samplers"].items():
         t.add_row(
             sampler,
@@ -290,8 +282,6 @@ def waste_table(r: dict) -> tuple[str, Any]:
 
 def restart_table(r: dict) -> tuple[str, Any]:
     """(title, rich table) of a `restart_latency` result."""
-    from rich.table import Table
-
     verdict = "meets" if r["meets_target"] else "MISSES"
     title = (
         f"restart latency: {r['describe']}; seconds, medians of {r['repeats']}; the first "
@@ -299,9 +289,7 @@ def restart_table(r: dict) -> tuple[str, Any]:
         f"({verdict} the target of <= {r['target_overhead_s']:.2f} s)"
         + ("" if r["bytecode_cache"] else "; rollkeep's modules had no .pyc cache")
     )
-    t = Table()
-    for col in ("measure", "median", "min", "max"):
-        t.add_column(col, justify="left" if col == "measure" else "right")
+    t = _table("measure", "median", "min", "max")
     for key, label in (
         ("import_torch_s", "import torch: process start -> imported"),
         ("import_torch_inprocess_s", "import torch: the import alone"),
@@ -316,14 +304,10 @@ def restart_table(r: dict) -> tuple[str, Any]:
 
 def cluster_tables(r: dict) -> list[tuple[str, Any]]:
     """(title, rich table) pairs of a `cluster_bench` result (the parts it ran)."""
-    from rich.table import Table
-
     out = []
     reps = f"medians of {r['repeats']} repeat(s)"
     if "ray_init" in r:
-        t = Table()
-        for col in ("measure", "seconds"):
-            t.add_column(col, justify="left" if col == "measure" else "right")
+        t = _table("measure", "seconds")
         m = r["ray_init"]["median"]
         t.add_row("import ray (fresh process)", f"{m['import_s']:.2f}")
         t.add_row("ray.init(num_cpus=2), a new local Ray", f"{m['init_s']:.2f}")
@@ -336,8 +320,7 @@ def cluster_tables(r: dict) -> list[tuple[str, Any]]:
         if name not in r:
             continue
         x = r[name]
-        t = Table()
-        for col in (
+        t = _table(
             "backend",
             "tokens/s",
             "attempts/s",
@@ -347,8 +330,7 @@ def cluster_tables(r: dict) -> list[tuple[str, Any]]:
             "sealed per\nreplica",
             "run s",
             "wall s\n(w/ start-up)",
-        ):
-            t.add_column(col, justify="left" if col == "backend" else "right")
+        )
         for label, m in x["variants"].items():
             t.add_row(
                 label,
@@ -370,9 +352,7 @@ def cluster_tables(r: dict) -> list[tuple[str, Any]]:
         )
     if "kill" in r:
         k = r["kill"]
-        t = Table()
-        for col in ("measure", "median"):
-            t.add_column(col, justify="left" if col == "measure" else "right")
+        t = _table("measure", "median")
         m = k["median"]
         for key, label, fmt in (
             ("kill_to_died_s", "SIGKILL -> engine_replica_died (the pool sees it), s", "{:.3f}"),
@@ -392,9 +372,7 @@ def cluster_tables(r: dict) -> list[tuple[str, Any]]:
         out.append((f"a replica killed mid-run: {k['describe']}; {back}; {reps}", t))
     if "weights" in r:
         w = r["weights"]
-        t = Table()
-        for col in ("measure", "ms"):
-            t.add_column(col, justify="left" if col == "measure" else "right")
+        t = _table("measure", "ms")
         t.add_row("ray.put(trainer.weights())", f"{w['put_s'] * 1e3:.1f}")
         for n, s in w["refit_s"].items():
             t.add_row(
@@ -431,3 +409,13 @@ def _print(titled: tuple[str, Any]) -> None:
     title, table = titled
     console.print(title, markup=False)
     console.print(table)
+
+
+def _table(*columns: str) -> Any:
+    """A rich table whose first column (the row's label) is left-aligned, the numbers right."""
+    from rich.table import Table
+
+    t = Table()
+    for i, col in enumerate(columns):
+        t.add_column(col, justify="left" if i == 0 else "right")
+    return t

@@ -24,8 +24,6 @@ import os
 import socket
 from typing import Any
 
-import numpy as np
-
 from ..core.errors import ConfigError
 from ..core.generation import Chunk, Completion, DataError, GenRequest, InfraError
 from ..engines import EngineRecipe
@@ -209,10 +207,10 @@ class ReplicaActor:
                     await asyncio.wait((task,), timeout=flush_s)
                 wake.clear()
                 if chunks:
-                    yield "chunk", _joined(chunks)
+                    yield "chunk", Chunk.joined(chunks)
                     chunks.clear()
             if chunks:
-                yield "chunk", _joined(chunks)
+                yield "chunk", Chunk.joined(chunks)
             try:
                 yield "done", task.result()
             except InfraError as e:
@@ -229,9 +227,4 @@ class ReplicaActor:
     async def close(self) -> None:
         await self.engine.close()
 
-
-def _joined(chunks: list[Chunk]) -> Chunk:
-    if len(chunks) == 1:
-        return chunks[0]
-    return Chunk(*(np.concatenate([getattr(c, f) for c in chunks]) for f in ("completion_ids", "logprobs", "versions")))
 

@@ -293,6 +293,25 @@ class Throughput:
         return _rate(self._marks[0], (now, tokens)), _rate(self._start, (now, tokens))
 
 
+class ReplicaRates:
+    """`cluster.backend: ray`: the replicas live, and per replica the attempts it finished
+    and its tokens per second over the last step, from the engine pool's cumulative counts
+    (`EnginePool.stats`). Pure, like `Throughput`: the caller passes the counts and the time."""
+
+    def __init__(self) -> None:
+        self._marks: list[tuple[int, int]] | None = None  # (attempts, tokens) at the last step
+
+    def step(self, stats: dict[str, Any], seconds: float) -> dict[str, Any]:
+        per = stats["per_replica"]
+        marks = self._marks or [(0, 0)] * len(per)
+        out: dict[str, Any] = {"engine/replicas_live": stats["live"], "engine/replicas": stats["replicas"]}
+        for i, ((attempts, tokens), (a0, t0)) in enumerate(zip(per, marks, strict=True)):
+            out[f"replica/{i}/attempts"] = attempts - a0
+            out[f"replica/{i}/tokens_per_s"] = (tokens - t0) / seconds if seconds > 0 else 0.0
+        self._marks = per
+        return out
+
+
 def _rate(a: tuple[float, int], b: tuple[float, int]) -> float:
     return (b[1] - a[1]) / (b[0] - a[0]) if b[0] > a[0] else 0.0
 

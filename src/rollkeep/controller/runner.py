@@ -58,7 +58,7 @@ from ..trace import Trace
 from ..trainers import Trainer
 from .episodes import check_restored, run_episode
 from .journaling import JournalThread
-from .metrics import MetricsLog, Throughput, progress_fields, step_record
+from .metrics import MetricsLog, ReplicaRates, Throughput, progress_fields, step_record
 from .startup import checkpoint_meta, open_run
 from .summary import RunResult, restarts_in_trace, summary_lines
 
@@ -98,7 +98,7 @@ class Runner:
         self._last_eval: tuple[int | None, dict[str, float]] = (None, {})  # (step, metrics)
         self._signal: str | None = None  # the signal that stopped the run gracefully
         self._failure: str | None = None  # the external failure that stopped it (no engine replica)
-        self._replica_marks: list[tuple[int, int]] = []  # the pool's (attempts, tokens) at the last step
+        self._replica_rates = ReplicaRates()  # metrics per engine replica (an engine pool's)
 
     # ================================================================== start
 
@@ -255,27 +255,14 @@ class Runner:
         record = step_record(cmd.batch, metrics, train_seconds=now - t0, step_seconds=now - self._last_step,
                              generated_per_s=self._throughput.step(now, self.sched.tokens_generated),
                              counts=self.sched.counts())
-        record.update(self._replica_metrics(now - self._last_step))
+        if isinstance(self.engine, EnginePool):
+            record.update(self._replica_rates.step(self.engine.stats(), now - self._last_step))
         self._last_step = now
         self._metrics.write(cmd.step, record)
         if self.on_step is not None:
             self.on_step(cmd.step, record)
         self._progress.step(cmd.step, progress_fields(record, self._last_eval[1]))
         self._wake.set()
-
-    def _replica_metrics(self, seconds: float) -> dict[str, Any]:
-        """With an engine pool: live replicas, and per replica the attempts it finished
-        and its tokens/s over the step."""
-        if not isinstance(self.engine, EnginePool):
-            return {}
-        stats = self.engine.stats()
-        marks = self._replica_marks or [(0, 0)] * len(stats["per_replica"])
-        out: dict[str, Any] = {"engine/replicas_live": stats["live"], "engine/replicas": stats["replicas"]}
-        for i, ((attempts, tokens), (a0, t0)) in enumerate(zip(stats["per_replica"], marks, strict=True)):
-            out[f"replica/{i}/attempts"] = attempts - a0
-            out[f"replica/{i}/tokens_per_s"] = (tokens - t0) / seconds if seconds > 0 else 0.0
-        self._replica_marks = stats["per_replica"]
-        return out
 
     async def _refit(self, version: int) -> None:
         await self.engine.update_weights(self.trainer.weights(), version)

@@ -110,14 +110,22 @@ def declared_step(name: str, data: bytes | memoryview) -> int | None:
 def declared_step_of(path: Path) -> int | None:
     """`declared_step` of a trainer file on disk, reading only a safetensors file's header
     (for a trainer's `load`, which may face gigabytes of weights)."""
-    if path.name.endswith(".safetensors"):
-        head = read_prefix(path, 8)
+    return _declared_step(path.name, lambda n: read_prefix(path, n), lambda: path.stat().st_size,
+                          lambda: read_regular(path))
+
+
+def _declared_step(name: str, prefix: Callable[[int], bytes], size: Callable[[], int],
+                   whole: Callable[[], bytes]) -> int | None:
+    """`declared_step`, reading a safetensors file's header only (`prefix(n)`: its first n
+    bytes) and a JSON file whole."""
+    if name.endswith(".safetensors"):
+        head = prefix(8)
         n = int.from_bytes(head, "little") if len(head) == 8 else 0
-        head = read_prefix(path, 8 + min(max(n, 0), SAFETENSORS_MAX_HEADER))
-        meta = safetensors_header(head, path.stat().st_size).get("__metadata__") or {}
+        head = prefix(8 + min(max(n, 0), SAFETENSORS_MAX_HEADER))
+        meta = safetensors_header(head, size()).get("__metadata__") or {}
         return _parse_step(meta.get(STEP_KEY) if isinstance(meta, dict) else None)
-    if path.name.endswith(".json"):
-        return declared_step(path.name, read_regular(path))
+    if name.endswith(".json"):
+        return declared_step(name, whole())
     return None
 
 
@@ -138,15 +146,7 @@ def save_files(files: Mapping[str, bytes], fs: FS = DEFAULT_FS) -> Callable[[Pat
 def declared_step_in(ck: OpenedCheckpoint, rel: str) -> int | None:
     """`declared_step` of a listed file of an opened checkpoint, reading only a
     safetensors file's header (the weights were hashed by `open` already)."""
-    if rel.endswith(".safetensors"):
-        head = ck.read_prefix(rel, 8)
-        n = int.from_bytes(head, "little") if len(head) == 8 else 0
-        head = ck.read_prefix(rel, 8 + min(max(n, 0), SAFETENSORS_MAX_HEADER))
-        meta = safetensors_header(head, ck.size(rel)).get("__metadata__") or {}
-        return _parse_step(meta.get(STEP_KEY) if isinstance(meta, dict) else None)
-    if rel.endswith(".json"):
-        return declared_step(rel, ck.read(rel))
-    return None
+    return _declared_step(rel, lambda n: ck.read_prefix(rel, n), lambda: ck.size(rel), lambda: ck.read(rel))
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ lost connection) are retried; any other exception from an engine is a bug.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,7 +51,15 @@ class Tokens:
     def __len__(self) -> int:
         return len(self.completion_ids)
 
+    @staticmethod
+    def joined(parts: Sequence[Tokens]) -> Tokens:
+        """The parts' tokens one after the other (a single part is returned as it is)."""
+        if len(parts) == 1:
+            return parts[0]
+        return Tokens(*(np.concatenate([getattr(p, f) for p in parts]) for f in TOKEN_FIELDS))
 
+
+TOKEN_FIELDS = ("completion_ids", "logprobs", "versions")
 Chunk = Tokens
 Prefix = Tokens
 

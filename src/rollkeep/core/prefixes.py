@@ -171,8 +171,7 @@ class PrefixStore:
                         "recovery.partial=regenerate, or from an older checkpoint")
             parts.append(t)
             start = c.end
-        return Tokens(*(np.concatenate([getattr(p, f) for p in parts]) for f in
-                        ("completion_ids", "logprobs", "versions")))
+        return Tokens.joined(parts)
 
     # -- checkpoints and restores
 

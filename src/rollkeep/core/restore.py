@@ -158,10 +158,6 @@ class Restored:
     def trainer_file(self, name: str) -> bytes:
         return self.checkpoint.read(f"{TRAINER_DIR}/{name}")
 
-    def trainer_files(self) -> list[str]:
-        prefix = TRAINER_DIR + "/"
-        return [f[len(prefix):] for f in self.checkpoint.files() if f.startswith(prefix)]
-
 
 def open_checkpoint(target: CheckpointStore | Path, name: str | None = None) -> OpenedCheckpoint:
     """Steps 1–3. `target` is a store (LATEST or `name`) or a checkpoint directory."""

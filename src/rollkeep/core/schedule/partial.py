@@ -31,10 +31,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
-
 from ..events import Event, Progressed, TurnSealed
-from ..generation import Chunk, Prefix, Tokens
+from ..generation import TOKEN_FIELDS, Chunk, Prefix, Tokens
 from ..prefixes import PrefixStore
 from .commands import AttemptKey
 
@@ -82,7 +80,7 @@ class PartialGenerations:
         gid, g, attempt = key
         self._pending.pop(key, None)
         start = self._end.get(key, 0)
-        self.prefixes.stage(gid, g, Tokens(*(getattr(trajectory, f)[start:] for f in _FIELDS)))
+        self.prefixes.stage(gid, g, Tokens(*(getattr(trajectory, f)[start:] for f in TOKEN_FIELDS)))
         apply(TurnSealed(group_id=gid, generation=g, attempt=attempt, turn=turn, tokens=len(trajectory),
                          resumed_from=self._resumed.get(key, 0), snapshot=snapshot))
         self._end[key] = len(trajectory)
@@ -128,8 +126,7 @@ class PartialGenerations:
         gid, g, attempt = key
         self._recorded.add(key)
         chunks = self._pending.pop(key)
-        tokens = chunks[0] if len(chunks) == 1 else Tokens(
-            *(np.concatenate([getattr(c, f) for c in chunks]) for f in _FIELDS))
+        tokens = Tokens.joined(chunks)
         total = self._end.get(key, 0) + len(tokens)
         self.prefixes.stage(gid, g, tokens)
         apply(Progressed(group_id=gid, generation=g, attempt=attempt, tokens=total,
@@ -137,4 +134,3 @@ class PartialGenerations:
         self._end[key] = total
 
 
-_FIELDS = ("completion_ids", "logprobs", "versions")
