@@ -3,6 +3,7 @@ refusing every corruption of a published checkpoint without modifying anything o
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -770,15 +771,17 @@ def test_a_save_that_writes_anything_but_regular_files_publishes_nothing(tmp_pat
     assert store.latest() == "step_000002"
 
 
-def test_a_save_that_raises_publishes_nothing(tmp_path):
+@pytest.mark.parametrize("error", [RuntimeError("disk quota of the trainer"),
+                                   OSError(errno.ENOSPC, "No space left on device")])
+def test_a_save_that_raises_publishes_nothing(tmp_path, error):
     store = make_store(tmp_path)
     before = tree(store.root)
 
     def save(d: Path) -> None:
         (d / "half").write_bytes(b"x")
-        raise RuntimeError("disk quota of the trainer")
+        raise error
 
-    with pytest.raises(RuntimeError):
+    with pytest.raises(type(error)):
         store.publish(3, {}, {}, keep_last=1, saved={"trainer": save})
     assert tree(store.root) == before
 
