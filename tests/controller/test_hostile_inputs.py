@@ -5,86 +5,30 @@ changed; a failure is clean (exit 5 or 2), and the previous checkpoint stays res
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import msgspec
 import pytest
+from hostile import edit_manifest, refused, refuses, rehash, rollkeep, train_args, tree
 from pyroaring import BitMap
-from run_harness import DEFAULTS, FAST, check, config, run_child, run_to_end, trace_lines
+from run_harness import check, config, run_child, run_to_end, trace_lines
 from trainer_files import as_dir, files_of
 
 from rollkeep.cli import main
 from rollkeep.core import codec
 from rollkeep.core.ledger import AttemptStatus
-from rollkeep.core.store import _encode_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
 V010_RUN = ROOT / "tests" / "data" / "v0.1.0-toy-run"  # written by rollkeep 0.1.0 (ledger schema 1)
 
 
-# -- helpers --------------------------------------------------------------------------------
-
-
-def rollkeep(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    """The real command line in a subprocess (a hang is a failed test, not a stuck suite)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLKEEP_CRASH")}
-    return subprocess.run([sys.executable, "-m", "rollkeep", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
-
-
-def train_args(run_dir: Path, *overrides: str) -> list[str]:
-    return ["train", DEFAULTS, *FAST, f"run_dir={run_dir}", *overrides]
-
-
-def tree(root: Path) -> str:
-    """Names, types, link targets and bytes of everything under `root`."""
-    h = hashlib.sha256()
-    for p in sorted(root.rglob("*")):
-        h.update(f"{p.relative_to(root)}|{p.lstat().st_mode}".encode())
-        if p.is_symlink():
-            h.update(os.readlink(p).encode())
-        elif p.is_file():
-            h.update(p.read_bytes())
-    return h.hexdigest()
-
-
-def refused(capsys, code: int, args: list[str], expected: int) -> str:
-    """Run `rollkeep ARGS` in-process; it must exit `expected` with one error paragraph."""
-    capsys.readouterr()
-    assert code == expected or main(args) == expected
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and "Traceback" not in err and err.count("\n") == 1, err
-    return err
-
-
-def refuses(capsys, args: list[str], expected: int, root: Path) -> str:
-    before = tree(root)
-    capsys.readouterr()
-    code = main(args)
-    err = capsys.readouterr().err
-    assert code == expected, err
-    assert err.startswith("error: ") and "Traceback" not in err and err.count("\n") == 1, err
-    assert tree(root) == before, "a refusal changed the run directory"
-    return err
-
-
-def rehash(ck: Path) -> None:
-    """Recompute MANIFEST.json for the files now in `ck`, as a forger would."""
-    m = json.loads((ck / "MANIFEST.json").read_text())
-    m["files"] = {
-        str(p.relative_to(ck)): {"size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
-        for p in sorted(ck.rglob("*")) if p.is_file() and p.name != "MANIFEST.json"
-    }
-    m.pop("manifest_sha256")
-    (ck / "MANIFEST.json").write_bytes(_encode_manifest(m))
+# -- helpers (the shared ones are in tests/hostile.py) ----------------------------------------
 
 
 def edit_ledger(ck: Path, fn) -> None:
@@ -92,13 +36,6 @@ def edit_ledger(ck: Path, fn) -> None:
     fn(doc)
     (ck / "ledger.msgpack").write_bytes(msgspec.msgpack.encode(doc))
     rehash(ck)
-
-
-def edit_manifest(ck: Path, **fields) -> None:
-    m = json.loads((ck / "MANIFEST.json").read_text())
-    m.update(fields)
-    m.pop("manifest_sha256")
-    (ck / "MANIFEST.json").write_bytes(_encode_manifest(m))
 
 
 # Groups are msgpack arrays: (epoch, ordinal, idx, task, fingerprint, granularity, state,

@@ -91,11 +91,23 @@ def test_round_trip_gives_every_record_in_order_with_a_summary():
     assert read_journal(J, after=5, fs=fs).summary.last_seq == 5
 
 
-def test_an_absent_or_empty_journal_is_an_empty_tail():
+def test_an_absent_or_empty_journal_is_an_empty_tail_only_after_nothing():
     fs = memfs()
-    assert read_journal(J, after=7, fs=fs).summary.last_seq == 7
+    assert read_journal(J, after=0, fs=fs).summary.last_seq == 0
     JournalWriter(J, 1, fs=fs).close()  # no record: no segment
     assert segments(fs) == [] and records(fs) == []
+    assert read_journal(J, after=0, fs=fs).summary.complete
+
+
+def test_d6_an_emptied_journal_under_a_checkpoint_position_is_refused():
+    """Every segment deleted (the directory kept): the checkpoint's position names records
+    that are gone, and retention never deletes the newest segment, so it is damage."""
+    fs = memfs()
+    write(fs, [b"a", b"b", b"c"])
+    for name in segments(fs):
+        fs.unlink(J / name)
+    with pytest.raises(JournalError, match="holds no segment, but the checkpoint counts on its records"):
+        read_journal(J, after=2, fs=fs)
 
 
 def test_rotation_starts_a_segment_when_the_next_frame_would_overflow():

@@ -240,28 +240,34 @@ def journal_tail(target: Target, r: Restored, *, verify_rows: bool = False) -> d
     verify each row too, as `audit` does), replay it (in memory), and say what it adds; None
     when no tail would be replayed (a checkpoint given by path, written with the journal
     off, or not the newest). Raises what the restore would (exit 3)."""
-    from rollkeep.core.durable import read_tail
+    from rollkeep.core.durable import journal_position, read_tail
+    from rollkeep.core.errors import IllegalTransition
+    from rollkeep.core.journal import JournalError
     from rollkeep.core.replay import Restart, replay
     from rollkeep.core.restore import plan
     from rollkeep.core.rowlog import ROWS_DIR, RowLogReader
     from rollkeep.core.rows import RowId
 
-    position = r.manifest.get("journal")
-    if target.checkpoint is not None or not isinstance(position, dict):
+    seq = journal_position(r.manifest, path=str(r.checkpoint.path / "MANIFEST.json"))
+    if target.checkpoint is not None or seq is None:
         return None
     run_dir = target.store.root.parent
-    tail = read_tail(run_dir, after=position["seq"])
+    tail = read_tail(run_dir, after=seq)
     if verify_rows:  # what a restore leaves to the first read of each row
         reader = RowLogReader(run_dir / ROWS_DIR)
         for ev, loc in tail.events:
             if loc is not None:
                 reader.read(RowId(ev.group_id, ev.generation, ev.attempt), loc)
     events = [ev for ev, _ in tail.events if not isinstance(ev, Restart)]
-    replayed = replay(r.ledger, r.rows, tail.events)
+    try:
+        replayed = replay(r.ledger, r.rows, tail.events)
+    except IllegalTransition as e:  # as `train`: a journal that is not this checkpoint's is refused
+        raise JournalError(e.what, path=str(run_dir / "journal"), expected=e.expected, found=e.found,
+                           remedy=e.remedy) from None
     after = plan(replayed.state)
     s = tail.summary
     return {
-        "after_seq": position["seq"], "last_seq": tail.last_seq, "events": len(events),
+        "after_seq": seq, "last_seq": tail.last_seq, "events": len(events),
         "processes": sum(isinstance(ev, Restart) for ev, _ in tail.events),
         "seals": sum(row is not None for _, row in tail.events),
         "torn_tail_bytes": sum(t.dropped for t in s.torn) if s is not None else 0,

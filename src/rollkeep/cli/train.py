@@ -52,7 +52,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument(
         "--allow-dataset-change",
         action="store_true",
-        help="resume although rows not in flight were edited (in-flight rows are still checked)",
+        help="resume although rows no in-flight or buffered prompt reads were edited (those prompts' rows are still checked one by one)",
     )
     return p
 

@@ -43,6 +43,7 @@ from ..core.prefixes import PrefixStore, chunk_row
 from ..core.rowindex import referenced_segments
 from ..core.rowlog import RowLogWriter, delete_unreferenced
 from ..core.rows import RowId, RowStore
+from ..core.source import DatasetId
 from ..core.store import CheckpointStore
 
 
@@ -70,9 +71,10 @@ class JournalThread:
 
     # -- the loop's side
 
-    def restart(self, step: int) -> None:
-        """The first record of the process: its ledger starts at `step` (see `replay`)."""
-        self._queue(encode_restart(step))
+    def restart(self, step: int, dataset: DatasetId | None = None) -> None:
+        """The first record of the process: its ledger starts at `step` (see `replay`), on
+        `dataset` (what a resume from the journal alone checks the dataset against)."""
+        self._queue(encode_restart(step, dataset))
 
     def sink(self, ev: Event) -> None:
         if self._error is not None:  # the thread stopped on a disk error: stop the run (exit 5)

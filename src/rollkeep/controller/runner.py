@@ -56,7 +56,7 @@ from ..progress import RunProgress
 from ..tasks import reward_fn
 from ..trace import Trace
 from ..trainers import Trainer
-from .episodes import check_restored, run_episode
+from .episodes import run_episode
 from .journaling import JournalThread
 from .metrics import MetricsLog, ReplicaRates, Throughput, progress_fields, step_record
 from .startup import checkpoint_meta, open_run
@@ -120,12 +120,11 @@ class Runner:
                           limits=self.limits, semantic=self.semantic, resume=self.resume,
                           allow_config_change=self.allow_config_change,
                           allow_dataset_change=self.allow_dataset_change,
-                          streams=getattr(self.engine, "streams", False))
+                          streams=getattr(self.engine, "streams", False), env=self.env)
         self.sched, self.trace, self._metrics, self._progress, self._journal = opened
         self.sched.subscribe(_crash_point)
         if isinstance(self.engine, EnginePool):
             self.engine.attach(self.trace.emit, self._on_no_replica)
-        check_restored(self.sched.prefixes, self.env, str(self.store.root / (self.resume or "")))
         # The RL loop starts now: step 1's `step_seconds` and the throughput count from here.
         self._t_start = self._last_step = time.perf_counter()
         self._throughput = Throughput(self._t_start, self.sched.tokens_generated)

@@ -24,15 +24,16 @@ from typing import Any
 
 from ..config import ADDED_KEYS, Config, dump_yaml, load_config
 from ..config import semantic as semantic_of
-from ..core import restore
+from ..core import crashpoints, restore
 from ..core.configdiff import check_compatible, fingerprint, is_allowed
-from ..core.durable import JOURNAL_DIR, ROWS_DIR, read_tail
+from ..core.durable import JOURNAL_DIR, ROWS_DIR, journal_position, read_tail
+from ..core.errors import IllegalTransition, UserInputError
 from ..core.fs import DEFAULT_FS, DIR, FS
 from ..core.journal import JournalError
 from ..core.ledger import Ledger, LedgerState
 from ..core.prefixes import Link, PrefixStore
 from ..core.replay import Restart, replay
-from ..core.restore import plan, restore_chain
+from ..core.restore import check_dataset_identity, check_dataset_rows, plan, restore_chain
 from ..core.rowlog import RowLocation, RowLogReader
 from ..core.rows import Row, RowId, RowStore
 from ..core.samplers import Limits, make_sampler
@@ -40,12 +41,17 @@ from ..core.schedule import RetryPolicy, Scheduler, Settings
 from ..core.source import PromptSource
 from ..core.store import CheckpointStore, checkpoint_order
 from ..core.trace_schema import Restored, RunStarted
+from ..envs import EnvSpec
 from ..progress import RunProgress
 from ..trace import Trace, last_committed_in_trace
 from ..trainers import Trainer
 from ..version import rollkeep_version
+from .episodes import check_restored
 from .journaling import JournalThread
 from .metrics import MetricsLog
+
+# Between setting a stale journal aside and moving the newer checkpoints aside (--resume-from).
+JOURNAL_SET_ASIDE = crashpoints.register("startup.journal_set_aside")
 
 
 def settings(cfg: Config, *, streams: bool = True) -> Settings:
@@ -79,19 +85,22 @@ def open_run(
     allow_config_change: tuple[str, ...],
     allow_dataset_change: bool,
     streams: bool = True,
+    env: EnvSpec | None = None,
 ) -> tuple[Scheduler, Trace, MetricsLog, RunProgress, JournalThread | None]:
     """Restore (or start fresh) and open the run; see the module docstring."""
     run_dir = Path(cfg.run_dir)
+    extend_epochs = is_allowed("data.epochs", allow_config_change)
     restored = None
     if resume is not None:
         restored = restore_chain(
             store, name=resume, source=source, config=semantic,
             allow_config_change=allow_config_change, allow_dataset_change=allow_dataset_change,
-            extend_epochs=is_allowed("data.epochs", allow_config_change), config_added=ADDED_KEYS)
-        trainer.load(restored.trainer_dir, step=restored.ledger.version)  # verified by the chain
+            extend_epochs=extend_epochs, config_added=ADDED_KEYS, dataset_rows=False)
+        load_trainer(trainer, restored)
     newest = is_newest(store, restored)
-    tail, next_seq, stale = _journal_tail(cfg, run_dir, restored, newest=newest, source=source,
-                                          semantic=semantic, allow_config_change=allow_config_change)
+    tail, next_seq, stale = _journal_tail(cfg, run_dir, restored, newest=newest, source=source, semantic=semantic,
+                                          allow_config_change=allow_config_change,
+                                          allow_dataset_change=allow_dataset_change, extend_epochs=extend_epochs)
     resumed = restored is not None or tail is not None
     base = restored.ledger if restored is not None else Ledger(
         n_rows=source.n_rows, seed=source.seed, epochs=source.epochs).capture()
@@ -102,10 +111,12 @@ def open_run(
     rows, prefixes = RowStore(reader=reader), PrefixStore(reader=reader)
     rows.restore(restored_rows)  # rows in the row log stay there until first read
     prefixes.restore(chains)
+    check_restored(prefixes, env, str(store.root / (resume or "")))
     # Only now that the restore chain (and the journal's tail) passed does anything on disk change.
-    abandoned = _resume_here(store, restored)
-    if stale:
+    if stale:  # first: killed before the checkpoints below are moved, a plain start refuses (no journal)
         set_journal_aside(run_dir)
+        crashpoints.hit(JOURNAL_SET_ASIDE)
+    abandoned = _resume_here(store, restored)
     if not resumed:
         run_dir.mkdir(parents=True, exist_ok=True)  # `train` made it; a direct caller may not
         (run_dir / "config.yaml").write_text(dump_yaml(cfg))
@@ -122,7 +133,7 @@ def open_run(
     if cfg.journaled:
         journal = JournalThread(run_dir, next_seq=next_seq, rows=rows, prefixes=prefixes,
                                 flush_ms=cfg.journal.flush_ms, flush_events=cfg.journal.flush_events)
-        journal.restart(ledger.version)
+        journal.restart(ledger.version, source.identity())
         sched.subscribe(journal.sink)
         trace.on_flush = journal.release
     trace.emit(RunStarted(resumed_from_step=ledger.version if resumed else None,
@@ -159,29 +170,69 @@ class _Tail:
 
 
 def _journal_tail(cfg: Config, run_dir: Path, restored: restore.Restored | None, *, newest: bool, source: PromptSource,
-                  semantic: dict[str, Any], allow_config_change: tuple[str, ...]) -> tuple[_Tail | None, int, bool]:
-    """`journal_tail` for the run of `cfg` (with the journal off: none, and nothing set aside)."""
+                  semantic: dict[str, Any], allow_config_change: tuple[str, ...], allow_dataset_change: bool,
+                  extend_epochs: bool) -> tuple[_Tail | None, int, bool]:
+    """`journal_tail` for the run of `cfg`. With the journal off: no tail, and nothing set
+    aside; a journal that holds a run's only record of its work (it never checkpointed) is
+    refused rather than silently started over."""
     if not cfg.journaled:
+        if restored is None:
+            _refuse_unjournaled_restart(run_dir, source)
+        else:
+            check_dataset_rows(restored.ledger, source, path=str(restored.checkpoint.path / "ledger.msgpack"),
+                               fingerprint=restored.manifest.get("dataset", {}).get("fingerprint"),
+                               allow_dataset_change=allow_dataset_change)
         return None, 1, False
 
     def check_config() -> None:  # no checkpoint checked the config: the journaled run's own config.yaml does
         check_compatible(semantic_of(load_config(str(run_dir / "config.yaml"), [])), semantic,
                          allow=allow_config_change, path=str(run_dir / "config.yaml"), added=ADDED_KEYS)
 
-    return journal_tail(run_dir, restored, newest=newest, source=source, check_config=check_config)
+    return journal_tail(run_dir, restored, newest=newest, source=source, check_config=check_config,
+                        allow_dataset_change=allow_dataset_change, extend_epochs=extend_epochs)
+
+
+def _refuse_unjournaled_restart(run_dir: Path, source: PromptSource) -> None:
+    """No checkpoint, the journal off, and a journal on disk that recorded work: starting
+    over would retrain what that run trained and drop what it generated (exit 3)."""
+    journal = run_dir / JOURNAL_DIR
+    if DEFAULT_FS.kind_of(journal) is None:
+        return
+    tail = read_tail(run_dir, after=0)
+    events = sum(1 for ev, _ in tail.events if not isinstance(ev, Restart))
+    if events:
+        raise JournalError(
+            "the run never published a checkpoint; its journal is the only record of its work, and "
+            "journal.enabled=false would start it over", path=str(journal), field="journal.enabled",
+            expected="journal.enabled=true to resume a run that has only its journal",
+            found=f"{events} journal event(s) and journal.enabled=false",
+            remedy="resume with journal.enabled=true (and the recovery.mode it ran with), or move "
+            f"{journal} aside (or use a new run_dir) to start over on purpose")
 
 
 def journal_tail(run_dir: Path, restored: restore.Restored | None, *, newest: bool, source: PromptSource,
-                 check_config: Callable[[], None] | None = None,
-                 fs: FS = DEFAULT_FS) -> tuple[_Tail | None, int, bool]:
+                 check_config: Callable[[], None] | None = None, allow_dataset_change: bool = False,
+                 extend_epochs: bool = False, fs: FS = DEFAULT_FS) -> tuple[_Tail | None, int, bool]:
     """(the checkpoint with the journal's tail replayed, or None if there is none; the seq the
     journal goes on at; whether the journal on disk belongs to another lineage and is set
     aside). Only LATEST's tail is replayed; a run that never checkpointed replays from the
-    empty ledger, once `check_config()` accepted the run's config (docs/design.md §5.1).
+    empty ledger of the dataset its first process recorded, once `check_config()` accepted
+    the run's config (docs/design.md §5.1). Restore step 7's rows are checked here on the
+    state the run continues from: every group, the checkpoint's and the tail's alike, and
+    the newest recorded dataset fingerprint (`restore_chain(..., dataset_rows=False)`
+    leaves them to this). A tail that does not continue the ledger is refused (exit 3).
     `rollkeep simulate` calls it on its simulated disk (`fs`)."""
-    position = {"seq": 0} if restored is None else restored.manifest.get("journal")
+    ledger_path = None if restored is None else str(restored.checkpoint.path / "ledger.msgpack")
+    recorded = None if restored is None else restored.manifest.get("dataset", {}).get("fingerprint")
+
+    def check_rows(state: LedgerState, path: str, fingerprint: str | None) -> None:
+        check_dataset_rows(state, source, path=path, fingerprint=fingerprint, allow_dataset_change=allow_dataset_change)
+
+    position = 0 if restored is None else journal_position(
+        restored.manifest, path=str(restored.checkpoint.path / "MANIFEST.json"))
     if position is None or not newest:  # written with the journal off, or an older one resumed on purpose
-        return None, 1 + (0 if position is None else position["seq"]), True
+        check_rows(restored.ledger, ledger_path, recorded)
+        return None, 1 + (position or 0), True
     for name in (JOURNAL_DIR, ROWS_DIR):  # before anything is written: a FIFO or a file is refused
         if fs.kind_of(run_dir / name) not in (None, DIR):
             raise JournalError(
@@ -189,17 +240,65 @@ def journal_tail(run_dir: Path, restored: restore.Restored | None, *, newest: bo
                 expected="a directory (not a symlink) that the run's journal writes",
                 found=fs.describe(run_dir / name),
                 remedy="move it aside and run again (the run resumes from its checkpoint)")
-    tail = read_tail(run_dir, after=position["seq"], fs=fs)
+    if position and fs.kind_of(run_dir / JOURNAL_DIR) is None:
+        aside = sorted(n for n, _ in fs.listdir(run_dir) if n.startswith(f"{JOURNAL_DIR}-abandoned-"))
+        if aside:  # `--resume-from` sets the journal aside before it moves the newer checkpoints
+            raise JournalError(
+                "the journal is missing but the checkpoint counts on it; a journal was set aside beside it",
+                path=str(run_dir / JOURNAL_DIR), expected=f"records through seq {position}",
+                found=f"no journal directory; {', '.join(aside)} beside it",
+                remedy="if a `rollkeep train ... --resume-from NAME` was stopped before it moved the newer "
+                "checkpoints aside, run it again: it finishes and resumes from NAME. Otherwise the journal "
+                "was removed: resume from the checkpoint alone with journal.enabled=false")
+    tail = read_tail(run_dir, after=position, fs=fs)
     if not any(not isinstance(ev, Restart) for ev, _ in tail.events):
+        if restored is not None:
+            check_rows(restored.ledger, ledger_path, tail.datasets[-1].fingerprint if tail.datasets else recorded)
         return None, tail.last_seq + 1, False
+    journal = str(run_dir / JOURNAL_DIR)
     if restored is None:
         if check_config is not None:
             check_config()
-        base, rows = Ledger(n_rows=source.n_rows, seed=source.seed, epochs=source.epochs).capture(), {}
+        first = tail.datasets[0] if tail.datasets else source.identity()  # (older journals record none)
+        base, rows = Ledger(n_rows=first.n_rows, seed=first.seed, epochs=first.epochs).capture(), {}
     else:
         base, rows = restored.ledger, restored.rows
-    r = replay(base, rows, tail.events, None if restored is None else restored.prefixes)
+    try:
+        r = replay(base, rows, tail.events, None if restored is None else restored.prefixes)
+    except IllegalTransition as e:  # not a bug of this run: a journal that is not this checkpoint's
+        raise JournalError(e.what, path=journal, expected=e.expected, found=e.found, remedy=e.remedy) from None
+    check_dataset_identity(r.state, source, path=journal, extend_epochs=extend_epochs)
+    check_rows(r.state, journal, tail.datasets[-1].fingerprint if tail.datasets else recorded)
     return _Tail(r.state, r.rows, r.prefixes, r.events, tail.dropped), tail.last_seq + 1, False
+
+
+def load_trainer(trainer: Trainer, restored: restore.Restored) -> None:
+    """`trainer.load` on the checkpoint's verified `trainer/` directory, which it must not
+    change (README, "Bring your own trainer"): a file written, changed or removed by it is
+    refused (exit 2) before anything else is written, since the checkpoint may no longer
+    restore. Compares every file's (size, mtime, inode) before and after, not its bytes:
+    the chain has just hashed them."""
+    before = _tree_stats(restored.trainer_dir)
+    trainer.load(restored.trainer_dir, step=restored.ledger.version)
+    after = _tree_stats(restored.trainer_dir)
+    if after != before:
+        changed = sorted(set(before) ^ set(after) | {k for k in before.keys() & after.keys() if before[k] != after[k]})
+        raise UserInputError(
+            f"the trainer's load() changed checkpoint {restored.name}'s trainer/ directory",
+            path=str(restored.trainer_dir), field="trainer.load",
+            expected="load(dir, step=) only reads the directory", found="changed: " + ", ".join(changed[:5]),
+            remedy="fix the trainer's load() so it writes nowhere in dir (write caches elsewhere); "
+            "the checkpoint may no longer restore (`rollkeep audit --all RUN_DIR` says), so resume "
+            "from an older checkpoint with `--resume-from` if it does not")
+
+
+def _tree_stats(root: Path) -> dict[str, tuple[int, int, int]]:
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in (*filenames, *(d for d in dirnames if os.path.islink(os.path.join(dirpath, d)))):
+            st = os.lstat(os.path.join(dirpath, name))
+            out[os.path.relpath(os.path.join(dirpath, name), root)] = (st.st_size, st.st_mtime_ns, st.st_ino)
+    return out
 
 
 def is_newest(store: CheckpointStore, restored: restore.Restored | None) -> bool:

@@ -49,11 +49,15 @@ import math
 from collections.abc import Sequence
 from typing import Literal
 
-__all__ = ["SCALE_REWARDS", "ScaleRewards", "batch_scaled", "group_advantages", "stored_advantages"]
+__all__ = ["MAX_REWARD", "SCALE_REWARDS", "ScaleRewards", "batch_scaled", "group_advantages", "stored_advantages"]
 
 ScaleRewards = Literal["group_population", "group", "batch", "none"]
 SCALE_REWARDS: tuple[str, ...] = ("group_population", "group", "batch", "none")
 EPS = 1e-6
+# A reward beyond this is a data failure of its attempt (`Scheduler.on_result`): within it a
+# group's mean, spread and advantages stay far inside float range and inside the ledger's
+# bound on stored advantages (1e30, invariant I6), e.g. |r_i - m| <= 2e15 for `none`.
+MAX_REWARD = 1e15
 
 
 def group_advantages(

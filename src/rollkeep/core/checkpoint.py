@@ -36,7 +36,7 @@ from typing import Any
 
 from . import codec
 from .audit import audit
-from .errors import AuditFailure
+from .errors import AuditFailure, CheckpointError
 from .fs import DEFAULT_FS, FS
 from .ledger import AttemptStatus, Ledger, LedgerState
 from .manifest import OpenedCheckpoint
@@ -255,5 +255,24 @@ def write_checkpoint(
         "rows": rows,
         **meta,
     }
-    return store.publish(c.ledger.version, files, full_meta, keep_last=keep_last,
-                         saved={TRAINER_DIR: trainer_save})
+    version = c.ledger.version
+
+    def check_step(rel: str, size: int, prefix: Callable[[int], bytes], whole: Callable[[], bytes]) -> None:
+        """What restore step 5 checks, before the commit point: a file the trainer wrote
+        that declares another step would make the checkpoint unrestorable."""
+        try:
+            step = _declared_step(rel, prefix, lambda: size, whole)
+        except ValueError as e:
+            step, problem = None, f"does not declare its step readably: {e}"
+        else:
+            problem = None if step is None or step == version else f"declares step {step}"
+        if problem is not None:
+            raise CheckpointError(
+                f"the trainer's save wrote {rel}, which {problem}; nothing was published",
+                path=rel, field=STEP_KEY, expected=f"step {version}, the cut's (or no declared step)",
+                found=f"step {step}" if step is not None else problem,
+                remedy="make the trainer's save(dir) record the step it is given (the snapshot's step) "
+                f"in `{STEP_KEY}`; the previous checkpoint stands")
+
+    return store.publish(version, files, full_meta, keep_last=keep_last, saved={TRAINER_DIR: trainer_save},
+                         check_saved=check_step)

@@ -7,7 +7,9 @@ restore replays.
 
 A record's payload is `JournalEntry` in msgpack: the event as the ledger applied it, and for
 a `sealed` event its row's `RowLocation`; or, as the first record of every process, a
-`restart` marker: the step its ledger was at when it started (`replay.Restart`). The writer (the runner's journal thread) flushes
+`restart` marker: the step its ledger was at when it started (`replay.Restart`) and the
+dataset it ran on (`source.DatasetId`: what a resume from the journal alone checks the
+dataset against, as a checkpoint's manifest does). The writer (the runner's journal thread) flushes
 the row log before the journal in every cycle, so a seal that is durable has a durable row.
 `read_tail` gives every event after a checkpoint's journal position with the location of
 each seal's row; the rows are not read (a restore's cost does not grow with row bytes): the
@@ -18,21 +20,24 @@ row id; docs/design.md §5.2).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Union
+from typing import Any, Union
 
 import msgspec
 
+from .errors import ManifestMismatch
 from .events import ALL_EVENTS, Dropped, Event, Progressed, Sealed, TurnSealed
 from .fs import DEFAULT_FS, FS
 from .journal import JournalError, JournalReader, JournalSummary
 from .replay import Restart
 from .rowindex import extents
 from .rowlog import ROWS_DIR, RowLocation, RowLogReader
+from .source import DatasetId
 
 __all__ = ["JOURNAL_DIR", "ROWS_DIR", "JournalEntry", "Tail", "decode_entry", "encode_entry", "encode_restart",
-           "read_tail"]
+           "journal_position", "read_tail"]
 
 JOURNAL_DIR = "journal"
 
@@ -43,6 +48,7 @@ class JournalEntry(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     event: AnyEvent | None  # type: ignore[valid-type]
     row: RowLocation | None = None  # a seal's row, or a progress's chunk, in the row log
     restart: int | None = None  # a process started here at this step (no event)
+    dataset: DatasetId | None = None  # with a restart: the dataset that process ran on (absent in older journals)
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -53,8 +59,8 @@ def encode_entry(event: Event, row: RowLocation | None = None) -> bytes:
     return _encoder.encode(JournalEntry(event, row))
 
 
-def encode_restart(step: int) -> bytes:
-    return _encoder.encode(JournalEntry(None, None, step))
+def encode_restart(step: int, dataset: DatasetId | None = None) -> bytes:
+    return _encoder.encode(JournalEntry(None, None, step, dataset))
 
 
 def decode_entry(payload: bytes, *, seq: int, path: str) -> JournalEntry:
@@ -70,7 +76,30 @@ def decode_entry(payload: bytes, *, seq: int, path: str) -> JournalEntry:
         raise JournalError(f"journal record {seq}: a seal or a progress must name its frame, and only they do",
                            path=path, expected="a row location exactly with a sealed, progressed or turn_sealed event",
                            found=f"{type(entry.event).__name__} with row {entry.row}")
+    if entry.dataset is not None and entry.restart is None:
+        raise JournalError(f"journal record {seq}: only a restart marker names a dataset", path=path,
+                           expected="a dataset with a restart marker only", found=f"{entry}"[:200])
     return entry
+
+
+def journal_position(manifest: Mapping[str, Any], *, path: str) -> int | None:
+    """The journal seq a checkpoint covers (its manifest's `journal.seq`: the tail a restore
+    replays starts after it), or None for a checkpoint written with the journal off. A
+    position no writer records (not an int >= 0, or no `rows_segment` beside it) is refused
+    (ManifestMismatch, exit 3): it would replay events the checkpoint already holds, or skip
+    some. `path`: the manifest, for the message."""
+    position = manifest.get("journal")
+    if position is None:
+        return None
+    ok = isinstance(position, dict) and position.keys() == {"seq", "rows_segment"} and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in position.values())
+    if not ok:
+        raise ManifestMismatch(
+            "the checkpoint's journal position is not one a run records", path=path, field="journal",
+            expected='{"seq": int >= 0, "rows_segment": int >= 0} (or no journal entry: written with the journal off)',
+            found=repr(position)[:200],
+            remedy="the manifest was edited or damaged; restore from an earlier checkpoint or start a new run_dir")
+    return position["seq"]
 
 
 @dataclass
@@ -80,6 +109,7 @@ class Tail:
     events: list[tuple[Event | Restart, RowLocation | None]] = field(default_factory=list)
     summary: JournalSummary | None = None
     dropped: list[list[int]] = field(default_factory=list)  # [epoch, idx] of the tail's drops
+    datasets: list[DatasetId] = field(default_factory=list)  # of the tail's restart markers, in order
 
     @property
     def last_seq(self) -> int:
@@ -104,6 +134,8 @@ def read_tail(run_dir: Path, *, after: int, fs: FS = DEFAULT_FS) -> Tail:
         ev = entry.event if entry.event is not None else Restart(entry.restart)
         if isinstance(ev, Dropped):
             tail.dropped.append(list(ev.prompt))
+        elif entry.dataset is not None:
+            tail.datasets.append(entry.dataset)
         tail.events.append((ev, entry.row))
     row_reader = RowLogReader(rows, fs=fs)
     for seg, end in extents(loc for _, loc in tail.events if loc is not None):  # rows and chunks

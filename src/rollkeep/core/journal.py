@@ -74,8 +74,10 @@ corruption, never as silent loss.
 **What a read proves.** Every record yielded has the checksum it was written with and the
 seq it was given, the records from `after + 1` to `summary.last_seq` are all there and in
 order, and whatever follows them in the files is a torn tail. It cannot prove that the tail
-is all that was flushed: an absent or empty journal is an empty tail, and it is the caller
-who knows whether records were expected (the checkpoint's journal position is `after`).
+is all that was flushed. A directory with no segment is an empty tail only for `after` 0
+(retention never deletes the newest segment, so a checkpoint's position always has one to
+reach); an absent directory is the caller's to judge (`durable.read_tail` refuses it when
+the checkpoint's position is past 0).
 
 A new writer fsyncs the segments before `next_seq` first: what the read before it found
 may have been in the page cache only (a killed writer's unsynced tail), and the records it
@@ -351,6 +353,15 @@ class JournalReader:
     def _records(self) -> Iterator[tuple[int, bytes]]:
         segs, after, s, fs = self._segments, self.after, self.summary, self._fs
         if not segs:
+            if after:  # retention never deletes the newest segment: every one was removed
+                raise JournalError(
+                    "the journal directory holds no segment, but the checkpoint counts on its records",
+                    path=str(self.directory), offset=0,
+                    expected=f"segments holding the records through seq {after} (the checkpoint's journal "
+                    "position) and any after it", found="an empty journal directory",
+                    remedy="the journal's segments were deleted: the work they recorded since the checkpoint "
+                    "is lost. Resume from the checkpoint alone with journal.enabled=false (that work is "
+                    "generated again), or restore the segments")
             s.complete = True
             return
         start = max((i for i, seg in enumerate(segs) if seg.first_seq <= after + 1), default=None)

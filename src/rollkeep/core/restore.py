@@ -290,56 +290,66 @@ def check_dataset(
     *,
     allow_dataset_change: bool = False,
     extend_epochs: bool = False,
+    rows: bool = True,
 ) -> None:
     """Step 7: the dataset the checkpoint was written against is the one we have.
-    `extend_epochs`: the source may have more epochs (or be unbounded); never fewer."""
+    `extend_epochs`: the source may have more epochs (or be unbounded); never fewer.
+    `rows=False` checks its size, seed and epochs only: the caller checks the rows
+    (`check_dataset_rows`) on the state it continues from (the checkpoint with the
+    journal's tail replayed, whose groups the checkpoint does not all hold)."""
     path = str(ck.path / LEDGER_FILE)
+    check_dataset_identity(state, source, path=path, extend_epochs=extend_epochs)
+    if rows:
+        check_dataset_rows(state, source, path=path, fingerprint=ck.manifest.get("dataset", {}).get("fingerprint"),
+                           allow_dataset_change=allow_dataset_change)
 
-    def fail(what: str, fld: str, expected: Any, found: Any, remedy: str = "") -> DatasetMismatch:
-        return DatasetMismatch(
-            what,
-            path=path,
-            field=fld,
-            expected=str(expected),
-            found=str(found),
-            remedy="point data.path at the dataset the run started with (or regenerate it with "
-            "the same settings), or start a new run_dir" + remedy,
-        )
 
+def _dataset_mismatch(what: str, path: str, fld: str, expected: Any, found: Any, remedy: str = "") -> DatasetMismatch:
+    return DatasetMismatch(
+        what, path=path, field=fld, expected=str(expected), found=str(found),
+        remedy="point data.path at the dataset the run started with (or regenerate it with "
+        "the same settings), or start a new run_dir" + remedy,
+    )
+
+
+def check_dataset_identity(state: LedgerState, source: PromptSource, *, path: str, extend_epochs: bool = False) -> None:
+    """Step 7, first half: the dataset's size, the permutation seed and the epochs of the
+    ledger `state` are the source's (epochs may grow with `extend_epochs`)."""
     if state.n_rows != source.n_rows:
-        raise fail("the dataset has a different number of rows", "n_rows", state.n_rows, source.n_rows)
+        raise _dataset_mismatch("the dataset has a different number of rows", path, "n_rows", state.n_rows,
+                                source.n_rows)
     if state.seed != source.seed:
-        raise fail("the permutation seed differs", "seed", state.seed, source.seed)
+        raise _dataset_mismatch("the permutation seed differs", path, "seed", state.seed, source.seed)
     if state.epochs != source.epochs:
         grows = source.epochs is None or (state.epochs is not None and source.epochs > state.epochs)
         if not (extend_epochs and grows):
-            raise fail(
+            raise _dataset_mismatch(
                 "the number of epochs differs" + ("; it can only grow on resume" if extend_epochs else ""),
-                "epochs",
-                state.epochs,
-                source.epochs,
-            )
+                path, "epochs", state.epochs, source.epochs)
+
+
+def check_dataset_rows(state: LedgerState, source: PromptSource, *, path: str, fingerprint: str | None,
+                       allow_dataset_change: bool = False) -> None:
+    """Step 7, second half: every group of `state` (in flight or buffered, from the
+    checkpoint or the journal's tail alike) still names the row it was taken from (idx,
+    task, row fingerprint), and, unless `allow_dataset_change`, the dataset's content is
+    the one recorded (`fingerprint`; None: not recorded)."""
     bad = []
     for gid, rec in sorted(state.groups.items(), key=lambda kv: kv[1].key):
         problem = source.check_ref(rec.key, rec.idx, rec.task, rec.row_fingerprint)
         if problem is not None:
             bad.append(f"{gid}: {problem}")
     if bad:
-        raise fail(
+        raise _dataset_mismatch(
             f"{len(bad)} in-flight or buffered prompt(s) no longer match the dataset: " + "; ".join(bad[:3]),
-            "groups[].row_fingerprint",
-            "each group's row as recorded",
-            f"{len(bad)} changed row(s)",
-        )
-    saved = ck.manifest.get("dataset", {}).get("fingerprint")
-    if saved is not None and not allow_dataset_change and saved != source.fingerprint():
-        raise fail(
-            "the dataset's content changed since the checkpoint (rows not in flight were edited)",
-            "dataset.fingerprint",
-            saved,
-            source.fingerprint(),
-            "; or pass --allow-dataset-change to resume on the edited rows (in-flight rows are "
-            "still checked one by one)",
+            path, "groups[].row_fingerprint", "each group's row as recorded", f"{len(bad)} changed row(s)")
+    if fingerprint is not None and not allow_dataset_change and fingerprint != source.fingerprint():
+        raise _dataset_mismatch(
+            "the dataset's content changed since it was recorded (rows no prompt in flight or buffered "
+            "reads were edited, added, removed or reordered)",
+            path, "dataset.fingerprint", fingerprint, source.fingerprint(),
+            "; or pass --allow-dataset-change to resume on the edited rows (in-flight and buffered "
+            "rows are still checked one by one)",
         )
 
 
@@ -353,8 +363,10 @@ def restore_chain(
     allow_dataset_change: bool = False,
     extend_epochs: bool = False,
     config_added: Mapping[str, Any] | None = None,
+    dataset_rows: bool = True,
 ) -> Restored:
-    """Run steps 1–8. `source=None` / `config=None` skip steps 7 / 8 (`rollkeep audit`).
+    """Run steps 1–8. `source=None` / `config=None` skip steps 7 / 8 (`rollkeep audit`);
+    `dataset_rows=False` leaves step 7's rows to the caller (`check_dataset`).
     `config_added`: keys newer than some checkpoints, with the value that means "as before
     the key existed" (see `configdiff.check_compatible`).
 
@@ -363,11 +375,11 @@ def restore_chain(
     step 7 still compares the ledger's own seed and epochs with the source's."""
     with gc_paused():
         return _restore_chain(target, name, source, config, allow_config_change, allow_dataset_change,
-                              extend_epochs, config_added)
+                              extend_epochs, config_added, dataset_rows)
 
 
 def _restore_chain(target, name, source, config, allow_config_change, allow_dataset_change, extend_epochs,
-                   config_added) -> Restored:
+                   config_added, dataset_rows) -> Restored:
     ck = open_checkpoint(target, name)
     state = check_custody(ck)
     check_binding(ck, state)
@@ -382,8 +394,7 @@ def _restore_chain(target, name, source, config, allow_config_change, allow_data
             added=config_added,
         )
     if source is not None:
-        check_dataset(
-            ck, state, source, allow_dataset_change=allow_dataset_change, extend_epochs=extend_epochs
-        )
+        check_dataset(ck, state, source, allow_dataset_change=allow_dataset_change, extend_epochs=extend_epochs,
+                      rows=dataset_rows)
     return Restored(checkpoint=ck, ledger=state, rows=rows, plan=plan(state), config_changes=changes,
                     prefixes=chains)

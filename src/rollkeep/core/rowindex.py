@@ -36,7 +36,7 @@ import numpy as np
 
 from .errors import RowsMismatch
 from .prefixes import Link
-from .rowlog import FRAME_HEADER, ROWS_DIR, RowLocation
+from .rowlog import FRAME_HEADER, MAX_OFFSET, ROWS_DIR, RowLocation
 from .rows import RowId
 from .store import CheckpointStore
 
@@ -176,6 +176,9 @@ def _columns(t: _Table, bad, name: str) -> tuple[dict[str, np.ndarray], np.ndarr
         if n and int(cols[col].min()) < low:
             raise bad(f"The rows index column {name}.{col} is out of range", f">= {low}",
                       str(int(cols[col].min())), name)
+    if n and int(cols["offset"].max()) > MAX_OFFSET:  # offset + length must not wrap
+        raise bad(f"The rows index column {name}.offset is out of range", f"<= {MAX_OFFSET}",
+                  str(int(cols["offset"].max())), name)
     return cols, cols["offset"] + cols["length"]
 
 

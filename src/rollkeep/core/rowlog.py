@@ -123,6 +123,9 @@ _REMEDY = (
 )
 
 _U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack ints stop at 2**64 - 1
+# No writer's segment comes near 2**48 bytes (256 TiB); a larger offset is damage, and
+# offset + length then stays far from the uint64 wrap-around and from C longs.
+MAX_OFFSET = 2**48
 
 
 class RowLocation(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
@@ -131,7 +134,7 @@ class RowLocation(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_f
     (inside a journal record or a manifest) refuses negative or out-of-range values."""
 
     segment: Annotated[int, msgspec.Meta(ge=0, le=_INT32_MAX)]
-    offset: _U64
+    offset: Annotated[int, msgspec.Meta(ge=0, le=MAX_OFFSET)]
     length: Annotated[int, msgspec.Meta(ge=_FH, le=_FH + _MAX_PAYLOAD)]
     checksum: _U64
 

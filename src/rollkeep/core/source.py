@@ -325,6 +325,17 @@ class PromptRef(msgspec.Struct, frozen=True):
     row_fingerprint: int
 
 
+class DatasetId(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
+    """What a run records of its dataset (a checkpoint's manifest `dataset`, the journal's
+    restart markers) and a restore checks (step 7): its size, the permutation seed, the
+    epochs and the content fingerprint (`PromptSource.fingerprint`)."""
+
+    n_rows: int
+    seed: int
+    epochs: int | None
+    fingerprint: str
+
+
 class Prompt(msgspec.Struct, frozen=True):
     """A rehydrated prompt. `row` is a read-only view of the dataset row."""
 
@@ -499,6 +510,9 @@ class PromptSource:
                 hasher.update(row_fingerprint(self._row(i)).to_bytes(8, "little"))
             self._fingerprint = f"{self._n_rows}:{hasher.hexdigest()}"
         return self._fingerprint
+
+    def identity(self) -> DatasetId:
+        return DatasetId(self._n_rows, self._seed, self._epochs, self.fingerprint())
 
     def check_ref(
         self, ref_key: tuple[int, int], idx: int, task: str, row_fingerprint: int

@@ -255,11 +255,14 @@ class CheckpointStore:
         *,
         keep_last: int | None,
         saved: Mapping[str, Callable[[Path], None]] | None = None,
+        check_saved: Callable[[str, int, Callable[[int], bytes], Callable[[], bytes]], None] | None = None,
     ) -> Published:
         """Publish a checkpoint of `step` holding `files` (relative path -> bytes) and the
         files each `saved[D](dir)` writes into the directory `D/` it is given, with `meta`
         merged into its MANIFEST.json; then keep only the `keep_last` newest checkpoints
-        (None keeps all). Steps P1-P9 of the module docstring."""
+        (None keeps all). `check_saved(rel, size, prefix, whole)` is called for every file a
+        save wrote (`prefix(n)`: its first n bytes; `whole()`: all of them) and may raise to
+        publish nothing. Steps P1-P9 of the module docstring."""
         t0 = time.perf_counter()
         fs, root = self._fs, self.root
         saved = dict(saved or {})
@@ -303,6 +306,9 @@ class CheckpointStore:
                 save(tmp / d)
                 listed, dirs = _saved_files(fs, tmp, d)
                 for rel, size, digest in listed:
+                    if check_saved is not None:
+                        path = tmp / rel
+                        check_saved(rel, size, lambda n, p=path: fs.read_prefix(p, n), lambda p=path: fs.read(p))
                     fs.fsync(tmp / rel)
                     crashpoints.hit(crashpoints.PUBLISH_FILE_WRITTEN)
                     fields["files"][rel] = {"size": size, "sha256": digest}

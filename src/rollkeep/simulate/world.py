@@ -331,7 +331,7 @@ class World:
             self.journal = JournalThread(RUN_DIR, next_seq=next_seq, rows=rows, prefixes=prefixes,
                                          flush_ms=plan.journal_ms,
                                          flush_events=plan.flush_events, fs=self.fs, threaded=False)
-            self.journal.restart(ledger.version)
+            self.journal.restart(ledger.version, self.source.identity())
             sched.subscribe(self.journal.sink)
             self.trace.on_flush = self.journal.release
         sched.subscribe(self._count_event)

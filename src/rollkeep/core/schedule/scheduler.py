@@ -39,11 +39,11 @@ from typing import Any
 import msgspec
 
 from .. import crashpoints
-from ..advantages import ScaleRewards
+from ..advantages import MAX_REWARD, ScaleRewards
 from ..batch import Batch, TrainGroup
 from ..checkpoint import Cut as CapturedCut
 from ..checkpoint import cut
-from ..errors import CustodyError
+from ..errors import CustodyError, DatasetMismatch
 from ..events import (
     DATA,
     INFRA,
@@ -309,6 +309,13 @@ class Scheduler:
             self._apply(Dispatched(group_id=gid, generations=tuple(gens), version=self.engine_version))
             rec = led.group(gid)
             prompt = self.source.rehydrate(rec.key)
+            if (prompt.idx, prompt.task, prompt.row_fingerprint) != (rec.idx, rec.task, rec.row_fingerprint):
+                raise DatasetMismatch(  # restore step 7 checked it; a dataset that changes under the run
+                    f"the prompt rebuilt for {gid} is not the one its group recorded", field="row_fingerprint",
+                    expected=f"idx {rec.idx}, task {rec.task!r}, row fingerprint {rec.row_fingerprint:016x}",
+                    found=f"idx {prompt.idx}, task {prompt.task!r}, row fingerprint {prompt.row_fingerprint:016x}",
+                    remedy="the dataset changed while the run read it (a dataset object whose rows change); "
+                    "keep it fixed for the run, then resume (the restore checks every recorded row)")
             deadline = now + self.settings.timeout_s
             for g in gens:
                 self._not_before.pop((gid, g), None)
@@ -363,9 +370,10 @@ class Scheduler:
             resumed = self.partial.before_seal(key, self._apply)
         else:
             self.partial.forget(key)
-        if isinstance(outcome, Generated) and not math.isfinite(outcome.reward):
-            outcome = Failure(DATA, f"reward function: returned {outcome.reward} (rewards must be finite)",
-                              outcome.replica)
+        if isinstance(outcome, Generated) and not (math.isfinite(outcome.reward)
+                                                   and abs(outcome.reward) <= MAX_REWARD):
+            outcome = Failure(DATA, f"reward {outcome.reward} (rewards must be finite and within "
+                              f"±{MAX_REWARD:g}, the range a group's advantages are computed in)", outcome.replica)
         if isinstance(outcome, Generated):
             c = outcome.completion
             row = Row(prompt_ids=c.prompt_ids, completion_ids=c.completion_ids, logprobs=c.logprobs,
