@@ -29,8 +29,69 @@ def test_readme_and_help_agree() -> None:
         assert main(["bench", "--help"]) == 0
     assert "--quick" in out.getvalue() and "# everything small, about a minute and a half" in out.getvalue()
     assert "`--quick` for a smoke\nrun (about a minute and a half on 2 cores)" in text
-    for command in ("train", "inspect", "audit", "chaos", "trace", "bench", "export"):
+    for command in ("train", "inspect", "audit", "chaos", "report", "trace", "bench", "export"):
         assert f"rollkeep {command} " in text, command
+
+
+# `rollkeep WORD` where WORD is a command name (lowercase); placeholders (COMMAND, <command>,
+# {name}) are not. After the start of a command line or a separator, `python -m`, a path.
+_NAMED = re.compile(r"(?:^|[\s/;&|(`])rollkeep ([a-z][a-z-]*)\b")
+# A quoted message naming a command: "rollkeep report RUN_DIR", "rollkeep export --out",
+# "rollkeep trace runs/a"; not prose such as "rollkeep cannot read".
+_QUOTED = re.compile(r"[\"']rollkeep ([a-z][a-z-]*)(?=[\"'`]| (?:-|[A-Z_]{2,}\b|[\w.-]*/|\{))")
+
+
+def _named_in_markdown(text: str) -> list[str]:
+    """Commands named in the shell code blocks and the inline code of a markdown text."""
+    names = []
+    for lang, block in re.findall(r"```([a-z]*)\n(.*?)```", text, flags=re.S):
+        if lang in ("bash", "sh", "shell", "console"):  # not python, not a directory tree
+            names += _NAMED.findall(block)
+    for span in re.findall(r"`([^`]+)`", re.sub(r"```.*?```", "", text, flags=re.S)):
+        names += _NAMED.findall(span)
+    return names
+
+
+def test_d15_every_rollkeep_command_named_exists() -> None:
+    """Every `rollkeep <command>` that the README, the docs, the messages and comments of
+    src/rollkeep and each command's --help name is a subcommand the parser knows, and runs
+    (`--help` exits 0). train's summary named `rollkeep report`, which did not exist."""
+    import argparse
+    import io
+    from contextlib import redirect_stdout
+
+    from rollkeep.cli import build_parser, main
+
+    sub = next(a for a in build_parser(None)._actions if isinstance(a, argparse._SubParsersAction))
+    known = set(sub.choices)
+    root = README.parent
+    named: dict[str, set[str]] = {}  # command -> where it is named
+    for path in [README, *sorted((root / "docs").rglob("*.md"))]:
+        for name in _named_in_markdown(path.read_text()):
+            named.setdefault(name, set()).add(str(path.relative_to(root)))
+    for path in sorted((root / "src" / "rollkeep").rglob("*")):
+        if path.suffix not in (".py", ".yaml"):
+            continue
+        text = path.read_text()
+        for span in re.findall(r"`([^`\n]+)`", text):  # within a line: no span across comments
+            for name in _NAMED.findall(span):
+                named.setdefault(name, set()).add(str(path.relative_to(root)))
+        for name in _QUOTED.findall(text):
+            named.setdefault(name, set()).add(str(path.relative_to(root)))
+    helps = {"rollkeep --help": []} | {f"rollkeep {c} --help": [c, "--help"] for c in sorted(known)}
+    for where, argv in helps.items():
+        out = io.StringIO()
+        with redirect_stdout(out):
+            assert main(argv or ["--help"]) == 0, where
+        for line in out.getvalue().splitlines():  # the examples: `  rollkeep export runs/a ...`
+            m = re.match(r"\s+(?:\$ )?rollkeep ([a-z][a-z-]*)\b", line)
+            if m:
+                named.setdefault(m.group(1), set()).add(where)
+    unknown = {name: sorted(where) for name, where in named.items() if name not in known}
+    assert not unknown, f"commands named that do not exist: {unknown}"
+    # The scan found what is there (a regex that matches nothing would pass the check above).
+    assert {"train", "inspect", "audit", "chaos", "simulate", "report", "bench", "export"} <= set(named)
+    assert "src/rollkeep/controller/summary.py" in named["report"]
 
 
 def test_user_facing_text_cites_no_file_outside_the_repository() -> None:

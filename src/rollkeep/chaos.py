@@ -40,7 +40,7 @@ from typing import Any
 
 from .config import Config, load_config
 from .core import crashpoints
-from .core.errors import RollkeepError
+from .core.errors import RollkeepError, UserInputError
 from .core.events import ALL_EVENTS, Abandoned, Configured, Evicted, Released, Spared, event_name
 from .core.journal import JOURNAL_AFTER_FSYNC, JOURNAL_BEFORE_FSYNC
 from .core.restore import restore_chain
@@ -197,8 +197,20 @@ def run_chaos(
 ) -> ChaosReport:
     t0 = time.monotonic()
     rng = random.Random(seed)
+    _check_counts(kills, replica_kills)
     cfg = load_config(config, overrides)
+    if replica_kills and cfg.cluster.backend != "ray":
+        raise UserInputError(
+            f"--replica-kills {replica_kills} needs engine replicas on Ray",
+            field="cluster.backend",
+            expected="ray (each engine replica its own process, which chaos kills)",
+            found=f"{cfg.cluster.backend}: the engine runs inside the controller's process, there "
+            "is no replica to kill",
+            remedy="add cluster.backend=ray engine.replicas=2 (see `rollkeep chaos --help`), or "
+            "leave --replica-kills out",
+        )
     root = Path(workdir) if workdir is not None else Path(cfg.run_dir) / "chaos"
+    _check_workdir(root, given=workdir is not None)
     ref_dir, run_dir = root / "reference", root / "killed"
     for d in (ref_dir, run_dir):
         shutil.rmtree(d, ignore_errors=True)
@@ -303,6 +315,44 @@ def run_chaos(
     verify(cfg, run_dir, report)
     report.seconds = time.monotonic() - t0
     return report
+
+
+def _check_counts(kills: int, replica_kills: int) -> None:
+    for flag, n in (("--kills", kills), ("--replica-kills", replica_kills)):
+        if n < 0:
+            raise UserInputError(
+                f"{flag} {n} is negative",
+                field=flag,
+                expected="a number of kills, 0 or more",
+                found=str(n),
+                remedy=f"pass {flag} 0 or more",
+            )
+
+
+def _check_workdir(root: Path, *, given: bool) -> None:
+    """Refuse, before any run, a working directory chaos could not run in: a file, under a
+    file, or not writable. Creates it (and its parents) if missing."""
+    flag = "--workdir" if given else "run_dir/chaos (the default --workdir)"
+    problem = None
+    if root.exists() and not root.is_dir():
+        problem = "a file, not a directory"
+    else:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            problem = f"it cannot be created: {e.strerror or e} (errno {e.errno})"
+        else:
+            if not os.access(root, os.W_OK | os.X_OK):
+                problem = "a directory this user cannot write to"
+    if problem is not None:
+        raise UserInputError(
+            f"{flag} {root} is not a directory chaos can run in",
+            path=str(root),
+            field="--workdir",
+            expected="a writable directory (created if missing) for the runs reference/ and killed/",
+            found=problem,
+            remedy="pass --workdir DIR with a writable directory, or leave it out to use run_dir/chaos",
+        )
 
 
 def verify(cfg: Config, run_dir: Path, report: ChaosReport) -> None:

@@ -25,37 +25,59 @@ sees, and the `hf` engine and trainer continue from the directory with the same 
 Before anything is moved into DIR the written directory is loaded back with
 `AutoModelForCausalLM` / `AutoTokenizer` (offline) and its log-probs are compared with the
 checkpoint's model on probe prompts; a difference above `TOLERANCE` is refused. DIR is
-written next to itself first and moved into place at the end, so a failed export leaves
-DIR as it was.
+written next to itself first (`.DIR.tmp-<hex>/`) and moved into place at the end; any
+failure on the way, a full disk included, removes the temporary directory, so a failed
+export leaves DIR as it was.
 
 Refusals (one paragraph, nothing modified): RUN_DIR missing (exit 2); no checkpoint, or
 one that fails the restore chain (exit 3); a run that did not train the built-in model
-(exit 2: only `trainer.name: torch` exports); DIR a file, or a non-empty directory without
-`--force` (exit 2); DIR not writable (exit 5). With `--force` the exported files replace
-those of the same name in DIR; other files are kept and listed.
+(exit 2: only `trainer.name: torch` exports); DIR inside the run's own state (exit 2, see
+`RUN_STATE`); DIR a file, or a non-empty directory without `--force` (exit 2); DIR not
+writable, or the disk full or failing while writing or reading back (exit 5: ENOSPC,
+EDQUOT, EFBIG, EIO, also when safetensors or tokenizers wrap them in their own exception).
+
+With `--force` the exported files replace those of the same name in DIR; other files are
+kept and listed. The replacement is all or nothing: the old files of those names are first
+moved aside into `.DIR.old-<hex>/` next to DIR, then the exported ones are moved in, then
+the old ones deleted; a failure in between moves everything back. Only a kill in that
+window (renames, milliseconds) leaves the old files in `.DIR.old-<hex>/`, never deleted.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import secrets
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .core.durable import JOURNAL_DIR, ROWS_DIR
 from .core.errors import CheckpointError, ExternalError, FilesystemError, UserInputError
 from .core.restore import restore_chain
 from .core.store import CheckpointStore
 from .version import rollkeep_version
 
-__all__ = ["ExportResult", "Loaded", "TOLERANCE", "export", "gpt2_state_dict", "hf_tokenizer", "load_builtin"]
+__all__ = ["ExportResult", "Loaded", "RUN_STATE", "TOLERANCE", "export", "gpt2_state_dict", "hf_tokenizer",
+           "load_builtin"]
 
 TOLERANCE = 1e-4  # largest |log-prob difference| accepted between the two models
 PROVENANCE = "rollkeep_export.json"
 _PROBES = ("0+0=", "12+34=", "99+99=", "7+58=", "Hello, world?")
 _SPECIAL_NAMES = ("<pad>", "<bos>", "<eos>")  # ids 0, 1, 2: rollkeep's PAD, BOS, EOS
+#: What of RUN_DIR is the run's own state (docs/design.md §4): DIR may be neither RUN_DIR
+#: itself nor inside one of these (nor `journal-abandoned-*/`). An export there adds files
+#: the next start refuses (a checkpoint's `trainer/config.json` is not in its manifest, a
+#: journal file is not a segment) or that retention deletes. Elsewhere under RUN_DIR
+#: (e.g. RUN_DIR/export/NAME) is not read by the run and is allowed.
+RUN_STATE = ("checkpoints", JOURNAL_DIR, ROWS_DIR, "warmup")
+_ABANDONED_JOURNAL = f"{JOURNAL_DIR}-abandoned-"
+# Errors of a full or failing disk that libraries (safetensors, tokenizers) report only in
+# their own exception's text, e.g. "I/O error: No space left on device (os error 28)".
+_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS, errno.EACCES)
 
 
 @dataclass
@@ -247,6 +269,7 @@ def export(run_dir: str | Path, out: str | Path, *, force: bool = False,
     """Write the checkpoint's built-in GPT into `out` as a Hugging Face model directory
     (see the module docstring for what is checked and refused)."""
     out = Path(out)
+    _check_not_run_state(Path(run_dir), out)
     _check_out(out, force)
     loaded = load_builtin(run_dir, checkpoint=checkpoint)
     try:
@@ -268,9 +291,12 @@ def export(run_dir: str | Path, out: str | Path, *, force: bool = False,
         try:
             tmp.mkdir()
             _write(loaded, tmp, run_dir)
-        except OSError as e:
-            raise FilesystemError.of(e, f"writing the exported model next to {out}") from None
-        diff = verify(loaded, tmp)
+            diff = verify(loaded, tmp)
+        except Exception as e:
+            err = _os_error(e)
+            if err is None:
+                raise
+            raise _fs_error(err, f"writing the exported model next to {out}", out) from None
         if not diff <= TOLERANCE:
             raise ExternalError(
                 "the exported model does not reproduce the checkpoint's model",
@@ -282,7 +308,7 @@ def export(run_dir: str | Path, out: str | Path, *, force: bool = False,
         try:
             replaced, kept = _move_into_place(tmp, out)
         except OSError as e:
-            raise FilesystemError.of(e, f"moving the exported model into {out}") from None
+            raise _fs_error(e, f"moving the exported model into {out}", out) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         for d in reversed(made):  # parents this export created, if still empty
@@ -297,6 +323,69 @@ def export(run_dir: str | Path, out: str | Path, *, force: bool = False,
     files = sorted(p.name for p in out.iterdir() if p.name not in kept)
     return ExportResult(out=out, checkpoint=loaded.checkpoint, step=loaded.step, files=files,
                         max_logprob_diff=diff, replaced=replaced, kept=kept)
+
+
+def _check_not_run_state(run_dir: Path, out: Path) -> None:
+    """Refuse an `out` that is RUN_DIR or inside its state, after resolving symlinks and
+    `..` in both (so a symlink to a checkpoint's trainer/ is refused too)."""
+    try:
+        run, target = run_dir.resolve(), out.resolve()
+    except (OSError, RuntimeError) as e:  # a symlink loop
+        raise UserInputError(
+            f"--out {out} cannot be resolved",
+            path=str(out),
+            expected="a path whose symlinks resolve",
+            found=str(e),
+            remedy="choose another --out",
+        ) from None
+    if not target.is_relative_to(run):
+        return
+    rel = target.relative_to(run).parts
+    if rel and rel[0] not in RUN_STATE and not rel[0].startswith(_ABANDONED_JOURNAL):
+        return
+    raise UserInputError(
+        f"--out {out} is the run directory itself" if not rel else f"--out {out} is inside the run's own state",
+        path=str(out),
+        expected=f"a directory outside {run_dir}, or under it but outside its "
+        f"{'/, '.join(RUN_STATE)}/ and {_ABANDONED_JOURNAL}*/ (e.g. {run_dir / 'export' / 'model'})",
+        found=str(target) if not rel else f"{target} (in {rel[0]}/ of the run)",
+        remedy="choose another --out: exported files there would be taken for the run's own "
+        "(its next start refuses a checkpoint or journal holding them), with or without --force",
+    )
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    """The OSError behind `e`: `e` itself, one it was raised from, or one that a library
+    reports only in its exception's text (safetensors' `SafetensorError: Error while
+    serializing: I/O error: No space left on device (os error 28)`). None: not an I/O error."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, OSError):
+            return cur
+        seen.add(id(cur))
+        text = str(cur)
+        m = re.search(r"\(os error (\d+)\)", text)
+        if m:
+            return OSError(int(m.group(1)), os.strerror(int(m.group(1))))
+        for n in _DISK_ERRNOS:
+            if os.strerror(n) in text:
+                return OSError(n, os.strerror(n))
+        if "I/O error" in text:
+            return OSError(errno.EIO, " ".join(text.split())[:300])
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
+def _fs_error(err: OSError, doing: str, out: Path) -> FilesystemError:
+    return FilesystemError(
+        f"the filesystem failed while {doing}",
+        path=str(err.filename if err.filename is not None else out),
+        expected="a writable directory with free space for the model",
+        found=f"{err.strerror or err} (errno {err.errno})" if err.errno else str(err),
+        remedy="free space or fix the permissions, then export again; nothing of this export "
+        "was left behind, and what --out held before is as it was",
+    )
 
 
 def _check_out(out: Path, force: bool) -> None:
@@ -404,8 +493,9 @@ def verify(loaded: Loaded, path: Path) -> float:
 
 
 def _move_into_place(tmp: Path, out: Path) -> tuple[list[str], list[str]]:
-    """Rename `tmp` to `out` (new or empty), or, into a non-empty `out` (--force), move
-    each exported file over the one of the same name. Returns (replaced, kept)."""
+    """Rename `tmp` to `out` (new or empty), or, into a non-empty `out` (--force), replace
+    the files of the exported names, all or nothing (see the module docstring). Returns
+    (replaced, kept)."""
     if not out.exists():
         os.rename(tmp, out)
         return [], []
@@ -418,9 +508,36 @@ def _move_into_place(tmp: Path, out: Path) -> tuple[list[str], list[str]]:
         target = out / name
         if target.is_dir() and not target.is_symlink():
             raise IsADirectoryError(21, "a directory is in the way of an exported file", str(target))
-    for name in ours:
-        os.replace(tmp / name, out / name)
+    aside = out.parent / f".{out.name}.old-{secrets.token_hex(4)}"
+    aside.mkdir()
+    moved_aside: list[str] = []
+    moved_in: list[str] = []
+    try:
+        for name in ours:
+            if os.path.lexists(out / name):
+                os.rename(out / name, aside / name)
+                moved_aside.append(name)
+        for name in ours:
+            os.rename(tmp / name, out / name)
+            moved_in.append(name)
+    except BaseException:
+        try:  # back as it was: renames within the directories just renamed from
+            for name in reversed(moved_in):
+                os.rename(out / name, tmp / name)
+            for name in reversed(moved_aside):
+                os.rename(aside / name, out / name)
+            aside.rmdir()
+        except OSError as e:
+            raise FilesystemError(
+                f"the filesystem failed while moving the exported model into {out}, and again "
+                "while putting its previous files back",
+                path=str(aside),
+                expected="renames within one directory to succeed",
+                found=f"{e.strerror or e} (errno {e.errno})",
+                remedy=f"the files of {out} that the export was replacing are in {aside}: move them "
+                "back by hand; nothing was deleted",
+            ) from None
+        raise
+    shutil.rmtree(aside, ignore_errors=True)  # the replaced files: the export is in place
     tmp.rmdir()
     return [n for n in existing if n in ours], [n for n in existing if n not in ours]
-
-

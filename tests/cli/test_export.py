@@ -216,7 +216,7 @@ def test_export_into_a_non_empty_dir_needs_force_and_never_deletes(run, tmp_path
     assert "replaced in" in printed and "config.json" in printed and "kept in" in printed
     assert (out / "notes.txt").read_text() == "mine"
     assert json.loads((out / "config.json").read_text())["model_type"] == "gpt2"
-    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+    assert _siblings(tmp_path) == []  # neither the temporary nor the set-aside directory is left
 
 
 def test_export_to_a_file_is_exit_2(run, tmp_path, capsys) -> None:
@@ -243,3 +243,179 @@ def test_export_to_an_unwritable_place_is_exit_5(run, tmp_path, capsys) -> None:
             subprocess.run(["umount", str(ro)], check=True)
         else:
             ro.chmod(0o755)
+
+
+# -- D13: --out inside the run's own state; a full or failing disk ---------------------------
+
+
+def _siblings(parent: Path) -> list[str]:
+    """What an export leaves next to its DIR: its temporary and set-aside directories."""
+    return sorted(p.name for p in parent.iterdir() if ".tmp-" in p.name or ".old-" in p.name)
+
+
+@pytest.mark.parametrize("where", [
+    ".", "journal", "rows", "checkpoints", "checkpoints/step_000004/trainer",
+    "checkpoints/step_000002", "checkpoints/abandoned-20250101T000000Z/new", "warmup",
+    "warmup/checkpoints/new", "journal-abandoned-20250101T000000Z/new", "export/../journal/new",
+    "link-to-trainer", "link-to-run/rows/new",
+])
+def test_d13_export_into_the_runs_own_state_is_exit_2_even_with_force(run, tmp_path, capsys, where) -> None:
+    # An export into a checkpoint's trainer/ made the run's only resumable checkpoint
+    # unrestorable ("trainer/config.json ... is not listed in MANIFEST.json"), one into
+    # journal/ made the next start refuse the journal. Symlinks and `..` are resolved.
+    (tmp_path / "link-to-trainer").symlink_to(run / "checkpoints" / "step_000004" / "trainer")
+    (tmp_path / "link-to-run").symlink_to(run)
+    out = tmp_path / where if where.startswith("link") else run / where
+    before = tree(run)
+    for extra in (["--force"], []):
+        err = refused(capsys, ["export", str(run), "--out", str(out), *extra], 2)
+        assert ("the run directory itself" if where == "." else "inside the run's own state") in err, err
+        assert "RUN_DIR" not in err and str(run / "export" / "model") in err  # a place that is allowed
+    assert tree(run) == before, "a refused export changed the run directory"
+    assert not [p for p in run.iterdir() if p.name.startswith("journal-abandoned") or p.name == "export"]
+
+
+def test_d13_export_elsewhere_under_the_run_dir_is_allowed_and_the_run_still_restores(run, tmp_path) -> None:
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    assert main(["export", str(copy), "--out", str(copy / "export" / "model")]) == 0
+    assert (copy / "export" / "model" / "model.safetensors").is_file()
+    assert main(["audit", "--all", str(copy / "checkpoints")]) == 0
+    assert load_builtin(copy).weights_sha256 == load_builtin(run).weights_sha256
+
+
+def _export_in_a_child(run: Path, out: Path, fsize: int) -> subprocess.CompletedProcess:
+    """`rollkeep export` in its own process whose files may not grow past `fsize` bytes
+    (RLIMIT_FSIZE, SIGXFSZ ignored: a write past it fails with EFBIG, as a full disk's
+    fails with ENOSPC), without root or a small mount."""
+    import resource
+    import signal
+    import sys
+
+    def limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLKEEP_CRASH")}
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return subprocess.run([sys.executable, "-m", "rollkeep", "export", str(run), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120, env=env, preexec_fn=limit)
+
+
+def test_d13_export_on_a_full_disk_is_exit_5_and_leaves_nothing(run, tmp_path) -> None:
+    # The model (~120 KB) does not fit; config.json (under 1 KiB) does and is written first.
+    before = tree(run)
+    out = tmp_path / "models" / "arith"
+    got = _export_in_a_child(run, out, fsize=16 * 1024)
+    assert got.returncode == 5, got.stderr
+    err = got.stderr
+    assert err.startswith("error: the filesystem failed while writing the exported model") and err.count("\n") == 1
+    assert "Traceback" not in err and "errno 27" in err and "nothing of this export was left behind" in err
+    assert not (tmp_path / "models").exists(), "the export left its parents or files behind"
+    assert tree(run) == before
+
+
+class _SafetensorErrorSave:
+    """`safetensors.torch.save_file` on a full disk: part of the file, then safetensors'
+    own exception, whose only trace of the errno is its text."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __call__(self, tensors, filename, metadata=None) -> None:
+        from safetensors import SafetensorError
+
+        Path(filename).write_bytes(b"\0" * 1000)
+        raise SafetensorError(self.text)
+
+
+@pytest.mark.parametrize("failure", [
+    "safetensors: No space left on device (os error 28)",
+    "safetensors: No space left on device",
+    *(f"tokenizer: {name}" for name in ("ENOSPC", "EDQUOT", "EFBIG", "EIO")),
+])
+def test_d13_export_on_a_failing_disk_is_exit_5_and_leaves_nothing(run, tmp_path, capsys, monkeypatch,
+                                                                     failure) -> None:
+    import errno
+
+    import transformers.modeling_utils
+
+    import rollkeep.export as ex
+
+    kind, what = failure.split(": ", 1)
+    if kind == "safetensors":
+        monkeypatch.setattr(transformers.modeling_utils, "safe_save_file",
+                            _SafetensorErrorSave(f"Error while serializing: I/O error: {what}"))
+        found = "No space left on device (errno 28)"
+    else:
+        n = getattr(errno, what)
+        real = ex.hf_tokenizer
+
+        class Full:
+            def __init__(self, block_size: int) -> None:
+                self.tok = real(block_size)
+
+            def save_pretrained(self, path) -> None:
+                self.tok.save_pretrained(path)  # written, then the next write fails
+                raise OSError(n, os.strerror(n), str(Path(path) / "tokenizer.json"))
+
+        monkeypatch.setattr(ex, "hf_tokenizer", Full)
+        found = f"{os.strerror(n)} (errno {n})"
+    out = tmp_path / "models" / "arith"
+    err = refused(capsys, ["export", str(run), "--out", str(out)], 5)
+    assert "the filesystem failed while writing the exported model" in err and found in err, err
+    assert not (tmp_path / "models").exists()
+
+
+def test_d13_force_on_a_full_disk_keeps_what_dir_held(run, tmp_path, capsys, monkeypatch) -> None:
+    # --force replaces the exported names all or nothing: a failure after some were
+    # replaced puts the old files back.
+    import rollkeep.export as ex
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (out / "config.json").write_text("{}")
+    (out / "model.safetensors").write_text("old weights")
+    before = tree(out)
+    real, moved_in = os.rename, []
+
+    def rename(src, dst) -> None:
+        if Path(dst).parent == out and ".tmp-" in Path(src).parent.name:
+            if len(moved_in) == 2:
+                raise OSError(28, os.strerror(28), str(dst))
+            moved_in.append(dst)
+        real(src, dst)
+
+    monkeypatch.setattr(ex.os, "rename", rename)
+    err = refused(capsys, ["export", str(run), "--out", str(out), "--force"], 5)
+    assert "moving the exported model into" in err and "errno 28" in err
+    assert len(moved_in) == 2, "the failure did not land half-way"
+    assert tree(out) == before, "what --out held was changed"
+    assert _siblings(tmp_path) == []
+
+    monkeypatch.setattr(ex.os, "rename", real)
+    assert main(["export", str(run), "--out", str(out), "--force"]) == 0
+    assert (out / "notes.txt").read_text() == "mine" and (out / "model.safetensors").stat().st_size > 1000
+    assert _siblings(tmp_path) == []
+
+
+def test_d13_force_when_putting_the_old_files_back_fails_too_deletes_nothing(run, tmp_path, capsys,
+                                                                            monkeypatch) -> None:
+    import rollkeep.export as ex
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    real = os.rename
+
+    def rename(src, dst) -> None:
+        if Path(dst).parent == out:  # every move into DIR fails, ours and the way back
+            raise OSError(5, os.strerror(5), str(dst))
+        real(src, dst)
+
+    monkeypatch.setattr(ex.os, "rename", rename)
+    err = refused(capsys, ["export", str(run), "--out", str(out), "--force"], 5)
+    assert "putting its previous files back" in err and "nothing was deleted" in err
+    (aside,) = [p for p in tmp_path.iterdir() if ".old-" in p.name]
+    assert str(aside) in err and (aside / "config.json").read_text() == "{}"

@@ -30,7 +30,7 @@ from rollkeep.core.errors import (
 )
 from rollkeep.version import rollkeep_version
 
-__all__ = ["EXIT_CODES", "exit_code", "main"]
+__all__ = ["ALIASES", "COMMANDS", "EXIT_CODES", "exit_code", "main"]
 
 #: Exit code per error class, most specific first. 0 is success; 1 is reserved for
 #: crashes (an uncaught exception other than these); 130 is Ctrl-C.
@@ -47,12 +47,15 @@ COMMANDS: dict[str, str] = {
     "train": "run or resume a training job (resumes from RUN_DIR/checkpoints/LATEST)",
     "inspect": "show what a checkpoint holds and what a restore from it would do (read-only)",
     "audit": "verify checkpoints: files, schemas, ledger, custody audit, rows (read-only)",
-    "trace": "report reused, regenerated and lost work per restart of a run",
+    "report": "report reused, regenerated and lost work per restart of a run (RUN_DIR/report/)",
     "chaos": "kill/resume torture run with a pass/fail report",
     "simulate": "deterministic simulation of whole runs with crashes and disk faults",
     "bench": "benchmarks of the custody core",
     "export": "write the trained built-in model as a Hugging Face model directory",
 }
+
+#: Other names of a subcommand: `rollkeep trace` is `rollkeep report` (its first name).
+ALIASES: dict[str, str] = {"trace": "report"}
 
 _EPILOG = """\
 exit codes:
@@ -70,6 +73,7 @@ examples:
   rollkeep train config.yaml
   rollkeep inspect runs/a
   rollkeep audit --all runs/a/checkpoints
+  rollkeep report runs/a
   rollkeep export runs/a --out models/a
   rollkeep <command> --help
 """
@@ -154,7 +158,8 @@ def build_parser(command: str | None) -> argparse.ArgumentParser:
     for name, summary in COMMANDS.items():
         module = _load(name) if name == command else None
         if module is None:
-            sub.add_parser(name, help=summary, description=summary)
+            aliases = [a for a, of in ALIASES.items() if of == name]
+            sub.add_parser(name, help=summary, description=summary, aliases=aliases)
             continue
         made = module.add_parser(sub)
         p = made if isinstance(made, argparse.ArgumentParser) else sub.choices[name]
@@ -178,6 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The top level has only options that stop (--help, --version), so the first
     # non-option word is the subcommand.
     command = next((a for a in argv if not a.startswith("-")), None)
+    command = ALIASES.get(command, command)
     try:
         if command in COMMANDS and _load(command) is None:
             print(f"rollkeep {command}: not available yet", file=sys.stderr)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import asdict
+from pathlib import Path
+
+from ..core.errors import UserInputError
 
 HELP = """\
 Kill/resume torture run. Runs `rollkeep train` once uninterrupted (the reference), then
@@ -30,11 +33,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
                        description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", nargs="?", help="YAML config file (optional)")
     p.add_argument("overrides", nargs="*", metavar="key=value")
-    p.add_argument("--kills", type=int, default=5, help="how many times to kill the run (default 5)")
+    p.add_argument("--kills", type=int, default=5, help="how many times to kill the run, 0 or more (default 5)")
     p.add_argument("--replica-kills", type=int, default=0,
-                   help="with cluster.backend=ray: SIGKILL an engine replica in this many runs (default 0)")
+                   help="with cluster.backend=ray only: SIGKILL an engine replica in this many runs (default 0)")
     p.add_argument("--seed", type=int, default=0, help="seed of the kill schedule")
-    p.add_argument("--workdir", help="where to run (default RUN_DIR/chaos)")
+    p.add_argument("--workdir", help="where to run: a writable directory, created if missing (default RUN_DIR/chaos)")
     p.add_argument("--json", help="also write the report as JSON to this file")
     return p
 
@@ -42,6 +45,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from ..chaos import run_chaos
 
+    if args.json is not None:
+        _check_json(Path(args.json))
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config:
         overrides.insert(0, config)
@@ -54,3 +59,16 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump({**asdict(report), "passed": report.passed}, f, indent=2)
     return 0 if report.passed else 1
+
+
+def _check_json(path: Path) -> None:
+    """The report is written at the end: refuse a place it cannot go before the runs."""
+    if path.is_dir() or not path.parent.is_dir():
+        raise UserInputError(
+            f"--json {path} cannot be written",
+            path=str(path),
+            field="--json",
+            expected="a file in an existing directory",
+            found="a directory" if path.is_dir() else f"no directory {path.parent}",
+            remedy="pass --json with a file name in an existing directory",
+        )

@@ -16,7 +16,11 @@ The checkpoint goes through the restore chain first (read-only: nothing in RUN_D
 changes), and the written model is loaded back and compared with the checkpoint's before it
 is moved into DIR (log-probs within 1e-4). Only runs of the built-in model
 (trainer.name: torch) export. DIR must be new or empty; --force writes into a non-empty
-DIR, replacing the files of the same names and keeping every other file.
+DIR, replacing the files of the same names (all of them or, on a failure, none) and keeping
+every other file. DIR may not be RUN_DIR itself nor inside the run's own state
+(checkpoints/, journal/, journal-abandoned-*/, rows/, warmup/), even with --force; elsewhere
+under RUN_DIR (e.g. RUN_DIR/export/NAME) is fine. The model is written next to DIR first
+and moved in at the end: a failed export (a full disk too) leaves nothing behind.
 
 examples:
   rollkeep export runs/arith --out models/arith
@@ -24,7 +28,7 @@ examples:
   rollkeep train configs/hf.yaml                 # RL continues from models/arith
 
 exit codes: 2 bad RUN_DIR or DIR (or not the built-in model), 3 no checkpoint or one that
-fails a check, 5 DIR cannot be written.
+fails a check, 5 DIR cannot be written (read-only, no space left, an I/O error).
 """
 
 

@@ -5,6 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..core.errors import UserInputError
+
+#: The most schedules one command runs: at tens of schedules a second, 10**7 is days of
+#: work already; a larger number is a typo, refused before anything runs.
+MAX_SCHEDULES = 10**7
+
 HELP = """\
 Run N small training runs against the real scheduler, ledger, codec, checkpoint store and
 restore chain, on a fake clock, with a scripted engine (random latencies, infra and data
@@ -18,6 +24,7 @@ and in deterministic mode the same weights as the run without crashes.
 Prints one line `N schedules, K crashes, F faults, V violations` and exits 0, or prints
 each violation (its seed, and the fewest crashes and faults that still show it) and
 exits 4. Every schedule is a function of --seed: the same command finds the same runs.
+--schedules is 1 to 10000000; --index is only read with --replay.
 
 examples:
   rollkeep simulate --schedules 600
@@ -29,11 +36,12 @@ examples:
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("simulate", help="deterministic simulation of whole runs with crashes and faults",
                        description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--schedules", type=int, default=600, metavar="N", help="how many runs (default 600)")
+    p.add_argument("--schedules", type=int, default=600, metavar="N",
+                   help=f"how many runs (default 600, at most {MAX_SCHEDULES})")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the whole sweep (default 0)")
     p.add_argument("--keep-going", action="store_true", help="do not stop at the first violation")
     p.add_argument("--replay", type=int, metavar="SEED", help="run the one schedule of this seed")
-    p.add_argument("--index", type=int, default=0, help="with --replay: its index in the sweep")
+    p.add_argument("--index", type=int, help="with --replay: its index in the sweep (default 0)")
     return p
 
 
@@ -41,11 +49,25 @@ def run(args: argparse.Namespace) -> int:
     from ..simulate import check, plan, report, simulate
     from ..simulate.schedules import Summary, shrink
 
-    if args.schedules < 1:
-        print("error: --schedules must be at least 1", file=sys.stderr)
-        return 2
+    if not 1 <= args.schedules <= MAX_SCHEDULES:
+        raise UserInputError(
+            f"--schedules {args.schedules} is out of range",
+            field="--schedules",
+            expected=f"a number of schedules from 1 to {MAX_SCHEDULES}",
+            found=str(args.schedules),
+            remedy="ask for fewer schedules, or split a sweep into several commands "
+            "with different --seed",
+        )
+    if args.index is not None and args.replay is None:
+        raise UserInputError(
+            "--index is given without --replay",
+            field="--index",
+            expected="--index N together with --replay SEED (the seed and index a violation printed)",
+            found=f"--index {args.index} alone",
+            remedy="add --replay SEED to run that one schedule, or leave --index out to run the sweep",
+        )
     if args.replay is not None:
-        p = plan(args.replay, index=args.index)
+        p = plan(args.replay, index=args.index or 0)
         outcome = check(p)
         summary = Summary(schedules=1, crashes=outcome.crashes, faults=outcome.faults)
         if outcome.problems:

@@ -1,7 +1,8 @@
-"""`rollkeep trace RUN_DIR [--json] [--no-plots]`: what each restart of a run cost.
+"""`rollkeep report RUN_DIR [--json] [--no-plots]`: what each restart of a run cost.
 
 Reads RUN_DIR/trace.jsonl and RUN_DIR/metrics.jsonl (a run still being written is fine)
 and writes RUN_DIR/report/; nothing else is touched. The analysis is `rollkeep.report`.
+`rollkeep trace` is the same command under its first name (`ALIASES`).
 """
 
 from __future__ import annotations
@@ -24,17 +25,21 @@ RUN_DIR/trace.jsonl and RUN_DIR/metrics.jsonl:
 Writes RUN_DIR/report/: report.md (also printed), report.json, and the plots reward.png,
 batch_age.png, custody.png and restart_cost.png (plots need: pip install 'rollkeep[report]').
 Read-only apart from RUN_DIR/report/; a run still being written can be reported on.
+`rollkeep trace` is the same command (its former name).
 
 examples:
-  rollkeep trace runs/a
-  rollkeep trace runs/a --no-plots
-  rollkeep trace runs/a --json | jq '.restarts[] | .tokens_thrown_away'
+  rollkeep report runs/a
+  rollkeep report runs/a --no-plots
+  rollkeep report runs/a --json | jq '.restarts[] | .tokens_thrown_away'
 """
+
+ALIASES = ["trace"]
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
-        "trace",
+        "report",
+        aliases=ALIASES,
         help="report reused, regenerated and lost work per restart of a run",
         description=HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
