@@ -17,7 +17,7 @@ import msgspec
 import numpy as np
 import pytest
 from hostile import edit_manifest, main_child, refuses, rehash, train_args, tree
-from run_harness import STOPPED, check, config, killed, run_child, trace_lines
+from run_harness import STOPPED, check, config, final_sha, killed, run_child, trace_lines
 
 from rollkeep.cli import main
 from rollkeep.controller.startup import journal_tail, load_trainer
@@ -329,3 +329,55 @@ def test_d14_a_load_that_changes_trainer_dir_is_refused(tmp_path, how) -> None:
         load_trainer(_Writes(how), restored)
     assert tree(tmp_path / "run") != before  # (what the trainer did; the message says what to do)
     load_trainer(_Writes("read"), restored)  # one that only reads passes
+
+
+# -- rows of a lineage that no longer exists (recovery.lost_versions) ---------------------------
+
+LOOKAHEAD = ["sampler.name=in_order", "sampler.max_lookahead_versions=1", "engine.latency_ms=5",
+             "train.total_steps=14", "checkpoint.every_steps=100"]
+
+
+def _resumed(cfg) -> dict:
+    """Stop `cfg` at its 50th dispatch (after step 11's commit, with step 13's groups, admitted
+    under version 11, in flight; no checkpoint: the journal holds everything), resume it to
+    the end, and return the resumed run's `restored` event: steps 1-11 or 1-12 are redone."""
+    assert run_child(cfg, "ledger.dispatched:50", crash_signal="TERM") == STOPPED
+    assert run_child(cfg) == 0
+    (restored,) = [x for x in trace_lines(cfg) if x["event"] == "restored"]
+    assert restored["checkpoint"] is None and restored["steps_redone"][0] == 1 and restored["steps_redone"][1] >= 11
+    return restored
+
+
+def _ages(cfg) -> list[float]:
+    run_id = [x for x in trace_lines(cfg) if x["event"] == "run_started"][-1]["run_id"]
+    lines = [json.loads(x) for x in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [m["batch_age"] for m in lines if m.get("run_id") == run_id and "batch_age" in m]
+
+
+@pytest.mark.parametrize("mode", ["keep", "regenerate"])
+def test_lost_versions_no_resumed_batch_is_older_than_the_window(tmp_path, mode) -> None:
+    """Found: a resumed default job showed a batch age of 28 at lookahead 1: the groups the
+    killed process had admitted for steps past the checkpoint generated their remaining
+    siblings at once, under the checkpoint's weights, far behind their target step (here:
+    step 13 at age 9). The bound is lookahead + 1: the engine may be a refit behind the
+    trainer, in an uninterrupted run too."""
+    cfg = config(tmp_path / "run", *LOOKAHEAD, NO_FINAL, f"recovery.lost_versions={mode}")
+    restored = _resumed(cfg)
+    assert restored["lost_versions"] == mode and restored["lost_version_rows"] > 0
+    ages = _ages(cfg)
+    assert len(ages) == 14 and all(0.0 <= a <= 1 + 1 for a in ages), ages
+    abandoned = [x for x in trace_lines(cfg) if x["event"] == "abandoned" and x["reason"] == "lost version"]
+    if mode == "regenerate":
+        assert sum(len(x["generations"]) for x in abandoned) == restored["lost_version_rows"]
+    else:
+        assert not abandoned
+    check(cfg)
+
+
+def test_lost_versions_regenerated_in_deterministic_mode_end_byte_identical(tmp_path) -> None:
+    det = ["deterministic=true", "rollout.on_dropped_prompt=shrink", *LOOKAHEAD, NO_FINAL]
+    reference = config(tmp_path / "reference", *det)
+    assert run_child(reference) == 0
+    cfg = config(tmp_path / "run", *det, "recovery.lost_versions=regenerate")
+    assert _resumed(cfg)["lost_version_rows"] > 0
+    check(cfg, final_sha(reference))

@@ -10,6 +10,7 @@ from rollkeep.core import codec
 from rollkeep.core.audit import audit
 from rollkeep.core.errors import IllegalTransition
 from rollkeep.core.events import (
+    LOST_VERSION,
     PROMPT_GROUP,
     SIBLING,
     Abandoned,
@@ -86,7 +87,9 @@ def group_event(edge: str, led: Ledger):
         "dispatched": Dispatched(group_id=GID, generations=(G - 1,), version=0),
         "sealed": Sealed(group_id=GID, generation=g, attempt=0, version=0, tokens=1),
         "failed": Failed(group_id=GID, generation=g, attempt=0, kind="infra"),
-        "abandoned": Abandoned(group_id=GID, generations=(g,), reason="test"),
+        # A complete group is abandoned only for a lost version (`_special_rules_abandon`).
+        "abandoned": Abandoned(group_id=GID, generations=(g,), reason="test" if rec.state <= GroupState.GENERATING
+                               else LOST_VERSION),
         "finalizing": Finalizing(group_id=GID),
         "ready": Ready(group_id=GID, advantages=(0.0,) * G),
         "claimed": Claimed(step=1, group_ids=(GID,)),
@@ -126,6 +129,28 @@ def test_group_table(state: GroupState, edge: str) -> None:
             led.apply(event)
         assert GroupState(state).name in str(err.value) or "not current" in str(err.value)
         assert fingerprint(led) == before
+
+
+@pytest.mark.parametrize("state", [GroupState.READY_TO_FINALIZE, GroupState.READY], ids=lambda s: s.name)
+def test_a_complete_group_goes_back_to_generating_only_for_a_lost_version(state) -> None:
+    led = ledger_in(state)
+    before = fingerprint(led)
+    with pytest.raises(IllegalTransition, match="a complete one only for reason"):
+        led.apply(Abandoned(group_id=GID, generations=(0,), reason="restart"))
+    assert fingerprint(led) == before
+    freed = led.apply(Abandoned(group_id=GID, generations=(0, 2), reason=LOST_VERSION))
+    rec = led.group(GID)
+    assert freed == ((GID, 0, 0), (GID, 2, 0))
+    assert rec.state == GroupState.GENERATING and rec.advantages is None and rec.target_step == 1
+    assert list(rec.status) == [AttemptStatus.RESERVED, AttemptStatus.SEALED, AttemptStatus.RESERVED]
+    assert rec.attempts == [1, 0, 1] and GID not in led.ready_ids() and GID in led.pending_ids()
+    assert audit(led).ok
+
+
+def test_a_sibling_group_abandons_a_sealed_sibling_only_for_a_lost_version() -> None:
+    led = generating_with(AttemptStatus.SEALED, SIBLING)
+    led.apply(Abandoned(group_id=GID, generations=(0,), reason=LOST_VERSION))
+    assert led.group(GID).status[0] == AttemptStatus.RESERVED and led.group(GID).attempts[0] == 1
 
 
 def generating_with(status: AttemptStatus, granularity: str) -> Ledger:

@@ -381,6 +381,16 @@ class RecoveryConfig(_Section):
     and the rest just before its seal. So a generation shorter than this records nothing but
     its seal, and a kill loses at most this much of each longer one (plus the journal's last
     flush)."""
+    lost_versions: Literal["keep", "regenerate"] = "keep"
+    """What a restart from the journal does with work generated under a lost version: a
+    weight version newer than the restored checkpoint, whose weights died with the process
+    (docs/design.md §5.1). `keep`: the sealed rows are trained again by the re-done steps,
+    which train the same groups (bit for bit the same weights in deterministic mode), and
+    a group the killed process admitted is generated and trained no earlier than the
+    version it was admitted under, so no batch is older than the sampler's window.
+    `regenerate`: every sibling sealed under a lost version, and every partial generation
+    the journal recorded after the checkpoint, is generated again under the resumed
+    lineage's weights (the prompts stay in custody; costs the regeneration)."""
     mode: Literal["sibling", "prompt_group", "cursor_only"] = "sibling"
     """`sibling`: a restart keeps finished siblings and regenerates only those in flight.
     `prompt_group`: a group is all-or-nothing; an unfinished group regenerates every

@@ -325,9 +325,12 @@ def step_record(batch: Any, metrics: dict[str, float], *, train_seconds: float, 
     lengths = [r.tokens for r in rows]  # completion tokens per sibling
     trainer_version = batch.step - 1
     # Token-weighted over the model's tokens (an episode's environment tokens have no version).
+    # A token newer than the trainer's weights can only be a kept token of a lost version,
+    # claimed by a re-done step earlier than the killed process claimed it (weight_fifo,
+    # windowed; docs/design.md §5.1): its age counts as 0, never negative.
     model = [r.versions[r.versions >= 0] for r in rows]
     n_model = sum(len(v) for v in model)
-    age = float(sum(int((trainer_version - v).sum()) for v in model) / n_model) if n_model else 0.0
+    age = float(sum(int(np.maximum(trainer_version - v, 0).sum()) for v in model) / n_model) if n_model else 0.0
     return {
         "weight_version": batch.step,
         "groups": len(batch.groups),

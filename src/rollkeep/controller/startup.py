@@ -32,7 +32,7 @@ from ..core.fs import DEFAULT_FS, DIR, FS
 from ..core.journal import JournalError
 from ..core.ledger import Ledger, LedgerState
 from ..core.prefixes import Link, PrefixStore
-from ..core.replay import Restart, replay
+from ..core.replay import LostWork, Restart, replay
 from ..core.restore import check_dataset_identity, check_dataset_rows, plan, restore_chain
 from ..core.rowlog import RowLocation, RowLogReader
 from ..core.rows import Row, RowId, RowStore
@@ -68,7 +68,7 @@ def settings(cfg: Config, *, streams: bool = True) -> Settings:
         scale_rewards=cfg.trainer.scale_rewards,
         # Prefixes are durable only through the journal; without it attempts regenerate.
         record_partial=cfg.journaled and streams, resume_partial=cfg.recovery.partial == "resume",
-        progress_every_s=cfg.recovery.progress_ms / 1000,
+        progress_every_s=cfg.recovery.progress_ms / 1000, lost_versions=cfg.recovery.lost_versions,
     )
 
 
@@ -141,7 +141,7 @@ def open_run(
                           config_fingerprint=fingerprint(semantic), cleaned_tmp=leftovers,
                           abandoned_checkpoints=abandoned))
     counts = sched.start(None if not resumed else restored if tail is None else plan(state), epochs=source.epochs,
-                         replayed=tail is not None)
+                         replayed=tail is not None, lost=None if tail is None else tail.lost)
     progress = RunProgress(cfg.logger.progress, total_steps=cfg.train.total_steps, start_step=ledger.version)
     if leftovers:
         progress.note(f"removed {len(leftovers)} leftover temporary file(s): {', '.join(leftovers)}")
@@ -167,6 +167,7 @@ class _Tail:
     prefixes: dict[tuple[str, int], tuple[Link, ...]]
     events: int
     dropped: list[list[int]]
+    lost: LostWork  # what the tail generated under lost versions (recovery.lost_versions)
 
 
 def _journal_tail(cfg: Config, run_dir: Path, restored: restore.Restored | None, *, newest: bool, source: PromptSource,
@@ -269,7 +270,7 @@ def journal_tail(run_dir: Path, restored: restore.Restored | None, *, newest: bo
         raise JournalError(e.what, path=journal, expected=e.expected, found=e.found, remedy=e.remedy) from None
     check_dataset_identity(r.state, source, path=journal, extend_epochs=extend_epochs)
     check_rows(r.state, journal, tail.datasets[-1].fingerprint if tail.datasets else recorded)
-    return _Tail(r.state, r.rows, r.prefixes, r.events, tail.dropped), tail.last_seq + 1, False
+    return _Tail(r.state, r.rows, r.prefixes, r.events, tail.dropped, r.lost), tail.last_seq + 1, False
 
 
 def load_trainer(trainer: Trainer, restored: restore.Restored) -> None:

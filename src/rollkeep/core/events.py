@@ -137,10 +137,18 @@ class Failed(Event, tag="failed"):
     replica: int = 0  # the engine replica that ran it
 
 
+# The reason of an `abandoned` that throws away work generated under a lost version: a weight
+# version newer than the restored checkpoint, whose weights died with the process that made
+# them (`recovery.lost_versions: regenerate`, docs/design.md §5.1).
+LOST_VERSION = "lost version"
+
+
 class Abandoned(Event, tag="abandoned"):
     """Current attempts → ABANDONED(reason); each sibling gets a fresh attempt.
 
-    DISPATCHED attempts of any group; SEALED attempts only of PROMPT_GROUP groups.
+    DISPATCHED attempts of any group; SEALED attempts only of PROMPT_GROUP groups, or of any
+    group with reason LOST_VERSION, which also takes a complete group (READY_TO_FINALIZE,
+    READY: at a restart, before any claim) back to GENERATING.
     """
 
     group_id: str

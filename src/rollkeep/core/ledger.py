@@ -59,6 +59,7 @@ from .events import (
     FROM_SPARE,
     GRANULARITIES,
     INFRA,
+    LOST_VERSION,
     Abandoned,
     Admitted,
     Claimed,
@@ -800,7 +801,17 @@ class Ledger:
 
     def _special_rules_abandon(self, ev: Abandoned, rec: GroupRecord) -> None:
         """SEALED → ABANDONED only for PROMPT_GROUP groups: a SIBLING group never throws
-        away a finished sibling (that is the point of sibling granularity)."""
+        away a finished sibling (that is the point of sibling granularity) -- except work
+        generated under a lost version (reason LOST_VERSION, at a restart with
+        `recovery.lost_versions: regenerate`), which alone may also take a complete group
+        (READY_TO_FINALIZE, READY) back to GENERATING."""
+        if ev.reason == LOST_VERSION:
+            return
+        if rec.state != _GENERATING:
+            raise self._illegal(
+                ev, f"group {ev.group_id} is {GroupState(rec.state).name}",
+                expected=f"a GENERATING group (a complete one only for reason {LOST_VERSION!r})",
+                found=f"{GroupState(rec.state).name}, reason {ev.reason!r}")
         if rec.granularity == _PROMPT_GROUP:
             return
         for g in ev.generations:
@@ -830,6 +841,10 @@ class Ledger:
         self._require_attempts(ev, rec, gid, ev.generations, "abandoned")
         self._special_rules_abandon(ev, rec)
         rec = self._writable(gid)
+        if rec.state != _GENERATING:  # a complete group's lost work (LOST_VERSION): generating again
+            self._ready.pop(gid, None)
+            rec.state = _GENERATING
+            rec.advantages = None
         freed = []
         for g in ev.generations:
             if rec.status[g] == _A_SEALED:

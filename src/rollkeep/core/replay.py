@@ -29,7 +29,7 @@ Pure: no IO. The caller reads the tail (`rollkeep.core.durable.read_tail`) and h
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -37,19 +37,32 @@ from pyroaring import BitMap
 
 from .checkpoint import referenced_set
 from .errors import IllegalTransition
-from .events import Event, Sealed, StepCommitted
+from .events import Event, Progressed, Sealed, StepCommitted, TurnSealed
 from .ledger import GroupRecord, GroupState, Ledger, LedgerState, StepRun
 from .prefixes import Link, PrefixStore
 from .records import _copy_record
 from .rows import RowId
 
-__all__ = ["Replayed", "Restart", "replay", "take_back"]
+__all__ = ["LostWork", "Replayed", "Restart", "replay", "take_back"]
 
 
 class Restart(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
     """A process started here with its ledger at `step` (steps after it taken back)."""
 
     step: int
+
+
+@dataclass(frozen=True)
+class LostWork:
+    """What a tail holds that was generated under a lost version: a weight version newer
+    than the checkpoint's step, whose weights died with the process (its steps are taken
+    back). `rows`: sealed rows the state still references whose newest token is of such a
+    version (`Sealed.version`); `chains`: the partial generations with a chunk recorded in
+    the tail (a chunk's versions are not in its event: any may be lost). What a restart does
+    with them is `recovery.lost_versions` (`Scheduler.start`)."""
+
+    rows: frozenset[RowId] = frozenset()
+    chains: frozenset[tuple[str, int]] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -60,6 +73,7 @@ class Replayed:
     events: int  # tail events applied
     steps_taken_back: list[int]  # [first, last] committed after the checkpoint, or []
     groups_returned: int  # their groups, READY again: trained again, not regenerated
+    lost: LostWork = field(default_factory=LostWork)  # generated under lost versions
 
 
 def replay(base: LedgerState, rows: Mapping[RowId, Any],
@@ -75,6 +89,8 @@ def replay(base: LedgerState, rows: Mapping[RowId, Any],
     chains = PrefixStore()  # follows the events as the live run's did (a progressed comes with its chunk's place)
     chains.restore(prefixes or {})
     returned: dict[str, GroupRecord] = {}  # groups of the steps to take back, as claimed
+    lost_rows: set[RowId] = set()
+    touched: set[tuple[str, int]] = set()
     n = 0
     for ev, row in tail:
         if isinstance(ev, Restart):
@@ -90,6 +106,10 @@ def replay(base: LedgerState, rows: Mapping[RowId, Any],
             if row is None:
                 raise ValueError(f"tail event {n + 1}: a seal without its row ({ev.group_id} sibling {ev.generation})")
             live[RowId(ev.group_id, ev.generation, ev.attempt)] = row
+            if ev.version > base.version:
+                lost_rows.add(RowId(ev.group_id, ev.generation, ev.attempt))
+        elif isinstance(ev, Progressed | TurnSealed):
+            touched.add((ev.group_id, ev.generation))
         elif isinstance(ev, StepCommitted):
             returned.update((gid, _copy_record(ledger.group(gid))) for gid in ev.group_ids if gid in ledger)
         try:
@@ -110,8 +130,10 @@ def replay(base: LedgerState, rows: Mapping[RowId, Any],
     state = take_back(killed, base.version, returned)
     steps = [base.version + 1, killed.version] if killed.version > base.version else []
     referenced = referenced_set(state)
-    return Replayed(state, {rid: r for rid, r in live.items() if rid in referenced}, chains.capture(), n, steps,
-                    len(returned))
+    final_chains = chains.capture()
+    lost = LostWork(frozenset(lost_rows & referenced), frozenset(touched & final_chains.keys()))
+    return Replayed(state, {rid: r for rid, r in live.items() if rid in referenced}, final_chains, n, steps,
+                    len(returned), lost)
 
 
 def take_back(state: LedgerState, step: int, committed: Mapping[str, GroupRecord]) -> LedgerState:

@@ -182,8 +182,12 @@ def _fresh_enough(ledger: Ledger, gid: str, window: int) -> bool:
 
 
 def _oldest_ready(ledger: Ledger, window: int) -> list[str]:
-    """READY groups within the window, oldest first: by start version, then key."""
-    fresh = [g for g in ledger.ready_ids() if _fresh_enough(ledger, g, window)]
+    """READY groups within the window, oldest first: by start version, then key. A group
+    admitted under a version the ledger has not reached (after a journal replay took back
+    the steps it was admitted after: a lost version, docs/design.md §5.1) waits until it
+    has: trained earlier, its rows would be newer than the weights they train."""
+    v = ledger.version
+    fresh = [g for g in ledger.ready_ids() if _fresh_enough(ledger, g, window) and ledger.group(g).start_version <= v]
     return sorted(fresh, key=lambda g: (ledger.group(g).start_version, ledger.group(g).key))
 
 

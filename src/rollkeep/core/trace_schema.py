@@ -66,6 +66,12 @@ class Restored(RunEvent, tag="restored"):
     partial_generations: int = 0  # siblings cut off mid-generation that continue from their tokens
     partial_tokens: int = 0  # the tokens they continue from (recovery.partial: resume)
     turns_reused: int = 0  # finished turns of multi-turn episodes they continue after (docs/design.md §5.4)
+    # Work the journal's tail generated under lost versions (newer than the checkpoint, whose
+    # weights died with the process; docs/design.md §5.1), and what `lost_versions` (keep |
+    # regenerate) did with it: with regenerate these siblings are dispatched again too.
+    lost_versions: str = "keep"
+    lost_version_rows: int = 0
+    lost_version_chains: int = 0
 
 
 class CheckpointPublished(RunEvent, tag="checkpoint_published"):

@@ -4,8 +4,8 @@ attempt, which events are legal and the state each one leads to (docs/design.md 
 `Ledger.apply` looks every event up here before it changes anything; a pair that is not
 listed is an `IllegalTransition`. The tests walk both tables and check the next state of
 every entry, not only its legality. The few rules no table can express (a sealed sibling
-is abandoned only in an all-or-nothing group; a duplicate seal) are the ledger's
-`_special_rules_*`.
+is abandoned only in an all-or-nothing group, or for a lost version, which alone takes a
+complete group back to GENERATING; a duplicate seal) are the ledger's `_special_rules_*`.
 """
 
 from __future__ import annotations
@@ -32,12 +32,14 @@ GROUP_TABLE: dict[tuple[GroupState, str], int] = {
     (_S.GENERATING, "abandoned"): _S.GENERATING,
     (_S.GENERATING, "dropped"): GONE,
     (_S.READY_TO_FINALIZE, "finalizing"): _S.FINALIZING,
+    (_S.READY_TO_FINALIZE, "abandoned"): _S.GENERATING,  # reason LOST_VERSION only: `_special_rules_abandon`
     (_S.READY_TO_FINALIZE, "dropped"): GONE,
     (_S.FINALIZING, "ready"): _S.READY,
     (_S.FINALIZING, "released"): _S.READY_TO_FINALIZE,
     (_S.FINALIZING, "dropped"): GONE,
     (_S.READY, "claimed"): _S.CLAIMED,
     (_S.READY, "evicted"): _S.RESERVED,
+    (_S.READY, "abandoned"): _S.GENERATING,  # reason LOST_VERSION only: `_special_rules_abandon`
     (_S.READY, "dropped"): GONE,
     (_S.CLAIMED, "released"): _S.READY,
     (_S.CLAIMED, "step_committed"): GONE,
@@ -52,7 +54,7 @@ ATTEMPT_TABLE: dict[tuple[AttemptStatus, str], int] = {
     (_A.DISPATCHED, "sealed"): _A.SEALED,
     (_A.DISPATCHED, "failed"): _A.RESERVED,
     (_A.DISPATCHED, "abandoned"): _A.RESERVED,
-    (_A.SEALED, "abandoned"): _A.RESERVED,  # all-or-nothing groups only: `_special_rules_abandon`
+    (_A.SEALED, "abandoned"): _A.RESERVED,  # all-or-nothing groups, or LOST_VERSION: `_special_rules_abandon`
 }
 
 # The same tables keyed and valued by plain ints, as the ledger's records store states

@@ -56,6 +56,8 @@ def plan(seed: int, index: int = 0) -> Plan:
         on_stale=rng.choice(["regenerate", "drop"]), spare_prompts=rng.choice([0, 0, 1, 2]),
         timeout_s=0.5, retry=RetryPolicy(rng.randint(2, 4), rng.randint(2, 3), 5.0, 50.0),
         scale_rewards=rng.choice(["group_population", "group", "batch", "none"]),
+        # From a stream of its own, as `turns` below: every other draw stays what it was.
+        lost_versions=random.Random(f"{seed}/lost").choice(["keep", "regenerate"]),
     )
     # Multi-turn episodes in half the schedules, drawn from a stream of their own so every
     # other draw of a seed stays what it was before episodes existed.

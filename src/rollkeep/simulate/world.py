@@ -339,7 +339,7 @@ class World:
         self.trace.emit(RunStarted(resumed_from_step=ledger.version if resumed else None,
                                    checkpoint=None if restored is None else restored.name))
         if tail is not None:
-            counts = sched.start(restore_plan(tail.state), epochs=self.source.epochs, replayed=True)
+            counts = sched.start(restore_plan(tail.state), epochs=self.source.epochs, replayed=True, lost=tail.lost)
         else:
             counts = sched.start(restored, epochs=self.source.epochs)
         if resumed:

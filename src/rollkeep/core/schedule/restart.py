@@ -13,14 +13,45 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from ..events import Event
-from ..ledger import GroupState, Ledger
+from ..events import LOST_VERSION, Abandoned, Event
+from ..ledger import PROMPT_GROUP_CODE, AttemptStatus, GroupState, Ledger
+from ..prefixes import PrefixStore
+from ..replay import LostWork
 from ..restore import RestorePlan
 
 
 def normalize(ledger: Ledger, apply: Callable[[Event], object]) -> None:
     for ev in ledger.normalize_for_restart():
         apply(ev)
+
+
+def lost_versions(ledger: Ledger, lost: LostWork, mode: str, apply: Callable[[Event], object],
+                  prefixes: PrefixStore) -> dict[str, Any]:
+    """What a restart does with the work a journal tail generated under lost versions
+    (`recovery.lost_versions`, docs/design.md §5.1), after `normalize`: `keep` leaves it
+    (the re-done steps train the same groups from the same rows); `regenerate` abandons
+    every sealed sibling whose row has a lost version (reason LOST_VERSION; a complete
+    group goes back to GENERATING; an all-or-nothing group abandons all its siblings) and
+    forgets the partial generations the tail recorded. Returns the `restored` fields."""
+    current = {}
+    for rid in lost.rows:
+        if rid.group_id in ledger:
+            rec = ledger.group(rid.group_id)
+            if rec.attempts[rid.generation] == rid.attempt and rec.status[rid.generation] == AttemptStatus.SEALED:
+                current.setdefault(rid.group_id, set()).add(rid.generation)
+    chains = lost.chains & prefixes.capture().keys()
+    fields = {"lost_versions": mode, "lost_version_rows": sum(map(len, current.values())),
+              "lost_version_chains": len(chains)}
+    if mode != "regenerate":
+        return fields
+    for gid in sorted(current, key=lambda g: ledger.group(g).key):
+        rec = ledger.group(gid)
+        gens = current[gid] if rec.granularity != PROMPT_GROUP_CODE else {
+            g for g, st in enumerate(rec.status) if st != AttemptStatus.RESERVED}
+        apply(Abandoned(group_id=gid, generations=tuple(sorted(gens)), reason=LOST_VERSION))
+    if chains:
+        prefixes.restore({k: v for k, v in prefixes.capture().items() if k not in chains})
+    return fields
 
 
 def lost_in_flight(ledger: Ledger) -> list[str]:

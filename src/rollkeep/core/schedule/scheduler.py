@@ -61,6 +61,7 @@ from ..events import (
 from ..generation import Chunk, GenRequest, sampling_seed
 from ..ledger import AttemptStatus, GroupState, Ledger
 from ..prefixes import PrefixStore
+from ..replay import LostWork
 from ..restore import Restored, RestorePlan
 from ..rows import Row, RowId, RowStore
 from ..samplers import Sampler
@@ -114,6 +115,7 @@ class Settings:
     record_partial: bool = False  # record streamed chunks as `progressed` events (the journal on)
     resume_partial: bool = False  # and continue cut-off siblings from them (recovery.partial: resume)
     progress_every_s: float = 0.25  # an attempt records its chunks at most this often (recovery.progress_ms)
+    lost_versions: str = "keep"  # keep | regenerate: work generated under lost versions (recovery.lost_versions)
 
 
 class Phase(enum.Enum):
@@ -179,6 +181,10 @@ class Scheduler:
         self._deadlines: list[tuple[float, AttemptKey]] = []  # heap; entries may be stale
         self._not_before: dict[tuple[str, int], float] = {}  # backoff of a retried sibling
         self._queued: list[Command] = []  # commands decided inside a callback
+        # Restored groups admitted under a version this lineage has not reached (a journal
+        # replay took back the steps after it): gid -> that version, below which their
+        # siblings are not generated (docs/design.md §5.1, lost versions).
+        self._floor: dict[str, int] = {}
         ledger.subscribe(self._on_event)
 
     # ============================================================== wiring
@@ -212,13 +218,14 @@ class Scheduler:
     # ============================================================== start
 
     def start(self, restored: Restored | RestorePlan | None, *, epochs: int | None,
-              replayed: bool = False) -> dict[str, Any] | None:
+              replayed: bool = False, lost: LostWork | None = None) -> dict[str, Any] | None:
         """Record the run's limits; after a restore (the chain's `Restored`, or the plan of the
         ledger the scheduler was built on), normalise the ledger (docs/design.md §5) and
         return the counts of the `restored` trace event. `replayed`: the ledger is the
         checkpoint's with a journal tail replayed (docs/design.md §5.1), so it differs from
         every checkpoint: the next cut, the final one included, is written even if nothing
-        else changes (LATEST alone then holds what the tail did)."""
+        else changes (LATEST alone then holds what the tail did). `lost`: what the tail
+        generated under lost versions, regenerated under `lost_versions: regenerate`."""
         limits = self.sampler.limits
         self._apply(Configured(num_prompts_per_step=limits.num_prompts_per_step, window=limits.window,
                                epochs=epochs))
@@ -228,6 +235,8 @@ class Scheduler:
         fields = None
         if restored is not None:
             restart.normalize(self.ledger, self._apply)
+            lost_fields = restart.lost_versions(self.ledger, lost or LostWork(), self.settings.lost_versions,
+                                                self._apply, self.prefixes)
             lost = 0
             if self.settings.recovery_mode == "cursor_only":
                 lost_ids = restart.lost_in_flight(self.ledger)
@@ -242,11 +251,14 @@ class Scheduler:
                 else:
                     self.prefixes.restore({})
             fields.update(partial_generations=len(self.prefixes), partial_tokens=self.prefixes.tokens(),
-                          turns_reused=self.prefixes.turns())
+                          turns_reused=self.prefixes.turns(), **lost_fields)
             # Groups sealed but not finalized at the cut are finalized again (no side effects).
             for gid, rec in self.ledger.groups():
                 if rec.state == GroupState.READY_TO_FINALIZE:
                     finalize(self.ledger, self.rows, gid, self.settings.scale_rewards, self._apply)
+        v = self.ledger.version
+        self._floor = {gid: rec.start_version for gid, rec in self.ledger.groups()
+                       if rec.start_version is not None and rec.start_version > v}
         return fields
 
     # ============================================================== poll
@@ -297,6 +309,11 @@ class Scheduler:
                         remedy="this is a bug in the scheduler's refit ordering",
                     )
                 continue  # waits for the refit to its pinned version
+            floor = self._floor.get(gid) if pinned is None else None
+            if floor is not None:  # admitted under a lost version: never generated under older weights
+                if self.engine_version is None or self.engine_version < floor:
+                    continue  # waits for the lineage to reach it (the refit after that step wakes us)
+                del self._floor[gid]
             gens = []
             for g in rec.generations_with(AttemptStatus.RESERVED):
                 nb = self._not_before.get((gid, g))
