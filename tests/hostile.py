@@ -16,9 +16,9 @@ from rollkeep.cli import main
 from rollkeep.core.store import _encode_manifest
 
 
-def rollkeep(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+def rollkeep(*args: str, timeout: float = 60, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """The real command line in a subprocess (a hang is a failed test, not a stuck suite)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLKEEP_CRASH")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLKEEP_CRASH")} | (env_extra or {})
     return subprocess.run([sys.executable, "-m", "rollkeep", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import pytest
-from hostile import edit_manifest, main_child, refuses, rehash, train_args, tree
+from hostile import edit_manifest, main_child, refuses, rehash, rollkeep, train_args, tree
 from run_harness import STOPPED, check, config, final_sha, killed, run_child, trace_lines
 
 from rollkeep.cli import main
@@ -381,3 +381,13 @@ def test_lost_versions_regenerated_in_deterministic_mode_end_byte_identical(tmp_
     cfg = config(tmp_path / "run", *det, "recovery.lost_versions=regenerate")
     assert _resumed(cfg)["lost_version_rows"] > 0
     check(cfg, final_sha(reference))
+
+
+def test_d12_prompts_run_out_to_failures_under_replace_says_so(tmp_path) -> None:
+    """Found: "use on_dropped_prompt: replace" as the remedy of a run that already replaces."""
+    (tmp_path / "rt_rewards.py").write_text("def nan(completion, row):\n    return float('nan')\n")
+    out = rollkeep(*train_args(tmp_path / "run", "reward.fn=rt_rewards:nan", "rollout.on_dropped_prompt=replace"),
+                   env_extra={"PYTHONPATH": str(tmp_path)})
+    assert out.returncode == 5, out.stderr
+    assert "no prompt is left to replace them" in out.stderr and "the last drop: data budget spent" in out.stderr
+    assert "use on_dropped_prompt: replace" not in out.stderr and "Traceback" not in out.stderr

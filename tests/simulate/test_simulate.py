@@ -324,8 +324,10 @@ def test_multi_turn_episodes_are_drawn_and_the_sweep_crashes_mid_episode(sweep):
 def test_a_crash_between_turns_of_a_deterministic_run_continues_the_episodes_and_ends_identical():
     p = plan(schedule_seed(1, 6), index=10**6)
     assert p.settings.deterministic and p.settings.recovery_mode == "sibling"
+    # (lost_versions: keep, or the turns the tail recorded are regenerated, not reused)
     p = dataclasses.replace(p, journal=True, script=dataclasses.replace(p.script, turns=3),
-                            crashes=(Crash(at=30, point="ledger.turn_sealed"),), fault_rate=0.0, max_faults=0)
+                            crashes=(Crash(at=30, point="ledger.turn_sealed"),), fault_rate=0.0, max_faults=0,
+                            settings=dataclasses.replace(p.settings, lost_versions="keep"))
     out = check(p)  # also the digest of the same plan run without the crash
     assert not out.problems and out.crashes == 1
     lines, _ = parse_trace(out.trace)

@@ -84,16 +84,27 @@ def drop_event(
     return Dropped(group_id=gid, reason=reason, prompt=prompt, step=step, shrink=True)
 
 
-def check_step_size(ledger: Ledger, limits: Limits, step: int) -> None:
-    """Stop the run if drops shrank `step` below `min_step_batch_fraction` (docs/design.md §6)."""
+def check_step_size(ledger: Ledger, limits: Limits, step: int, *, replacing: bool = False,
+                    reason: str | None = None) -> None:
+    """Stop the run if drops shrank `step` below `min_step_batch_fraction` (docs/design.md §6).
+    `replacing`: the run replaces dropped prompts (`on_dropped_prompt: replace`), so a
+    shrink means there was no prompt left to replace it with; `reason`: the last drop's."""
     remaining = limits.num_prompts_per_step - ledger.shortfall(step)
     if remaining < limits.min_step_groups:
+        last = f"; the last drop: {reason}" if reason else ""
+        if replacing:
+            remedy = ("every prompt left was dropped too: the data ran out to failures, so look at the "
+                      "'dropped' events in trace.jsonl (most often one cause, such as a reward function "
+                      "or environment that fails on every completion), fix it, and run again (the run "
+                      "resumes from its last checkpoint); or raise the failure budgets")
+        else:
+            remedy = ("look at the 'dropped' events in trace.jsonl for the failures; raise the failure "
+                      "budgets, use on_dropped_prompt: replace, or lower min_step_batch_fraction")
         raise ExternalError(
             f"step {step} lost {ledger.shortfall(step)} of {limits.num_prompts_per_step} prompts "
-            "to failures",
+            "to failures" + (" and no prompt is left to replace them" if replacing else "") + last,
             expected=f"at least {limits.min_step_groups} groups per step "
             f"(min_step_batch_fraction {limits.min_step_batch_fraction})",
             found=f"{remaining} left",
-            remedy="look at the 'dropped' events in trace.jsonl for the failures; raise the "
-            "failure budgets, use on_dropped_prompt: replace, or lower min_step_batch_fraction",
+            remedy=remedy,
         )

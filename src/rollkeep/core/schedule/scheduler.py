@@ -433,7 +433,9 @@ class Scheduler:
             self._queued.append(Cancel(stale))
         self._apply(ev)
         if ev.shrink:
-            check_step_size(self.ledger, self.sampler.limits, ev.step)
+            check_step_size(self.ledger, self.sampler.limits, ev.step,
+                            replacing=(on_dropped_prompt or self.settings.on_dropped_prompt) == "replace",
+                            reason=reason)
 
     # -------------------------------------------------------------- train side
 
