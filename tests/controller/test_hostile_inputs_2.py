@@ -391,3 +391,19 @@ def test_d12_prompts_run_out_to_failures_under_replace_says_so(tmp_path) -> None
     assert out.returncode == 5, out.stderr
     assert "no prompt is left to replace them" in out.stderr and "the last drop: data budget spent" in out.stderr
     assert "use on_dropped_prompt: replace" not in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("make", ["file", "symlink"])
+def test_d10_a_rows_dir_that_is_not_a_directory_is_refused_by_train_and_audit(with_tail, case, capsys, make):
+    """Found: rows/ a regular file was exit 5 ("the filesystem failed"); a symlink to an
+    identical directory was refused by train (3) and passed by audit (0)."""
+    run, _ = case(with_tail)
+    shutil.move(run / "rows", run.parent / "rows-real")
+    if make == "file":
+        (run / "rows").write_bytes(b"not a directory")
+    else:
+        (run / "rows").symlink_to(run.parent / "rows-real", target_is_directory=True)
+    err = refuses(capsys, args(run, *TAIL), 3, run)
+    assert "not a directory" in err
+    err = refuses(capsys, ["audit", str(run)], 3, run)
+    assert "not a directory" in err

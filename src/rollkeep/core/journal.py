@@ -103,7 +103,7 @@ import xxhash
 
 from . import crashpoints
 from .errors import CheckpointError, CustodyError
-from .fs import DEFAULT_FS, DIR, FILE, FS, AppendFile
+from .fs import DEFAULT_FS, DIR, FILE, FS, SYMLINK, AppendFile
 
 # Crash points of a flush (`rollkeep simulate` kills and power-cuts there; ROLLKEEP_CRASH_AT
 # may name them): the records written but not yet fsynced, and fsynced with their name.
@@ -205,7 +205,7 @@ def _list_segments(directory: Path, fs: FS, *, strict: bool) -> list[_Segment]:
         if m and k == FILE and int(m[1]) >= 1:
             out.append(_Segment(int(m[1]), directory / name))
         elif strict:
-            what = {FILE: "a file", DIR: "a directory"}.get(k, f"a {k}")
+            what = {FILE: "a file", DIR: "a directory", SYMLINK: "a symlink"}.get(k, "a special file (FIFO, socket or device)")
             raise JournalError(
                 f"the journal directory holds {what} that is not a journal segment",
                 path=str(directory / name),

@@ -84,7 +84,7 @@ import xxhash
 
 from . import crashpoints
 from .errors import FilesystemError, RowsMismatch
-from .fs import DEFAULT_FS, FILE, FS, AppendFile
+from .fs import DEFAULT_FS, DIR, FILE, FS, AppendFile
 from .rows import FINISH_REASONS, Row, RowId, _check_row_id
 
 # Crash points of a flush (`rollkeep simulate` kills and power-cuts there): the rows
@@ -167,8 +167,8 @@ class RowSegmentCorrupt(RowsMismatch):
     """A row segment or one of its frames cannot be trusted (restore step 6, exit 3).
     `segment` and `offset` say where; `path` names the file."""
 
-    def __init__(self, what: str, *, segment: int, offset: int | None, **kw) -> None:
-        self.segment = segment
+    def __init__(self, what: str, *, segment: int | None, offset: int | None, **kw) -> None:
+        self.segment = segment  # None: the row log's directory itself
         self.offset = offset
         kw.setdefault("remedy", _REMEDY)
         super().__init__(what, **kw)
@@ -454,9 +454,26 @@ class RowLogReader:
         except OSError as e:
             raise _refused_open(e, seg, path, doing) from None
 
+    def _check_directory(self) -> None:
+        """RUN_DIR/rows is a real directory: a file, a FIFO or a symlink (even to an
+        identical directory) there is not the row log a checkpoint names (exit 3)."""
+        try:
+            kind = self._fs.kind_of(self.directory)
+        except OSError as e:
+            raise FilesystemError.of(e, "reading the row log", self.directory) from None
+        if kind not in (None, DIR):  # (absent: each segment is then missing, and says so)
+            raise RowSegmentCorrupt(
+                f"{ROWS_DIR}/ is not a directory", segment=None, offset=None, path=str(self.directory),
+                expected="the directory of row segments the run wrote (not a symlink)",
+                found=self._fs.describe(self.directory),
+                remedy="put the run's row log back in place (a checkpoint names rows in it), or restore "
+                "from a checkpoint that copies its rows")
+
     def _check_segment(self, seg: int, path: Path) -> None:
         if seg in self._headers_ok:
             return
+        if not self._headers_ok:
+            self._check_directory()
         data = self._read(seg, path, 0, _MAX_HEADER_FRAME, "its header")
         problem = None
         if len(data) < _FH:
