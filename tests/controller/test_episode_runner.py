@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 
 from rollkeep.controller.episodes import run_episode
+from rollkeep.controller.usercode import UserCode
 from rollkeep.core.generation import DataError, GenRequest, Tokens
 from rollkeep.core.source import Prompt
+from rollkeep.engines.base import CompletionLimit
 from rollkeep.engines.toy import TOKENIZER, ToyEngine
 from rollkeep.envs import ENV_VERSION, EnvSpec
 from rollkeep.envs.calc import CalcEnv
@@ -33,7 +35,12 @@ def request(**kw) -> GenRequest:
 def episode(env: EnvSpec, req: GenRequest, engine=None):
     turns: list[tuple[Tokens, int, bytes | None]] = []
     engine = engine or ToyEngine(tool_turns=env.max_turns - 1)
-    completion, reward = asyncio.run(run_episode(engine, env, req, None, lambda t, k, s: turns.append((t, k, s))))
+    code = UserCode()
+    try:
+        completion, reward = asyncio.run(run_episode(engine, env, req, None, lambda t, k, s: turns.append((t, k, s)),
+                                                     code=code))
+    finally:
+        code.close()
     return completion, reward, turns
 
 
@@ -113,13 +120,11 @@ def test_a_slow_environment_misses_its_deadline() -> None:
 def test_an_environment_response_past_the_engines_budget_ends_the_episode() -> None:
     """The trajectory never outgrows what the engine may generate after the prompt (the
     built-in GPT's block_size): a response that would reach it cuts the episode there."""
-    class Bounded(ToyEngine):
-        def completion_limit(self, prompt_tokens: int) -> int:
-            return 20
-
+    bounded = ToyEngine(tool_turns=2)
+    bounded.completion_limit = CompletionLimit(20, None)
     talkative = type("Talkative", (episode_envs.CountEnv,),
                      {"step": lambda self, text: episode_envs.Step(response="=" * 30)})
-    c, _, turns = episode(spec(talkative), request(), engine=Bounded(tool_turns=2))
+    c, _, turns = episode(spec(talkative), request(), engine=bounded)
     assert not turns and c.finish_reason == "length" and len(c.completion_ids) < 20
     assert (c.versions != ENV_VERSION).all()
 

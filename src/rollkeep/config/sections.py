@@ -539,9 +539,15 @@ class RewardConfig(_Section):
     `{task: "package.module:function"}`: rewards the rows of each listed task with its
     function (other tasks keep the built-in reward). The function is called as
     `fn(completion: str, row: dict) -> float` (`row` is the dataset row, every field) and
-    must return a finite number; an exception or a non-number is a data failure of that
-    attempt (within `rollout.max_data_attempts`). The module is imported at start-up, from
-    the current directory or the Python path; null = the built-in rewards."""
+    must return a finite number; an exception, a non-number or a call past `timeout_s` is
+    a data failure of that attempt (within `rollout.max_data_attempts`); SystemExit or
+    KeyboardInterrupt stops the run (final checkpoint, exit 2). It runs on a worker thread,
+    several calls at once. The module is imported at start-up, from the current directory
+    or the Python path; null = the built-in rewards."""
+    timeout_s: float = Field(60.0, gt=0.0, le=86_400)
+    """Deadline of one `reward.fn` call; past it, a data failure of the attempt, and the call
+    is abandoned (its thread left to finish or hang; the run does not wait for it).
+    `rollout.timeout_s` bounds the whole attempt, reward included."""
 
 
 def _env_factory(v: Any) -> str | None:
@@ -574,8 +580,14 @@ class EnvConfig(_Section):
     """Most tokens the model writes in one turn (a turn ends at EOS or here); null = only
     the trajectory's budget (`engine.max_new_tokens`, environment tokens included) bounds it."""
     timeout_s: float = Field(30.0, gt=0.0)
-    """Deadline of one environment call (reset, step, snapshot, restore); past it, a data
-    failure of the attempt."""
+    """Deadline of one environment call (the factory, reset, step, snapshot, restore); past it,
+    a data failure of the attempt, and the call is abandoned (its thread left to finish or
+    hang; later calls run on other threads)."""
+    max_response_bytes: int = Field(65536, ge=1, le=16 << 20)
+    """Longest environment response (a step's `response`, UTF-8 bytes), at most 16 MiB; a
+    longer one is a data failure of the attempt. Within it, the trajectory's budget
+    (`engine.max_new_tokens`; the toy engine's is 4096 tokens) ends an episode whose
+    response would spend it."""
     max_snapshot_bytes: int = Field(65536, ge=0, le=16 << 20)
     """Largest environment snapshot (environments recovering by `snapshot`), at most 16 MiB;
     a larger one is a data failure of the attempt. Snapshots live in the journal's records

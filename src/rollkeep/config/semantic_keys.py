@@ -78,6 +78,8 @@ _NOT_SEMANTIC = (
     "logger",
     "env.timeout_s",
     "env.max_snapshot_bytes",
+    "env.max_response_bytes",
+    "reward.timeout_s",
 )
 
 

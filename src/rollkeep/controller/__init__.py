@@ -39,7 +39,10 @@ def train(
     (`warmup.sft_steps`) runs first, as its own checkpointed phase.
 
     Errors: every `RollkeepError` propagates as itself; a filesystem error anywhere is a
-    `FilesystemError` (the CLI's exit 5); anything else is a bug and propagates unchanged.
+    `FilesystemError` (the CLI's exit 5); user code that asked the process to stop
+    (SystemExit, KeyboardInterrupt) or hangs too often stops the run with its final
+    checkpoint, then raises `usercode.UserCodeError` (exit 2); anything else is a bug and
+    propagates unchanged.
     """
     check_allowed_changes(allow_config_change)
     try:
@@ -90,9 +93,12 @@ def _run(cfg: Config, parts: Parts, *, allow_config_change: tuple[str, ...], all
                                      details=(f"  warm start  {step} of {cfg.warmup.sft_steps} steps; this "
                                               f"process ran it for {duration(warmup_seconds)}",))
             try:
-                return asyncio.run(runner.run(warmup_seconds=warmup_seconds))
+                result = asyncio.run(runner.run(warmup_seconds=warmup_seconds))
             except BaseExceptionGroup as group:
                 raise _primary(group) from group
+            if runner.user_stop is not None:  # user code stopped it, after its final checkpoint: exit 2
+                raise runner.user_stop.error(result.step, result.checkpoint)
+            return result
     except OSError as e:
         raise FilesystemError.of(e, "running the job") from e
 

@@ -10,16 +10,21 @@ prefix continuation (`continues`) and its tokenizer (`engine.episode_tokenizer`:
 `encode(text, bos=False)`, `decode(ids)`).
 
 The trajectory's budget is the engine's (`engine.completion_limit(prompt_tokens)`: its
-`max_new_tokens` within its context; unbounded for an engine without one): an environment
-response is cut to what is left of it, and the episode ends when it is spent, when a turn
-generates nothing, when the environment says it is done, or after `env.max_turns` turns. Environment calls run on a
-worker thread, each within `env.timeout_s`; any failure of theirs is a `DataError` (a data
-failure of the attempt).
+`max_new_tokens` within its context; the toy engine's `TRAJECTORY_TOKENS`; unbounded for
+an engine without one): an environment response is cut to what is left of it, and the
+episode ends when it is spent, when a turn generates nothing, when the environment says
+it is done, or after `env.max_turns` turns.
+
+Environment calls (the factory, `reset`, `step`, `snapshot`, `restore`) are user code:
+each runs on one of the run's own worker threads (`usercode.UserCode`) within
+`env.timeout_s`, and one past it is abandoned, its thread left to finish or hang, so it
+never holds up a later call. Any failure of theirs, a late call, a malformed step and a
+response over `env.max_response_bytes` (UTF-8) is a `DataError` (a data failure of the
+attempt); SystemExit or KeyboardInterrupt from them stops the run (`usercode.UserStop`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import numbers
 from collections.abc import Callable
@@ -31,20 +36,26 @@ from ..core.errors import RowsMismatch
 from ..core.generation import Completion, DataError, GenRequest, Tokens
 from ..core.prefixes import PrefixStore
 from ..envs import ENV_VERSION, SNAPSHOT, EnvSpec, Step
+from .usercode import Overdue, UserCode
 
 OnTurn = Callable[[Tokens, int, bytes | None], None]  # (trajectory, turn, snapshot)
 _EMPTY = Tokens(np.zeros(0, np.int32), np.zeros(0, np.float32), np.zeros(0, np.int32))
 
 
 async def run_episode(engine: Any, spec: EnvSpec, req: GenRequest, progress: Any,
-                      on_turn: OnTurn) -> tuple[Completion, float]:
+                      on_turn: OnTurn, *, code: UserCode) -> tuple[Completion, float]:
     """One episode: the trajectory as a Completion (environment tokens carry ENV_VERSION)
-    and its reward, the last step's (an environment that scores turns adds them in)."""
+    and its reward, the last step's (an environment that scores turns adds them in). The
+    environment's calls run on `code`'s threads."""
     tok = engine.episode_tokenizer
-    env = await _call(spec, "building the environment", spec.factory)
+
+    async def call(what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        return await _call(spec, code, what, fn, *args)
+
+    env = await call("building the environment", spec.factory)
     traj = req.prefix if req.prefix is not None else _EMPTY
     turns = list(req.turns)
-    texts = await _rebuild(spec, env, req, traj, tok)
+    texts = await _rebuild(spec, call, env, req, traj, tok)
     step, finish = Step(), "length"
     while True:  # (at least one turn: a resume with a lowered env.max_turns takes its last one)
         start = turns[-1] if turns else 0  # where this turn begins
@@ -57,12 +68,12 @@ async def run_episode(engine: Any, spec: EnvSpec, req: GenRequest, progress: Any
             break  # nothing generated: the budget is spent or the context is full
         text = tok.decode(turn_ids)
         texts.append(text)
-        step = _checked(spec, await _call(spec, f"step of turn {len(turns)}", env.step, text))
+        step = _checked(spec, await call(f"step of turn {len(turns)}", env.step, text))
         if step.done or len(turns) + 1 >= spec.max_turns:
             finish = "stop" if step.done else "length"
             break
         response = np.asarray(tok.encode(step.response, bos=False), np.int32)
-        limit_of = getattr(engine, "completion_limit", None)  # (an engine pool's is None for the toy engine)
+        limit_of = getattr(engine, "completion_limit", None)  # (None: an engine without a budget)
         limit = None if limit_of is None else limit_of(len(c.prompt_ids))
         if limit is not None and len(traj) + len(response) >= limit:
             break  # the response would spend what is left of the budget: the episode is cut here
@@ -70,7 +81,7 @@ async def run_episode(engine: Any, spec: EnvSpec, req: GenRequest, progress: Any
                       np.concatenate([traj.logprobs, np.zeros(len(response), np.float32)]),
                       np.concatenate([traj.versions, np.full(len(response), ENV_VERSION, np.int32)]))
         texts.append(step.response)
-        snapshot = await _snapshot(spec, env) if spec.recovery == SNAPSHOT else None
+        snapshot = await _snapshot(spec, call, env) if spec.recovery == SNAPSHOT else None
         on_turn(traj, len(turns), snapshot)
         turns.append(len(traj))
     return Completion(prompt_ids=c.prompt_ids, completion_ids=traj.completion_ids,
@@ -97,7 +108,7 @@ def check_restored(prefixes: PrefixStore, spec: EnvSpec | None, where: str) -> N
                     "older checkpoint")
 
 
-async def _rebuild(spec: EnvSpec, env: Any, req: GenRequest, traj: Tokens, tok: Any) -> list[str]:
+async def _rebuild(spec: EnvSpec, call: Any, env: Any, req: GenRequest, traj: Tokens, tok: Any) -> list[str]:
     """Bring a fresh environment to the state after `req.turns` (none: reset it); return
     the texts of the turns and responses so far. A replay that answers differently from
     the recorded responses is a DataError: the environment is not deterministic."""
@@ -106,9 +117,9 @@ async def _rebuild(spec: EnvSpec, env: Any, req: GenRequest, traj: Tokens, tok: 
         if req.snapshot is None:
             raise DataError(f"environment {spec.label}: turn {len(req.turns) - 1} of "
                             f"{req.group_id}/{req.generation} has no snapshot to restore")
-        await _call(spec, "restoring the snapshot", env.restore, req.snapshot)
+        await call("restoring the snapshot", env.restore, req.snapshot)
     else:
-        await _call(spec, "reset", env.reset, req.prompt.row, req.seed)
+        await call("reset", env.reset, req.prompt.row, req.seed)
     start = 0
     for turn, end in enumerate(req.turns):
         ids, versions = traj.completion_ids[start:end], traj.versions[start:end]
@@ -116,7 +127,7 @@ async def _rebuild(spec: EnvSpec, env: Any, req: GenRequest, traj: Tokens, tok: 
         text = tok.decode(model)
         texts.append(text)
         if spec.recovery != SNAPSHOT:
-            step = _checked(spec, await _call(spec, f"replay of turn {turn}", env.step, text))
+            step = _checked(spec, await call(f"replay of turn {turn}", env.step, text))
             answer = np.asarray(tok.encode(step.response, bos=False), np.int32)
             if step.done or not np.array_equal(answer, recorded):
                 raise DataError(
@@ -131,8 +142,8 @@ async def _rebuild(spec: EnvSpec, env: Any, req: GenRequest, traj: Tokens, tok: 
     return texts
 
 
-async def _snapshot(spec: EnvSpec, env: Any) -> bytes:
-    data = await _call(spec, "snapshot", env.snapshot)
+async def _snapshot(spec: EnvSpec, call: Any, env: Any) -> bytes:
+    data = await call("snapshot", env.snapshot)
     if not isinstance(data, bytes | bytearray) or len(data) > spec.max_snapshot_bytes:
         found = f"{type(data).__name__}" if not isinstance(data, bytes | bytearray) else f"{len(data)} bytes"
         raise DataError(f"environment {spec.label}: snapshot() must return at most env.max_snapshot_bytes="
@@ -140,17 +151,16 @@ async def _snapshot(spec: EnvSpec, env: Any) -> bytes:
     return bytes(data)
 
 
-async def _call(spec: EnvSpec, what: str, fn: Callable[..., Any], *args: Any) -> Any:
-    """`fn(*args)` on a worker thread within env.timeout_s; any failure is a DataError."""
+async def _call(spec: EnvSpec, code: UserCode, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` on one of `code`'s threads within env.timeout_s; any failure is a
+    DataError (UserStop, the code asking the process to stop, passes through)."""
     try:
-        async with asyncio.timeout(spec.timeout_s):
-            out = await asyncio.to_thread(fn, *args)
-    except TimeoutError:
+        return await code.call(f"environment {spec.label} ({what})", spec.timeout_s, fn, *args)
+    except Overdue:
         raise DataError(f"environment {spec.label}: {what} took longer than env.timeout_s={spec.timeout_s:g} s") \
             from None
     except Exception as e:
         raise DataError(f"environment {spec.label}: {what} raised {type(e).__name__}: {e}") from None
-    return out
 
 
 def _checked(spec: EnvSpec, out: Any) -> Step:
@@ -162,4 +172,8 @@ def _checked(spec: EnvSpec, out: Any) -> Step:
             and np.isfinite(out.reward)):
         raise DataError(f"environment {spec.label}: step() must return Step(response: str, done: bool, "
                         f"reward: finite float); got {str(out)[:120]}")
+    size = len(out.response.encode("utf-8", "surrogatepass"))
+    if size > spec.max_response_bytes:
+        raise DataError(f"environment {spec.label}: step() returned a response of {size} bytes, over "
+                        f"env.max_response_bytes={spec.max_response_bytes}")
     return out

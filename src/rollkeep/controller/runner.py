@@ -53,7 +53,6 @@ from ..core.trace_schema import CheckpointPublished, Eval, RunFailed, RunFinishe
 from ..engines import DataError, Engine, GenRequest, InfraError
 from ..envs import EnvSpec
 from ..progress import RunProgress
-from ..tasks import reward_fn
 from ..trace import Trace
 from ..trainers import Trainer
 from .episodes import run_episode
@@ -61,6 +60,7 @@ from .journaling import JournalThread
 from .metrics import MetricsLog, ReplicaRates, Throughput, progress_fields, step_record
 from .startup import checkpoint_meta, open_run
 from .summary import RunResult, restarts_in_trace, summary_lines
+from .usercode import Stopped, UserCode, UserStop, guarded_save, score
 
 for _ev in ALL_EVENTS:
     crashpoints.register("ledger." + event_name(_ev))
@@ -98,6 +98,8 @@ class Runner:
         self._last_eval: tuple[int | None, dict[str, float]] = (None, {})  # (step, metrics)
         self._signal: str | None = None  # the signal that stopped the run gracefully
         self._failure: str | None = None  # the external failure that stopped it (no engine replica)
+        self.user_stop: Stopped | None = None  # user code stopped it: `train` raises its error (exit 2)
+        self._code = UserCode(self._on_user_stop)  # the threads of reward functions and environments
         self._replica_rates = ReplicaRates()  # metrics per engine replica (an engine pool's)
 
     # ================================================================== start
@@ -204,6 +206,15 @@ class Runner:
         self.sched.on_signal()
         self._wake.set()
 
+    def _on_user_stop(self, why: Stopped) -> None:
+        """User code raised SystemExit or KeyboardInterrupt, or too many of its calls hang:
+        stop as for a signal (final checkpoint); `train` then raises `why` (exit 2)."""
+        if self._signal is None and self._failure is None and self.user_stop is None:
+            self.user_stop = why
+            self._progress.note(f"stopping: {why.what}")
+            self.sched.on_signal()
+        self._wake.set()
+
     def _on_no_replica(self, why: str) -> None:
         """The engine pool has no replica left: stop as for a signal (final checkpoint), exit 5."""
         if self._signal is None and self._failure is None:
@@ -216,8 +227,9 @@ class Runner:
 
     async def _generate(self, req: GenRequest) -> None:
         """One attempt. Only the engine's declared failures are failures: DataError is a
-        data failure, InfraError and a lost connection are infra failures (the deadline is
-        the scheduler's). Anything else is a bug and stops the run, never a silent retry."""
+        data failure (an environment's or reward's too), InfraError and a lost connection are
+        infra failures (the deadline is the scheduler's). Anything else is a bug and stops
+        the run, never a silent retry; UserStop reports nothing (the stop abandons it)."""
         key = (req.group_id, req.generation, req.attempt)
         loop, sched = asyncio.get_running_loop(), self.sched
         # Chunks go to the scheduler when the engine streams and the journal is on.
@@ -227,16 +239,14 @@ class Runner:
                 if self.env is not None:  # a multi-turn episode: the environment gives the reward
                     completion, reward = await run_episode(
                         self.engine, self.env, req, progress,
-                        lambda traj, turn, snapshot: sched.on_turn(key, traj, turn, snapshot))
-                    outcome = Generated(completion, reward, completion.replica)
+                        lambda traj, turn, snapshot: sched.on_turn(key, traj, turn, snapshot), code=self._code)
                 else:
                     completion = await (self.engine.generate(req, progress) if progress is not None
                                         else self.engine.generate(req))
-                    try:
-                        reward = float(reward_fn(req.prompt.task)(completion.text, req.prompt.row))
-                        outcome = Generated(completion, reward, completion.replica)
-                    except Exception as e:  # a reward function's error is a data failure (docs/design.md §6)
-                        outcome = Failure(DATA, f"reward function: {type(e).__name__}: {e}", completion.replica)
+                    reward = await score(self._code, self.cfg.reward, req.prompt, completion)
+                outcome = Generated(completion, reward, completion.replica)
+            except UserStop:
+                return  # the run is stopping (`_on_user_stop`)
             except DataError as e:
                 outcome = Failure(DATA, str(e), e.replica)
             except (InfraError, ConnectionError) as e:
@@ -294,6 +304,7 @@ class Runner:
 
     async def _write(self, cmd: Cut, c: Any, snapshot: Any, snapshot_seconds: float, position: Any) -> None:
         meta = checkpoint_meta(self.source, self.semantic, self.trace.run_id, journal=position)
+        save = guarded_save(snapshot.save, self.cfg.trainer, cmd.step)  # a custom trainer's fails as exit 2
 
         def work():  # on a worker thread, while the loop keeps going
             t0 = time.perf_counter()
@@ -302,7 +313,7 @@ class Runner:
             # the open file only, not the trace's buffer, so the loop may go on emitting.
             self.trace.sync_flushed()
             with contextlib.nullcontext() if position is None else self._journal.covering(position, self.store):
-                published = write_checkpoint(self.store, c, trainer_save=snapshot.save, meta=meta,
+                published = write_checkpoint(self.store, c, trainer_save=save, meta=meta,
                                              keep_last=self.cfg.checkpoint.keep_last, trainer_step=snapshot.step)
             return published, time.perf_counter() - t0
 
@@ -336,6 +347,7 @@ class Runner:
         """Release everything the run holds, each even if another fails (LIFO order)."""
         async with contextlib.AsyncExitStack() as stack:
             stack.push_async_callback(self.engine.close)
+            stack.callback(self._code.close)  # idle workers end; abandoned ones are never waited for
             for closable in (self._metrics, self.trace, self._progress, self._journal):
                 if closable is not None:
                     stack.callback(closable.close)

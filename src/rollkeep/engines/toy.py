@@ -1,7 +1,11 @@
 """The toy engine: deterministic fake generation for testing and benchmarking the
 control plane. Completions, latencies and injected failures are pure functions of the
 request's seed, so kills land while many groups are in every state and a regenerated
-rollout reproduces the lost one exactly."""
+rollout reproduces the lost one exactly.
+
+A multi-turn episode's trajectory (its turns and the environment's responses) has a budget
+like a real engine's `max_new_tokens`: `TRAJECTORY_TOKENS` (or `engine.completion_tokens`
+if that is more, so a single-turn completion is never cut), as `completion_limit`."""
 
 from __future__ import annotations
 
@@ -11,12 +15,16 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from .base import Chunk, Completion, DataError, GenRequest, InfraError, Progress
+from .base import Chunk, Completion, CompletionLimit, DataError, GenRequest, InfraError, Progress
 
 VOCAB = 10  # digits: a completion's text is its token ids, so rewards can parse numbers
 # Token ids past the digits, for multi-turn episodes: the tool protocol of the built-in
 # `calc` environment (`CALC(<digits>)`, answered "=<value>;").
 _SYMBOLS = "CAL()+-*=;?"
+# The trajectory budget of an episode, environment tokens included (one token a character):
+# far more than any toy episode of the tests and configs, so only an environment that
+# answers at length reaches it.
+TRAJECTORY_TOKENS = 4096
 
 
 class ToyTokenizer:
@@ -92,6 +100,8 @@ class ToyEngine:
         self.max_concurrent = max_concurrent
         self._slots: asyncio.Semaphore | None = None
         self._version = 0
+        # The trajectory's budget (no context: the toy has no model); episodes read it.
+        self.completion_limit = CompletionLimit(max(TRAJECTORY_TOKENS, completion_tokens), None)
 
     @property
     def version(self) -> int:
@@ -136,6 +146,10 @@ class ToyEngine:
             logprobs = np.concatenate([np.full(len(_CALL_OPEN), -0.01, np.float32), logprobs,
                                        np.full(1, -0.01, np.float32)])
             n = len(ids)
+        room = max(0, self.completion_limit.max_new_tokens - start)
+        cut = n > room  # the trajectory's budget: the turn ends there (nothing is left: it generates nothing)
+        if cut:
+            ids, logprobs, n = ids[:room], logprobs[:room], room
         versions = np.full(n, self._version if req.pinned_version is None else req.pinned_version, np.int32)
         prefix = req.prefix
         before = 0 if prefix is None else len(prefix)
@@ -156,7 +170,7 @@ class ToyEngine:
             completion_ids=ids,
             logprobs=logprobs,
             versions=versions,
-            finish_reason="stop" if n < self.completion_tokens else "length",
+            finish_reason="stop" if n < self.completion_tokens and not cut else "length",
             text=TOKENIZER.decode(ids),
         )
 

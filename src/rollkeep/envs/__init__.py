@@ -38,13 +38,18 @@ class EnvSpec:
     max_snapshot_bytes: int
     label: str  # `env.name` or `env.factory`, for messages
     max_turn_tokens: int | None = None  # env.max_turn_tokens: most new tokens in one model turn
+    max_response_bytes: int = 1 << 16  # env.max_response_bytes (its default): the longest step response, UTF-8
 
 
 def resolve(env: Any) -> EnvSpec | None:
     """`env` is the config's `env` section. Imports a factory, builds one environment to
-    check it (a class or function that cannot be called with `env.kwargs`, or returns
-    something without `reset` and `step`, or declares an unknown `recovery`, is a start-up
-    error), and returns its spec."""
+    check it (a class or function that cannot be called with `env.kwargs`, raises or takes
+    longer than `env.timeout_s`, returns something without `reset` and `step`, or declares
+    an unknown `recovery`, is a start-up error), and returns its spec. The sample is built
+    on a thread of its own (`controller.usercode.call_sync`), so a factory that never
+    returns is an error too, not a hung start-up."""
+    from ..controller.usercode import UserStop, call_sync
+
     if env.name is None and env.factory is None:
         return None
     kwargs = dict(env.kwargs)
@@ -58,11 +63,18 @@ def resolve(env: Any) -> EnvSpec | None:
         label = env.factory
         _check_kwargs(factory, kwargs, label)
     try:
-        sample = factory(**kwargs)
-    except Exception as e:
+        sample = call_sync(env.timeout_s, lambda: factory(**kwargs))
+    except TimeoutError:
+        raise UserInputError(
+            f"{field} {label!r}: building an environment took longer than env.timeout_s={env.timeout_s:g} s",
+            field=field, expected=f"{label}(**env.kwargs) to return an environment within env.timeout_s",
+            found="no result (the call was abandoned)",
+            remedy="fix what the constructor waits on, or raise env.timeout_s") from None
+    except (Exception, UserStop) as e:  # UserStop: the constructor raised SystemExit or KeyboardInterrupt
         raise UserInputError(
             f"{field} {label!r}: building an environment failed", field=field,
-            expected=f"{label}(**env.kwargs) to return an environment", found=f"{type(e).__name__}: {e}",
+            expected=f"{label}(**env.kwargs) to return an environment",
+            found=f"{type(e).__name__}: {e}",
             remedy="fix the environment's constructor or env.kwargs") from None
     missing = [m for m in ("reset", "step") if not callable(getattr(sample, m, None))]
     recovery = getattr(sample, "recovery", REPLAY)
@@ -77,7 +89,7 @@ def resolve(env: Any) -> EnvSpec | None:
                   + f" on {type(sample).__name__}",
             remedy="see the README's 'Multi-turn environments' for the protocol")
     return EnvSpec(lambda: factory(**kwargs), recovery, env.max_turns, env.timeout_s, env.max_snapshot_bytes, label,
-                   env.max_turn_tokens)
+                   env.max_turn_tokens, env.max_response_bytes)
 
 
 def _check_kwargs(factory: Callable[..., Any], kwargs: Mapping[str, Any], label: str) -> None:

@@ -29,8 +29,14 @@ How an episode's state comes back after a restore (`recovery`):
                restore calls `restore(data)` on a fresh environment instead of replaying.
                For environments with state outside the process.
 
-An exception from `reset`, `step`, `snapshot` or `restore`, or a step past `env.timeout_s`,
-is a data failure of that attempt (within `rollout.max_data_attempts`).
+An exception from the factory, `reset`, `step`, `snapshot` or `restore`, a call past
+`env.timeout_s`, or a response longer than `env.max_response_bytes` (UTF-8) is a data
+failure of that attempt (within `rollout.max_data_attempts`). Every call runs on a worker
+thread of the run's own (`controller.usercode`): one past its deadline is abandoned, left
+to finish or hang, and never holds up later calls or the process's exit. SystemExit or
+KeyboardInterrupt from an environment stops the run (final checkpoint, exit 2).
+Environments of one run are called from several threads at once (one object per episode,
+each used by one episode at a time).
 """
 
 from __future__ import annotations
