@@ -18,6 +18,7 @@ import pytest
 from run_harness import (
     DEFAULTS,
     FAST,
+    STOPPED,
     check,
     config,
     events,
@@ -72,13 +73,13 @@ def test_two_torch_replicas_end_byte_identical_to_one_local_engine(tmp_path, ray
     assert set(replicas_that_sealed(cfg)) == {0, 1}
 
 
-def _kill_replica_when_it_seals(cfg, replica: int) -> int:
-    """Follow the run's trace; once `replica` sealed an attempt, SIGKILL its process.
-    Returns the pid killed."""
+def _follow(cfg, alive, on_event) -> None:
+    """Follow the run's trace as its process writes it, passing each event to `on_event`
+    until it returns True. Fails if the run ends first."""
     trace = Path(cfg.run_dir) / "trace.jsonl"
-    pid = None
     seen = 0
-    for _ in range(60_000):  # (bounded: the run itself dies of SIGALRM after 120 s)
+    while True:
+        ended = not alive()  # (read after this: a run that ended has written all its lines)
         lines = trace.read_text().splitlines() if trace.exists() else []
         for line in lines[seen:]:
             try:
@@ -86,32 +87,55 @@ def _kill_replica_when_it_seals(cfg, replica: int) -> int:
             except ValueError:
                 break  # a line still being written: read it again next time
             seen += 1
-            if x["event"] == "engine_replica_started" and x["replica"] == replica:
-                pid = x["pid"]
-            elif x["event"] == "sealed" and x["replica"] == replica and pid is not None:
-                os.kill(pid, signal.SIGKILL)
-                return pid
+            if on_event(x):
+                return
+        if ended:
+            raise AssertionError("the run ended before the event the test waits for")
         threading.Event().wait(0.005)  # polling a file another process writes
-    raise AssertionError("the replica never sealed an attempt")
 
 
-def test_a_replica_killed_mid_run_fails_its_attempts_as_infra_and_comes_back_refit(tmp_path, ray_address) -> None:
-    # The toy trainer's step sleep keeps the run going for 3 s whatever the engine's speed,
-    # so the kill lands while the run generates and Ray (about 1 s) reports it before the end.
-    cfg = config(tmp_path / "run", *on_ray(ray_address, 2), "engine.latency_ms=20", "train.total_steps=30",
-                 "trainer.step_sleep_ms=100", "data.generated.n_rows=300", *TOY_DET[:2])
-    reference = config(tmp_path / "reference", "engine.latency_ms=20", "train.total_steps=30",
-                       "data.generated.n_rows=300", *TOY_DET[:2])
-    run_to_end(reference)
+def _kill_replica_when_it_seals(cfg, replica: int, alive) -> int:
+    """Once `replica` sealed an attempt, SIGKILL its process. Returns the pid killed."""
+    pid: list[int] = []
+
+    def on_event(x: dict) -> bool:
+        if x["event"] == "engine_replica_started" and x["replica"] == replica:
+            pid[:] = [x["pid"]]
+        elif x["event"] == "sealed" and x["replica"] == replica and pid:
+            os.kill(pid[0], signal.SIGKILL)
+            return True
+        return False
+
+    _follow(cfg, alive, on_event)
+    return pid[0]
+
+
+def _child(cfg) -> tuple[threading.Thread, list[int]]:
+    """`run_child(cfg)` in a thread; the list gets its exit code."""
     code: list[int] = []
     child = threading.Thread(target=lambda: code.append(run_child(cfg)))
     child.start()
+    return child, code
+
+
+def test_a_replica_killed_mid_run_fails_its_attempts_as_infra_and_comes_back_refit(tmp_path, ray_address) -> None:
+    # The run cannot end before the killed replica is back: its 1000 steps of 100 ms take
+    # longer than a run child may live (120 s). The test waits for the restart in the
+    # trace, then stops the run with SIGTERM and finishes it on the local backend a few
+    # steps later, to compare with a run nobody touched. (A restarted actor needs seconds,
+    # more on a loaded machine: Ray runs it at nice 15.)
+    base = ["engine.latency_ms=20", "data.generated.n_rows=300", "data.epochs=null", *TOY_DET[:2]]
+    cfg = config(tmp_path / "run", *on_ray(ray_address, 2), *base, "train.total_steps=1000",
+                 "trainer.step_sleep_ms=100")
+    child, code = _child(cfg)
     try:
-        pid = _kill_replica_when_it_seals(cfg, 0)
+        pid = _kill_replica_when_it_seals(cfg, 0, child.is_alive)
+        _follow(cfg, child.is_alive, lambda x: x["event"] == "engine_replica_started" and x["replica"] == 0
+                and x["restart"] == 1)
+        os.kill(events(cfg, "run_started")[0]["pid"], signal.SIGTERM)  # (still ours: not yet waited for)
     finally:
         child.join()
-    assert code == [0]
-    check(cfg, final_sha(reference))  # exactly once, and the weights of a run nobody touched
+    assert code == [STOPPED]
     died = events(cfg, "engine_replica_died")
     assert [x["replica"] for x in died] == [0] and not died[0]["gone"]
     back = [x for x in events(cfg, "engine_replica_started") if x["replica"] == 0]
@@ -119,6 +143,13 @@ def test_a_replica_killed_mid_run_fails_its_attempts_as_infra_and_comes_back_ref
     assert back[1]["down_seconds"] is not None and back[1]["down_seconds"] >= 0
     failed = [x for x in events(cfg, "failed") if "engine replica 0 died" in x["error"]]
     assert len(failed) == died[0]["attempts_failed"] and all(x["kind"] == "infra" for x in failed)
+    # (`train.total_steps` and `cluster.*` are not semantic: the run resumes with others.)
+    total = f"train.total_steps={events(cfg, 'run_finished')[-1]['step'] + 2}"
+    finished = config(tmp_path / "run", *base, total)
+    run_to_end(finished)
+    reference = config(tmp_path / "reference", *base, total)
+    run_to_end(reference)
+    check(finished, final_sha(reference))  # exactly once, and the weights of a run nobody touched
 
 
 def test_elastic_resume_two_replicas_then_local_then_three(tmp_path, ray_address) -> None:
@@ -140,11 +171,9 @@ def test_elastic_resume_two_replicas_then_local_then_three(tmp_path, ray_address
 def test_with_every_replica_gone_the_run_stops_with_a_final_checkpoint_and_exit_5(tmp_path, ray_address) -> None:
     base = ["engine.latency_ms=20", "train.total_steps=20", "trainer.step_sleep_ms=100", "data.generated.n_rows=200"]
     cfg = config(tmp_path / "run", *base, *on_ray(ray_address, 1), "cluster.max_restarts=0")
-    code: list[int] = []
-    child = threading.Thread(target=lambda: code.append(run_child(cfg)))
-    child.start()
+    child, code = _child(cfg)
     try:
-        _kill_replica_when_it_seals(cfg, 0)
+        _kill_replica_when_it_seals(cfg, 0, child.is_alive)
     finally:
         child.join()
     assert code == [5]

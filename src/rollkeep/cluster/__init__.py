@@ -5,6 +5,8 @@ one `EnginePool` the runner drives like any engine.
   replicas.py    each replica's state machine and the routing rule (sans-IO)
   pool.py        the pool: routes attempts, publishes weights, survives replica deaths
   ray_actors.py  the Ray actor holding one engine, and the pool's handle of it
+  local_ray.py   the run's own local Ray: started by the run, never outliving it
+  reaper.py      its watchdog, a process of its own (standard library only)
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from typing import Any
 from ..core.errors import ConfigError
 from ..core.generation import Chunk, Completion, DataError, GenRequest, InfraError
 from ..engines import EngineRecipe
+from .local_ray import LocalRay
 from .pool import EnginePool
 from .replicas import ReplicaGone, ReplicaInfo, ReplicaLost
 
@@ -44,15 +45,16 @@ def import_ray() -> Any:
 
 
 def ray_pool(cluster: Any, recipe: EngineRecipe, *, replicas: int, flush_s: float) -> EnginePool:
-    """Connect to Ray (start a local one, loopback only, when `cluster.address` is unset)
-    and make the pool of `replicas` actors; they start in `EnginePool.open`."""
+    """Connect to Ray (start a local one, loopback only, when `cluster.address` is unset:
+    `local_ray.LocalRay`, which the pool's close stops) and make the pool of `replicas`
+    actors; they start in `EnginePool.open`."""
     ray = import_ray()
-    own = not ray.is_initialized()
-    if own:
+    on_close = None  # a Ray this run did not start or connect to is not its to stop
+    if not ray.is_initialized():
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # nothing leaves the machine
         if cluster.address is None:
-            ray.init(num_cpus=cluster.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
-                     log_to_driver=True, configure_logging=False)
+            on_close = LocalRay(ray, num_cpus=cluster.num_cpus, include_dashboard=False,
+                                _node_ip_address="127.0.0.1", log_to_driver=True, configure_logging=False).stop
         else:
             _check_reachable(cluster.address)
             try:
@@ -63,6 +65,7 @@ def ray_pool(cluster: Any, recipe: EngineRecipe, *, replicas: int, flush_s: floa
                     expected="the address of a running cluster (`ray start --head` prints it)",
                     found=f"{type(e).__name__}: {e}"[:500],
                     remedy="start the cluster first, fix cluster.address, or unset it to start a local Ray") from None
+            on_close = ray.shutdown  # (it disconnects: the cluster goes on)
     gpus = cluster.replica_gpus
     if gpus is None:
         gpus = float(getattr(recipe.section, "tensor_parallel_size", 0)) if recipe.section.name == "vllm" else 0.0
@@ -70,7 +73,7 @@ def ray_pool(cluster: Any, recipe: EngineRecipe, *, replicas: int, flush_s: floa
                            max_task_retries=0, max_concurrency=1000)(ReplicaActor)
     handles = [RayReplica(ray, actor_cls, recipe, i, flush_s) for i in range(replicas)]
     return EnginePool(handles, publish=ray.put, max_restarts=cluster.max_restarts,
-                      replica_timeout_s=cluster.replica_timeout_s, on_close=ray.shutdown if own else None)
+                      replica_timeout_s=cluster.replica_timeout_s, on_close=on_close)
 
 
 def _check_reachable(address: str) -> None:
