@@ -332,7 +332,7 @@ def test_d11_user_code_raising_system_exit_stops_the_run_cleanly_with_exit_2(tmp
     latest = (tmp_path / "run" / "checkpoints" / "LATEST").read_text().strip()
     assert f"checkpoint {latest} (LATEST) stands" in err
     lines = trace(tmp_path)
-    assert named(lines, "run_finished")[-1]["reason"] == "signal"
+    assert named(lines, "run_finished")[-1]["reason"] == "user code"
     assert named(lines, "checkpoint_published")[-1]["name"] == latest
     assert main(["audit", str(tmp_path / "run" / "checkpoints")]) == 0, capsys.readouterr()
 

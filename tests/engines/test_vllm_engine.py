@@ -577,13 +577,18 @@ def test_an_episode_runs_on_the_engine_and_continues_after_its_finished_turns(fa
     import episode_envs
 
     from rollkeep.controller.episodes import run_episode
+    from rollkeep.controller.usercode import UserCode
     from rollkeep.envs import ENV_VERSION, EnvSpec
 
     spec = EnvSpec(episode_envs.CountEnv, "replay", 3, 5.0, 1024, "count", max_turn_tokens=3)
 
     def episode(req):
-        eng, turns = build(fake, max_new_tokens=20), []
-        c, _ = run(closing(eng, run_episode(eng, spec, req, None, lambda t, k, s: turns.append((t, k)))))
+        eng, turns, code = build(fake, max_new_tokens=20), [], UserCode()
+        try:
+            c, _ = run(closing(eng, run_episode(eng, spec, req, None, lambda t, k, s: turns.append((t, k)),
+                                                code=code)))
+        finally:
+            code.close()
         return c, turns
 
     whole, turns = episode(request())

@@ -61,11 +61,15 @@ _EPILOG = """\
 exit codes:
   0  success
   1  crash (a bug: please report the traceback)
-  2  bad input: command line, config or dataset (UserInputError), or a subcommand
-     that is not available yet
+  2  bad input: command line, config or dataset (UserInputError), a subcommand
+     that is not available yet, or user code that stopped the run (a reward
+     function or environment raising SystemExit/KeyboardInterrupt, too many of its
+     calls hung at once, a custom trainer whose save() fails), after its final
+     checkpoint
   3  a checkpoint is missing, corrupt, torn or does not match this run (CheckpointError)
   4  a custody rule would be broken: a bug in rollkeep or its caller (CustodyError)
-  5  something outside rollkeep failed: engine, reward function, filesystem (ExternalError)
+  5  something outside rollkeep failed: engine, filesystem (a full or read-only disk, a
+     failed fsync), every engine replica gone, prompts run out to failures (ExternalError)
   130, 143  `train` stopped by SIGINT / SIGTERM after its final checkpoint: requeue it,
      the same command resumes (0 means training finished or its data ran out)
 

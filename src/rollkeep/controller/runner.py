@@ -212,7 +212,7 @@ class Runner:
         if self._signal is None and self._failure is None and self.user_stop is None:
             self.user_stop = why
             self._progress.note(f"stopping: {why.what}")
-            self.sched.on_signal()
+            self.sched.on_signal(Reason.USER_CODE)
         self._wake.set()
 
     def _on_no_replica(self, why: str) -> None:

@@ -37,6 +37,7 @@ class Reason(enum.StrEnum):
     DATA_EXHAUSTED = "data exhausted"  # no batch can ever come
     SIGNAL = "signal"  # SIGINT / SIGTERM (a graceful stop)
     NO_ENGINE = "no engine replica"  # every engine replica gone for cluster.replica_timeout_s (a graceful stop)
+    USER_CODE = "user code"  # user code raised SystemExit/KeyboardInterrupt or hung too often (a graceful stop)
     RESTART = "restart"  # attempts in flight at the cut, abandoned on restore
     SHUTDOWN = "shutdown"  # attempts in flight when a run stops, abandoned
     STALE = "stale"  # a READY group outside the sampler's window
