@@ -10,7 +10,8 @@ die, first try to report it to the GCS, which died with it, and wait for the GCS
 reconnect timeout: they outlived a SIGKILLed controller by about 60 s.
 
 So before `ray.init` the run starts a watchdog (`reaper.py`), marks the environment that
-`ray.init` hands to the Ray processes, and `stop` (the pool's close, and at exit) runs
+`ray.init` hands to the Ray processes (the watchdog holds the marked ones and their
+descendants while the run lives), and `stop` (the pool's close, and at exit) runs
 `ray.shutdown` and then has the watchdog kill whatever of that Ray is left and waits for
 it. When the controller dies instead, the watchdog sees its pipe close and does the same
 on its own. A cluster at `cluster.address` is only connected to, never stopped.
