@@ -4,12 +4,18 @@ environment: what each turn sees, when an episode stops, what is reported."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
+from rollkeep.cli import exit_code
+from rollkeep.controller.episodes import bounded
 from rollkeep.controller.evaluate import Evaluator, greedy_episodes
+from rollkeep.controller.usercode import UserCodeError
 from rollkeep.controller.warmup import demonstration
 from rollkeep.core.errors import DatasetError
+from rollkeep.envs import EnvSpec
 from rollkeep.envs.base import Step
 from rollkeep.envs.calc import make as make_calc
 from rollkeep.models.gpt import GPT, GPTConfig
@@ -91,7 +97,7 @@ def test_evaluator_reports_episodes() -> None:
                    make_env=make_calc, max_turns=3, greedy_ids=Scripted(wrong_second))
     res = ev.evaluate(model.state_dict())
     assert res.metrics == {"eval/accuracy": 0.0, "eval/reward_mean": 0.0, "eval/tool_calls": 1.0,
-                           "eval/turns": 2.0}
+                           "eval/turns": 2.0, "eval/env_failures": 0.0}
     assert res.samples == [{"prompt": "37*48=", "completion": "CALC(2*2)=4;9", "reward": 0.0, "turns": 2,
                             "answer": "1776"}]
     ev.greedy_ids = Scripted(demonstrator)
@@ -144,3 +150,54 @@ class Echo:
 def test_demonstration_resets_with_the_seed() -> None:
     ex = demonstration({"prompt": "p", "turns": ["a", "stop"]}, Echo, TOK, seed=7)
     assert show(ex[1][0]) == "pa|<7>"
+
+
+class Hangs:
+    """An environment whose step never returns on the turn `hang_on` (the text it gets)
+    and raises on "boom": the user's code at its worst."""
+
+    recovery = "replay"
+    forever = threading.Event()  # never set
+
+    def reset(self, row, seed):
+        pass
+
+    def step(self, text):
+        if text == "hang":
+            self.forever.wait()
+        if text == "boom":
+            raise RuntimeError("sandbox down")
+        if text == "huge":
+            return Step(response="x" * 100, done=False)
+        return Step(response="", done=True, reward=1.0)
+
+
+def spec(factory, **kw) -> EnvSpec:
+    args = dict(recovery="replay", max_turns=3, timeout_s=0.5, max_snapshot_bytes=1 << 20, label="hangs",
+                max_response_bytes=64)
+    args.update(kw)
+    return EnvSpec(factory, **args)
+
+
+def test_eval_episodes_whose_environment_hangs_raises_or_floods_fail_alone_and_are_counted() -> None:
+    rows = [{"prompt": p} for p in ("a", "b", "c", "d")]
+    answers = {"a": "hang", "b": "boom", "c": "fine", "d": "huge"}
+    eps = greedy_episodes(None, TOK, rows, bounded(spec(Hangs)), max_turns=3, max_new_tokens=40,
+                          greedy_ids=Scripted(lambda text: answers[text[:1]]), block_size=64)
+    assert [e.reward for e in eps] == [0.0, 0.0, 1.0, 0.0]
+    assert "took longer than env.timeout_s=0.5 s" in eps[0].error
+    assert "RuntimeError: sandbox down" in eps[1].error
+    assert eps[2].error is None
+    assert "over env.max_response_bytes=64" in eps[3].error
+
+
+def test_a_demonstration_whose_environment_hangs_is_the_users_code_exit_2() -> None:
+    with pytest.raises(UserCodeError, match=r"demonstration of row 3 \(turn 1\)") as e:
+        demonstration({"prompt": "p", "turns": ["hang", "x"]}, bounded(spec(Hangs)), TOK, where="row 3")
+    assert exit_code(e.value) == 2 and "took longer than env.timeout_s=0.5 s" in str(e.value)
+
+    def never():
+        Hangs.forever.wait()
+
+    with pytest.raises(UserCodeError, match=r"\(the reset\)"):
+        demonstration({"prompt": "p", "turns": ["x"]}, bounded(spec(never)), TOK)

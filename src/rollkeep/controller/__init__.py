@@ -17,6 +17,7 @@ from ..progress import duration
 from ..tasks import use_rewards
 from ..trace import new_run_id
 from .build import Parts, build
+from .episodes import bounded
 from .metrics import MetricsLog, for_run
 from .rundir import RunDir, published_in_trace, start_point
 from .runner import Runner, RunResult
@@ -80,7 +81,7 @@ def _run(cfg: Config, parts: Parts, *, allow_config_change: tuple[str, ...], all
                 t0 = time.perf_counter()
                 step, stopped_by = run_warmup(
                     cfg, dataset=parts.dataset, trainer=parts.trainer, tokenizer=parts.tokenizer,
-                    make_env=None if parts.env is None else parts.env.factory,
+                    make_env=None if parts.env is None else bounded(parts.env),
                     log=lambda line: print(line, flush=True) if cfg.logger.progress != "none" else None,
                     # the run's metrics, W&B run included, under a run_id of the warm start's own
                     # (the trace, which names the RL phase's, opens only once RL starts)

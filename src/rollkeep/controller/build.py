@@ -20,6 +20,7 @@ from ..engines import Engine, EngineRecipe
 from ..envs import EnvSpec, resolve
 from ..tasks import arith, calc, check_tasks, use_rewards
 from ..trainers import Trainer, make_trainer
+from .episodes import bounded
 from .metrics import check_logger
 
 
@@ -164,7 +165,7 @@ def _build_torch(cfg: Config, dataset: Dataset, source: PromptSource, eval_rows,
     if eval_rows and cfg.eval.every_steps:
         rows = eval_rows[: cfg.eval.n_rows] if cfg.eval.n_rows else eval_rows
         evaluator = Evaluator(rows, model=model, tokenizer=tokenizer, max_new_tokens=e.max_new_tokens,
-                              num_samples=cfg.eval.num_samples, make_env=None if env is None else env.factory,
+                              num_samples=cfg.eval.num_samples, make_env=None if env is None else bounded(env),
                               max_turns=1 if env is None else env.max_turns)
     return Parts(dataset, source, eval_rows, engine, trainer, tokenizer, evaluator)
 

@@ -21,6 +21,10 @@ each runs on one of the run's own worker threads (`usercode.UserCode`) within
 never holds up a later call. Any failure of theirs, a late call, a malformed step and a
 response over `env.max_response_bytes` (UTF-8) is a `DataError` (a data failure of the
 attempt); SystemExit or KeyboardInterrupt from them stops the run (`usercode.UserStop`).
+
+The warm start's demonstrations and the held-out evaluation call environments from plain
+threads, not the loop: `bounded(spec)` gives them a factory whose environments' calls are
+bounded alike (`usercode.call_sync`), every failure a DataError, SystemExit included.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from ..core.errors import RowsMismatch
 from ..core.generation import Completion, DataError, GenRequest, Tokens
 from ..core.prefixes import PrefixStore
 from ..envs import ENV_VERSION, SNAPSHOT, EnvSpec, Step
-from .usercode import Overdue, UserCode
+from .usercode import Overdue, UserCode, UserStop, call_sync
 
 OnTurn = Callable[[Tokens, int, bytes | None], None]  # (trajectory, turn, snapshot)
 _EMPTY = Tokens(np.zeros(0, np.int32), np.zeros(0, np.float32), np.zeros(0, np.int32))
@@ -177,3 +181,34 @@ def _checked(spec: EnvSpec, out: Any) -> Step:
         raise DataError(f"environment {spec.label}: step() returned a response of {size} bytes, over "
                         f"env.max_response_bytes={spec.max_response_bytes}")
     return out
+
+
+class _Bounded:
+    """An environment whose `reset` and `step` run as `_call`'s do, but from a plain thread."""
+
+    def __init__(self, spec: EnvSpec, env: Any) -> None:
+        self._spec, self._env = spec, env
+
+    def reset(self, row: Any, seed: int) -> None:
+        _call_sync(self._spec, "reset", self._env.reset, row, seed)
+
+    def step(self, text: str) -> Step:
+        return _checked(self._spec, _call_sync(self._spec, "step", self._env.step, text))
+
+
+def bounded(spec: EnvSpec) -> Callable[[], _Bounded]:
+    """A factory of the spec's environments for the synchronous paths (warm start, eval):
+    each call (the factory's too) within env.timeout_s, its step checked as an episode's,
+    any failure a DataError."""
+    return lambda: _Bounded(spec, _call_sync(spec, "factory", spec.factory))
+
+
+def _call_sync(spec: EnvSpec, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+    try:
+        return call_sync(spec.timeout_s, fn, *args)
+    except TimeoutError:
+        raise DataError(f"environment {spec.label}: {what} took longer than env.timeout_s={spec.timeout_s:g} s") \
+            from None
+    except (Exception, UserStop) as e:  # (a UserStop's text names the SystemExit or KeyboardInterrupt)
+        raised = e if isinstance(e, UserStop) else f"{type(e).__name__}: {e}"
+        raise DataError(f"environment {spec.label}: {what} raised {raised}") from None

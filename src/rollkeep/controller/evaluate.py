@@ -13,12 +13,15 @@ turn has no room: the trajectory (model turns and responses, the prompt excluded
 bounded by `max_new_tokens` and prompt + trajectory by the model's `block_size` (the
 bounds the engine applies to one completion). A turn cut short by those bounds (no EOS)
 is still given to the environment, as a single-turn completion cut short is still scored,
-and ends the episode. The reward is the sum of the steps' rewards.
+and ends the episode. The reward is the sum of the steps' rewards. The environments are
+the run's bounded ones (`episodes.bounded`): a call that fails, takes longer than
+env.timeout_s or answers badly (a DataError) ends that episode with reward 0, and is
+counted in eval/env_failures; the evaluation goes on.
 
 Metrics: eval/accuracy (fraction of episodes, or completions, with reward 1.0),
 eval/reward_mean; with an environment also eval/tool_calls (mean environment responses
-per episode: turns that did not end it, for calc its tool calls) and eval/turns (mean
-model turns per episode).
+per episode: turns that did not end it, for calc its tool calls), eval/turns (mean
+model turns per episode) and eval/env_failures (episodes an environment failed).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.generation import DataError
 from ..tasks import reward_fn
 
 GreedyIds = Callable[..., list[list[int]]]  # (model, contexts, max_new_tokens=...) -> new ids each
@@ -48,6 +52,7 @@ class Episode:
     reward: float
     turns: int  # model turns taken
     responses: int  # turns the environment answered without ending the episode
+    error: str | None = None  # the environment's failure that ended it (its reward is then 0)
 
 
 def greedy_episodes(model: Any, tokenizer: Any, rows: Sequence[Mapping[str, Any]], make_env: Callable[[], Any],
@@ -63,17 +68,26 @@ def greedy_episodes(model: Any, tokenizer: Any, rows: Sequence[Mapping[str, Any]
     trajs: list[list[int]] = [[] for _ in rows]  # completion ids so far (model and environment)
     texts = [""] * len(rows)
     rewards, turns, responses = [0.0] * len(rows), [0] * len(rows), [0] * len(rows)
-    envs = [make_env() for _ in rows]
-    for i, (env, row) in enumerate(zip(envs, rows, strict=True)):
-        env.reset(row, i)
-    live = list(range(len(rows)))
+    errors: list[str | None] = [None] * len(rows)
+    envs: list[Any] = [None] * len(rows)
+    for i, row in enumerate(rows):
+        try:
+            envs[i] = make_env()
+            envs[i].reset(row, i)
+        except DataError as e:
+            errors[i] = str(e)
+    live = [i for i in range(len(rows)) if errors[i] is None]
     while live:
         new = greedy_ids(model, [prompts[i] + trajs[i] for i in live],
                          max_new_tokens=[max_new_tokens - len(trajs[i]) for i in live])
         going = []
         for i, ids in zip(live, new, strict=True):
             text = tokenizer.decode(ids)
-            step = envs[i].step(text)
+            try:
+                step = envs[i].step(text)
+            except DataError as e:
+                errors[i], rewards[i] = str(e), 0.0
+                continue
             rewards[i] += float(step.reward)
             turns[i] += 1
             trajs[i] += ids
@@ -90,7 +104,7 @@ def greedy_episodes(model: Any, tokenizer: Any, rows: Sequence[Mapping[str, Any]
             texts[i] += step.response
             going.append(i)
         live = going
-    return [Episode(t, r, n, k) for t, r, n, k in zip(texts, rewards, turns, responses, strict=True)]
+    return [Episode(*ep) for ep in zip(texts, rewards, turns, responses, errors, strict=True)]
 
 
 class Evaluator:
@@ -147,7 +161,8 @@ class Evaluator:
         n = len(eps)
         samples = [
             {"prompt": str(r["prompt"]), "completion": e.text, "reward": e.reward, "turns": e.turns,
-             "answer": None if r.get("answer") is None else str(r["answer"])}
+             "answer": None if r.get("answer") is None else str(r["answer"]),
+             **({} if e.error is None else {"error": e.error})}
             for r, e in zip(self.rows[: self.num_samples], eps, strict=False)
         ]
         return EvalResult(
@@ -156,6 +171,7 @@ class Evaluator:
                 "eval/reward_mean": sum(e.reward for e in eps) / n,
                 "eval/tool_calls": sum(e.responses for e in eps) / n,
                 "eval/turns": sum(e.turns for e in eps) / n,
+                "eval/env_failures": float(sum(e.error is not None for e in eps)),
             },
             samples=samples,
         )

@@ -16,7 +16,9 @@ texts of one episode. Running a fresh environment through them gives each turn's
 (`demonstration`), and every turn is an SFT example: the prompt, the earlier turns and
 the environment's responses as context, the turn (and EOS) as target. A step samples
 `sft_batch_size` rows, as without an environment, and trains on all of their turns. A row
-without `turns` is the one-turn demonstration of its `answer`.
+without `turns` is the one-turn demonstration of its `answer`. The environments are the
+run's bounded ones (`episodes.bounded`: each call within env.timeout_s); one that fails on
+a demonstration is the user's code at fault, UserCodeError (exit 2) naming the row.
 """
 
 from __future__ import annotations
@@ -34,9 +36,11 @@ from ..config import ADDED_KEYS, Config, semantic
 from ..core.checkpoint import TRAINER_DIR
 from ..core.configdiff import check_compatible
 from ..core.errors import CheckpointError, ConfigError, DatasetError
+from ..core.generation import DataError
 from ..core.source import Dataset
 from ..core.store import CheckpointStore
 from .metrics import MetricsLog
+from .usercode import UserCodeError
 
 
 @contextlib.contextmanager
@@ -136,8 +140,11 @@ def demonstration(row: Any, make_env: Callable[[], Any], tokenizer: Any, *, seed
         raise DatasetError(f"warmup: {where} has an empty `turns` demonstration", field="turns",
                              expected="at least one turn", found="[]",
                              remedy="give the row its turns or drop `turns` to use its `answer`")
-    env = make_env()
-    env.reset(row, seed)
+    try:
+        env = make_env()
+        env.reset(row, seed)
+    except DataError as e:
+        raise _failed(e, where, "the reset") from None
     context = tokenizer.encode(str(row["prompt"]))
     out = []
     for k, turn in enumerate(turns):
@@ -145,7 +152,10 @@ def demonstration(row: Any, make_env: Callable[[], Any], tokenizer: Any, *, seed
         out.append((list(context), target))
         if k == len(turns) - 1:
             break
-        step = env.step(turn)
+        try:
+            step = env.step(turn)
+        except DataError as e:
+            raise _failed(e, where, f"turn {k + 1}") from None
         if step.done:
             raise DatasetError(
                 f"warmup: the environment ended the demonstration of {where} at turn {k + 1} of {len(turns)}",
@@ -154,6 +164,13 @@ def demonstration(row: Any, make_env: Callable[[], Any], tokenizer: Any, *, seed
             )
         context += target + tokenizer.encode(step.response, bos=False)
     return out
+
+
+def _failed(e: DataError, where: str, what: str) -> UserCodeError:
+    return UserCodeError(
+        f"warmup: the environment failed on the demonstration of {where} ({what})", field="env",
+        expected="reset and step to return within env.timeout_s, a step a Step within env.max_response_bytes",
+        found=str(e), remedy="fix the environment (or the row's `turns`), or raise env.timeout_s")
 
 
 def _train(cfg: Config, store: CheckpointStore, done: int, stopped_by: list[str], *, dataset: Dataset,
