@@ -10,6 +10,7 @@ boundary shows that the run exits although threads of user code are still hangin
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import os
 import signal
@@ -420,3 +421,44 @@ def test_a_custom_trainer_whose_save_raises_is_exit_2_and_the_previous_checkpoin
     assert sorted(p.name for p in ck.iterdir()) == ["LATEST", "step_000002"], "nothing half-written is left"
     lines = [json.loads(x) for x in (run / "trace.jsonl").read_text().splitlines()]
     assert [x["name"] for x in lines if x["event"] == "checkpoint_published"] == ["step_000002"]
+
+
+FAILING_STEP = '''
+from examples.dcp_trainer import make as _make
+
+def make(**kw):
+    trainer = _make(**kw)
+    step, taken = trainer.train_step, []
+    def train_step(batch):
+        if len(taken) == 3:
+            raise {exc}
+        taken.append(1)
+        return step(batch)
+    trainer.train_step = train_step
+    return trainer
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exc", ["RuntimeError('CUDA error: an illegal memory access')", "SystemExit(9)"])
+def test_a_custom_trainer_whose_train_step_raises_is_exit_2_and_the_run_resumes_once_fixed(
+        tmp_path, monkeypatch, capsys, exc) -> None:
+    """Before: the exception went through the train pump as a traceback (exit 1)."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    name = f"rk_failing_step_{exc.split('(')[0].lower()}"
+    (tmp_path / f"{name}.py").write_text(FAILING_STEP.format(exc=exc))
+    run = tmp_path / "run"
+    code = main(["train", DEFAULTS, *FAST, f"run_dir={run}", *TINY_CUSTOM, f"trainer.factory={name}:make"])
+    err = one_paragraph(capsys.readouterr().err)
+    assert code == 2, err
+    assert f"the custom trainer {name}:make failed to take step 4 (train_step)" in err
+    assert "Traceback" not in err and f"Found: {exc.split('(')[0]}" in err
+    assert (run / "checkpoints" / "LATEST").read_text() == "step_000002\n"
+    # Fixed (the example's own trainer): the same command resumes and finishes.
+    (tmp_path / f"{name}.py").write_text("from examples.dcp_trainer import make  # noqa: F401\n")
+    sys.modules.pop(name, None)
+    importlib.invalidate_caches()
+    code = main(["train", DEFAULTS, *FAST, f"run_dir={run}", *TINY_CUSTOM, f"trainer.factory={name}:make"])
+    assert code == 0, capsys.readouterr().err
+    assert (run / "checkpoints" / "LATEST").read_text() == "step_000006\n"

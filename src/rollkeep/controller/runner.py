@@ -60,7 +60,7 @@ from .journaling import JournalThread
 from .metrics import MetricsLog, ReplicaRates, Throughput, progress_fields, step_record
 from .startup import checkpoint_meta, open_run
 from .summary import RunResult, restarts_in_trace, summary_lines
-from .usercode import Stopped, UserCode, UserStop, guarded_save, score
+from .usercode import Stopped, UserCode, UserStop, guarded_save, guarded_step, score
 
 for _ev in ALL_EVENTS:
     crashpoints.register("ledger." + event_name(_ev))
@@ -258,7 +258,7 @@ class Runner:
 
     async def _train(self, cmd: Train) -> None:
         t0 = time.perf_counter()
-        metrics = await asyncio.to_thread(self.trainer.train_step, cmd.batch)
+        metrics = await asyncio.to_thread(guarded_step(self.trainer.train_step, self.cfg.trainer, cmd.step), cmd.batch)
         self.sched.on_trained(cmd.step)
         now = time.perf_counter()
         record = step_record(cmd.batch, metrics, train_seconds=now - t0, step_seconds=now - self._last_step,

@@ -12,6 +12,7 @@
     UserCodeError       exit 2: the user's code, not the data, is at fault
     call_sync           one call at start-up (building the sample environment), bounded alike
     guarded_save        a custom trainer's `save`, its failures named (exit 2)
+    guarded_step        a custom trainer's `train_step`, the same
 
 Why threads of its own. User code may never return (a sandbox that does not answer, a
 `while True`), and a deadline cannot stop a thread. So a call that misses its deadline
@@ -48,7 +49,7 @@ from ..core.errors import RollkeepError, UserInputError
 from ..core.generation import DataError
 
 __all__ = ["MAX_HUNG", "Overdue", "Stopped", "UserCode", "UserCodeError", "UserStop", "call_sync",
-           "guarded_save", "score", "shown"]
+           "guarded_save", "guarded_step", "score", "shown"]
 
 MAX_HUNG = 64  # abandoned calls still running at once before the run stops (exit 2)
 
@@ -263,22 +264,36 @@ def guarded_save(save: Callable[[Path], None], trainer: Any, step: int) -> Calla
     A full disk stays a filesystem error (exit 5) and rollkeep's own errors stay themselves;
     the store undoes the unpublished checkpoint on any of them. A built-in trainer's save
     is rollkeep's: an error in it is a bug, and stays one."""
+    return _guarded(save, trainer, f"save the checkpoint of step {step}",
+                    "its snapshot's save(dir) to write the trainer's files into dir (or raise OSError for a "
+                    "failing disk)", f"fix the trainer's save(); nothing of step {step} was published and the "
+                    "previous checkpoint stands: the same command resumes from it")
+
+
+def guarded_step(train_step: Callable[[Any], dict], trainer: Any, step: int) -> Callable[[Any], dict]:
+    """A trainer's `train_step` for step `step`, guarded as `guarded_save` is: a custom
+    trainer's failure is a UserCodeError (exit 2); the last checkpoint and the journal
+    stand, so the same command resumes once the trainer is fixed."""
+    return _guarded(train_step, trainer, f"take step {step} (train_step)",
+                    "train_step(batch) to return its metrics (or raise OSError for a failing disk)",
+                    "fix the trainer's train_step(); the same command resumes from the last checkpoint "
+                    "and the journal")
+
+
+def _guarded(fn: Callable[..., Any], trainer: Any, what: str, expected: str, remedy: str) -> Callable[..., Any]:
     if trainer.name != "custom":
-        return save
+        return fn
     factory = trainer.factory
 
-    def run(dir: Path) -> None:
+    def run(*args: Any) -> Any:
         try:
-            save(dir)
+            return fn(*args)
         except (OSError, RollkeepError):
             raise
-        except BaseException as e:  # SystemExit too: on the writer's thread it would end nothing cleanly
+        except BaseException as e:  # SystemExit too: on a worker thread it would end nothing cleanly
             raise UserCodeError(
-                f"the custom trainer {factory} failed to save the checkpoint of step {step}", field="trainer.factory",
-                expected="its snapshot's save(dir) to write the trainer's files into dir (or raise OSError for a "
-                "failing disk)", found=f"{type(e).__name__}: {e}"[:500],
-                remedy=f"fix the trainer's save(); nothing of step {step} was published and the previous "
-                "checkpoint stands: the same command resumes from it") from None
+                f"the custom trainer {factory} failed to {what}", field="trainer.factory", expected=expected,
+                found=f"{type(e).__name__}: {e}"[:500], remedy=remedy) from None
 
     return run
 
