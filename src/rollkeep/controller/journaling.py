@@ -20,8 +20,16 @@ waits on the disk (docs/design.md §5.1).
 the thread's cycle itself (`cycle()`, when `kicked` or every `flush_ms` of its time), and
 everything else is the same code.
 
-A failed write or fsync stops the thread; the loop sees it at its next `check()` and the run
-stops as on any disk error (exit 5): what was flushed before stays durable.
+Faults (docs/design.md §5.1, "Durability errors"). A failed write or fsync of the journal or
+of the row log is never retried and never ignored: the first one is kept (`_error`, a
+FilesystemError naming RUN_DIR/journal or RUN_DIR/rows), every later `sync` raises it again
+without touching the disk (after a failed fsync the kernel may have dropped the dirty
+pages: nothing since the last good flush is trusted), and the run stops with exit 5 --
+the loop at its next `check()` (every turn of the runner's loop), a checkpoint before its
+commit point, the run's end at `close()`, which the runner calls before `run_finished`,
+so a failed last flush is never reported as a finished run. A journal segment or row
+segment removed under the live run (writes to an unlinked file succeed) is found the same
+way before a checkpoint is published and at the end (`_check_linked`), and stops the run.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ from typing import Any
 from ..core.durable import JOURNAL_DIR, ROWS_DIR, encode_entry, encode_restart
 from ..core.errors import FilesystemError
 from ..core.events import Event, Progressed, Sealed, TurnSealed
-from ..core.fs import DEFAULT_FS, FS
+from ..core.fs import DEFAULT_FS, DIR, FS
 from ..core.journal import JournalWriter, delete_covered
 from ..core.prefixes import PrefixStore, chunk_row
 from ..core.rowindex import referenced_segments
@@ -45,6 +53,28 @@ from ..core.rowlog import RowLogWriter, delete_unreferenced
 from ..core.rows import RowId, RowStore
 from ..core.source import DatasetId
 from ..core.store import CheckpointStore
+
+
+def check_writable(run_dir: Path, *, fs: FS = DEFAULT_FS) -> None:
+    """Before a journaled run writes anything: RUN_DIR/journal and RUN_DIR/rows take new
+    files (or RUN_DIR does, where one is still to be made), so that a read-only mount or a
+    missing permission stops the run with nothing changed (exit 5), not at the first flush
+    after the run has written its trace and claimed its next step (D10). Each probe
+    creates an unnamed file (`FS.check_writable`): no leftover even if killed here."""
+    for name in (JOURNAL_DIR, ROWS_DIR):
+        path = Path(run_dir) / name
+        target = path if fs.kind_of(path) == DIR else Path(run_dir)
+        if fs.kind_of(target) is None:
+            continue  # a run directory still to be made (by `open_run`'s direct callers)
+        try:
+            fs.check_writable(target)
+        except OSError as e:
+            raise FilesystemError(
+                f"RUN_DIR/{name} is not writable; nothing was changed", path=str(target),
+                expected=f"a directory the run can create its {'journal' if name == JOURNAL_DIR else 'row'} "
+                "segments in", found=f"{e.strerror or e} (errno {e.errno})",
+                remedy="make it writable (a read-only mount, the permissions) and run the same command "
+                "again: the run resumes from its last published checkpoint, which is intact") from None
 
 
 class JournalThread:
@@ -61,8 +91,10 @@ class JournalThread:
         self._waiting = 0  # released since the thread was last kicked
         self._sync_lock = threading.Lock()  # one sync at a time (this thread, the checkpoint writer)
         self._kick = threading.Event()
-        self._stop = False
-        self._error: BaseException | None = None
+        self._stop = self._closed = False
+        self._error: BaseException | None = None  # the first failure: the journal writes nothing more
+        self._reported = False  # `_error` was raised to the run (by `check`, `sync` or `close`)
+        self._covered = next_seq - 1  # the position of the last checkpoint published: a restore replays after it
         self.flush_seconds: deque[float] = deque(maxlen=1 << 16)  # the latest flushes that wrote
         self._thread: threading.Thread | None = None
         if threaded:
@@ -77,17 +109,20 @@ class JournalThread:
         self._queue(encode_restart(step, dataset))
 
     def sink(self, ev: Event) -> None:
-        if self._error is not None:  # the thread stopped on a disk error: stop the run (exit 5)
-            self.check()
+        self.check()  # the thread stopped on a disk error: stop the run (exit 5)
         loc = None
-        if isinstance(ev, Sealed):
-            rid = RowId(ev.group_id, ev.generation, ev.attempt)
-            loc = self.rowlog.append(rid, self._rows.get(rid))
-            self._rows.locate(rid, loc)  # checkpoints from now on name it instead of copying it
-        elif isinstance(ev, Progressed | TurnSealed):  # the chunk the prefix store just added
-            chunk = self._prefixes.last(ev.group_id, ev.generation)
-            loc = self.rowlog.append(RowId(ev.group_id, ev.generation, ev.attempt), chunk_row(chunk.tokens))
-            self._prefixes.locate(ev.group_id, ev.generation, loc)
+        try:
+            if isinstance(ev, Sealed):
+                rid = RowId(ev.group_id, ev.generation, ev.attempt)
+                loc = self.rowlog.append(rid, self._rows.get(rid))
+                self._rows.locate(rid, loc)  # checkpoints from now on name it instead of copying it
+            elif isinstance(ev, Progressed | TurnSealed):  # the chunk the prefix store just added
+                chunk = self._prefixes.last(ev.group_id, ev.generation)
+                loc = self.rowlog.append(RowId(ev.group_id, ev.generation, ev.attempt), chunk_row(chunk.tokens))
+                self._prefixes.locate(ev.group_id, ev.generation, loc)
+        except OSError as e:  # the row log failed on the thread a moment ago (it is unusable now)
+            self.check()
+            raise FilesystemError.of(e, "writing the row log", self.run_dir / ROWS_DIR) from None
         self._queue(encode_entry(ev, loc))
 
     def _queue(self, record: bytes) -> None:
@@ -113,23 +148,78 @@ class JournalThread:
         return self._seq, self.rowlog.segment
 
     def check(self) -> None:
-        """Raise the thread's disk error, if it had one, on the loop (the run stops: exit 5)."""
+        """Raise the journal's disk error, if it had one, on the loop (the run stops: exit 5)."""
         if self._error is not None:
-            raise FilesystemError.of(self._error, "writing the journal", self.run_dir / JOURNAL_DIR) \
-                if isinstance(self._error, OSError) else self._error
+            self._reported = True
+            raise self._error
 
     # -- the checkpoint writer's side (its own thread)
 
     def sync(self) -> None:
         """Every record released before the call is durable on return, its row first.
-        A disk error is a FilesystemError naming the journal (exit 5)."""
+        A disk error is a FilesystemError naming the row log or the journal (exit 5); after
+        one, every call raises it again and writes nothing."""
+        try:
+            self._sync()
+        except BaseException:
+            self._reported = self._error is not None
+            raise
+
+    def _sync(self, *, linked: bool = False) -> None:
+        """`sync`, without marking its error reported (the thread's cycle); `linked`: then
+        check that what a restore after `_covered` reads is still on disk."""
         with self._sync_lock:
+            if self._error is not None:  # never retry: what the failed fsync covered is unknown
+                raise self._error
             released = self._released  # the rows these name were buffered before them
             try:
-                self.rowlog.flush()
-                self.journal.flush(upto=released)
-            except OSError as e:
-                raise FilesystemError.of(e, "writing the journal", self.run_dir / JOURNAL_DIR) from None
+                try:
+                    self.rowlog.flush()
+                except OSError as e:
+                    raise FilesystemError.of(e, "writing the row log", self.run_dir / ROWS_DIR) from None
+                try:
+                    self.journal.flush(upto=released)
+                except OSError as e:
+                    raise FilesystemError.of(e, "writing the journal", self.run_dir / JOURNAL_DIR) from None
+                if linked:
+                    self._check_linked()
+            except BaseException as e:
+                self._error = self._error or e
+                raise
+
+    def _check_linked(self) -> None:
+        """FilesystemError if a journal segment holding records after the last checkpoint,
+        or a row segment that a checkpoint or the journal may name, was removed under the
+        live run (D4): a checkpoint published now would name what no restore can read."""
+        for name, path in ((JOURNAL_DIR, self._journal_missing()), (ROWS_DIR, self._rows_missing())):
+            if path is None:
+                continue
+            directory = self.run_dir / name
+            whole = self._fs.kind_of(directory) is None
+            gone = f"RUN_DIR/{name}" if whole else f"{name}/{path.name}"
+            raise FilesystemError(
+                f"{gone} was removed under the live run", path=str(directory if whole else path),
+                expected=f"the {'journal' if name == JOURNAL_DIR else 'row log'} this run writes, in place until "
+                "the run ends (checkpoints and the journal name what is in it)",
+                found=f"no {path.name} in {directory}" if not whole else f"no {directory}",
+                remedy=(f"nothing was published after it; `rollkeep audit {self.run_dir}` says whether the "
+                        "last checkpoint still restores: "
+                        + ("if it does not, resume from it with journal.enabled=false (what was generated "
+                           "after it is generated again)" if name == JOURNAL_DIR else
+                           "if it does not, resume from an older checkpoint that `rollkeep audit --all` "
+                           "accepts, or restore the row segments from a backup, or start the run fresh")))
+
+    def _journal_missing(self) -> Path | None:
+        try:
+            return self.journal.missing(after=self._covered)
+        except OSError as e:
+            raise FilesystemError.of(e, "checking the journal", self.run_dir / JOURNAL_DIR) from None
+
+    def _rows_missing(self) -> Path | None:
+        try:
+            return self.rowlog.missing()
+        except OSError as e:
+            raise FilesystemError.of(e, "checking the row log", self.run_dir / ROWS_DIR) from None
 
     @contextlib.contextmanager
     def covering(self, position: tuple[int, int], store: CheckpointStore) -> Iterator[None]:
@@ -137,14 +227,21 @@ class JournalThread:
         the journal reaches what the checkpoint covers and every row it names is durable
         (`sync`); once it is published (it covers the journal through `seq`), the journal
         segments it made redundant are deleted, and so are the row segments older than its
-        cut that no checkpoint of the store names (docs/design.md §5.2)."""
-        self.sync()
-        yield
+        cut that no checkpoint of the store names (docs/design.md §5.2). Before it, too:
+        what the checkpoint will name is still on disk (`_check_linked`)."""
         seq, rows_segment = position
+        try:
+            self._sync(linked=True)
+        except BaseException:
+            self._reported = self._error is not None
+            raise
+        yield
+        self._covered = max(self._covered, seq)
         delete_covered(self.run_dir / JOURNAL_DIR, seq, fs=self._fs)
         referenced = referenced_segments(store)
         if referenced is not None:  # a manifest that cannot be read keeps every segment
-            delete_unreferenced(self.run_dir / ROWS_DIR, referenced, keep_from=rows_segment, fs=self._fs)
+            self.rowlog.forget(delete_unreferenced(self.run_dir / ROWS_DIR, referenced, keep_from=rows_segment,
+                                                   fs=self._fs))
 
     # -- the thread
 
@@ -168,35 +265,49 @@ class JournalThread:
         self._kick.clear()
         t0 = time.perf_counter()
         before = self.journal.durable_seq
-        self.sync()
+        self._sync()
         if self.journal.durable_seq != before:
             self.flush_seconds.append(time.perf_counter() - t0)
 
     def fail(self, e: BaseException) -> None:
         """The thread stopped on `e`: the loop raises it at its next event (`check`)."""
-        self._error = e
+        if self._error is None:
+            self._error = e if not isinstance(e, OSError) else \
+                FilesystemError.of(e, "writing the journal", self.run_dir / JOURNAL_DIR)
 
-    def close(self) -> None:
-        """Stop the thread after a last `sync` of what was released. Records still staged
-        are dropped, not released: the trace never flushed them, and on an error (a disk
-        fault raised inside a sink) they may end in the middle of a scheduler transition,
-        which a restore must never replay (found by `rollkeep simulate`: a budget-spending
-        failure replayed without its drop gave the group an attempt past its budget). A
-        graceful end flushed the trace at Stop, so it keeps everything."""
-        self._stop = True
+    def close(self, *, report: bool = True) -> None:
+        """Stop the thread after a last `sync` of what was released, check that what a
+        restore reads is still on disk, and close; again: nothing. Raises the journal's
+        failure (FilesystemError, exit 5) unless it was raised to the run already: a failed
+        thread whose error no `check` saw, or the last sync's. `report=False` (the run is
+        already failing of something else) keeps that error from replacing the run's own.
+
+        Records still staged are dropped, not released: the trace never flushed them, and
+        on an error (a disk fault raised inside a sink) they may end in the middle of a
+        scheduler transition, which a restore must never replay (found by `rollkeep
+        simulate`: a budget-spending failure replayed without its drop gave the group an
+        attempt past its budget). A graceful end flushed the trace at Stop, so it keeps
+        everything."""
+        if self._closed:
+            return
+        self._closed = self._stop = True
         self._kick.set()
         if self._thread is not None:
             self._thread.join()
         try:
-            if self._error is None:
-                self.sync()
+            self._sync(linked=True)
+        except BaseException:
+            if report and not self._reported:
+                self._reported = True
+                raise
         finally:
             # Only `sync` may make records durable: it fsyncs their rows first. After a failed
             # one (or a failed thread) the records still buffered may name rows that never
             # reached the disk (found by `rollkeep simulate`: one failed row-log write, then
             # the close flushed the seals naming it, and no restore could read their rows).
+            # Rows still buffered belong to the dropped records: no record names them.
             self.journal.close(flush=False)
-            self.rowlog.close()
+            self.rowlog.close(flush=False)
 
     def stats(self) -> dict[str, Any]:
         """The `run_finished` fields: the flushes that wrote, and their p50 / p99 seconds."""

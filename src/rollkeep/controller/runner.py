@@ -137,6 +137,7 @@ class Runner:
         """Run to the end; `warmup_seconds`, the warm start's time in this process, goes
         into the summary."""
         loop = asyncio.get_running_loop()
+        failed = False
         try:
             await self._open_engine()
             self._start()
@@ -147,6 +148,8 @@ class Runner:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
                 reason = await self._drive(loop)
+            if self._journal is not None:  # its last flush, before anything says the run finished (exit 5 if it fails)
+                self._journal.close()
             step, sha = self.sched.version, self.trainer.weights_sha256()
             self.trace.emit(RunFinished(step=step, weights_sha256=sha, reason=reason.value,
                                         **(self._journal.stats() if self._journal else {})))
@@ -158,17 +161,20 @@ class Runner:
             return RunResult(step, sha, reason.value, signal=self._signal, checkpoint=self.store.latest(),
                              details=tuple(details), failure=self._failure)
         except BaseException as e:
+            failed = True
             self._trace_failure(e)
             raise
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 with contextlib.suppress(NotImplementedError, RuntimeError):
                     loop.remove_signal_handler(sig)
-            await self._close()
+            await self._close(failed)
 
     async def _drive(self, loop: asyncio.AbstractEventLoop):
         next_flush = loop.time() + _TRACE_FLUSH_S
         while True:
+            if self._journal is not None:
+                self._journal.check()  # a failed journal flush stops the run (exit 5), even with no event to sink
             wake_at = None
             for cmd in self.sched.poll(loop.time()):
                 if isinstance(cmd, Dispatch):
@@ -343,14 +349,17 @@ class Runner:
         with contextlib.suppress(OSError, ValueError):
             self.trace.emit(RunFailed(step=self.sched.version if self.sched else None, error=error))
 
-    async def _close(self) -> None:
-        """Release everything the run holds, each even if another fails (LIFO order)."""
+    async def _close(self, failed: bool) -> None:
+        """Release everything the run holds, each even if another fails (LIFO order). On a
+        failed run the journal's own failure does not replace the run's error."""
         async with contextlib.AsyncExitStack() as stack:
             stack.push_async_callback(self.engine.close)
             stack.callback(self._code.close)  # idle workers end; abandoned ones are never waited for
-            for closable in (self._metrics, self.trace, self._progress, self._journal):
+            for closable in (self._metrics, self.trace, self._progress):
                 if closable is not None:
                     stack.callback(closable.close)
+            if self._journal is not None:  # closed first (a finished run closed it before `run_finished`)
+                stack.callback(self._journal.close, report=not failed)
 
 
 def _crash_point(ev: Event) -> None:

@@ -47,7 +47,7 @@ from ..trace import Trace, last_committed_in_trace
 from ..trainers import Trainer
 from ..version import rollkeep_version
 from .episodes import check_restored
-from .journaling import JournalThread
+from .journaling import JournalThread, check_writable
 from .metrics import MetricsLog
 
 # Between setting a stale journal aside and moving the newer checkpoints aside (--resume-from).
@@ -112,7 +112,10 @@ def open_run(
     rows.restore(restored_rows)  # rows in the row log stay there until first read
     prefixes.restore(chains)
     check_restored(prefixes, env, str(store.root / (resume or "")))
-    # Only now that the restore chain (and the journal's tail) passed does anything on disk change.
+    # Only now that the restore chain (and the journal's tail) passed does anything on disk change,
+    # once the journal's directories are known to take its segments (D10).
+    if cfg.journaled:
+        check_writable(run_dir)
     if stale:  # first: killed before the checkpoints below are moved, a plain start refuses (no journal)
         set_journal_aside(run_dir)
         crashpoints.hit(JOURNAL_SET_ASIDE)

@@ -21,6 +21,7 @@ to append to.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import stat
@@ -47,6 +48,11 @@ class AppendFile(Protocol):
     def tail(self, n: int) -> bytes:
         """The last `n` bytes of the file (fewer if it is shorter)."""
 
+    def still_at(self, path: Path) -> bool:
+        """The open file is still the one named `path`: it was not unlinked, renamed or
+        replaced, nor its directory removed (writes to an unlinked file succeed and are
+        lost with the descriptor, so a writer that must stay readable asks)."""
+
     def close(self) -> None:
         """Close the file (again: nothing)."""
 
@@ -69,6 +75,14 @@ class OSAppendFile:
         size = os.fstat(self._fd).st_size
         n = min(n, size)
         return os.pread(self._fd, n, size - n) if n > 0 else b""
+
+    def still_at(self, path: Path) -> bool:
+        st = os.fstat(self._fd)
+        try:
+            named = os.lstat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        return st.st_nlink > 0 and (named.st_dev, named.st_ino) == (st.st_dev, st.st_ino)
 
     def close(self) -> None:
         fd, self._fd = self._fd, -1  # a later call fails with EBADF, never on a reused number's file
@@ -107,6 +121,22 @@ class FS:
             while view:
                 view = view[os.write(fd, view) :]
         finally:
+            os.close(fd)
+
+    def check_writable(self, path: Path) -> None:
+        """OSError unless a file can be created in the directory `path` now (a read-only
+        mount, missing permissions, an immutable directory). Creates an unnamed file
+        (O_TMPFILE), so nothing is left behind even if the process dies here; where the
+        filesystem has no unnamed files, asks access(2), which also sees a read-only
+        mount (root included) but not every refusal a server may make."""
+        try:
+            fd = os.open(path, os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise
+            if not os.access(path, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
+                raise OSError(errno.EACCES, "Permission denied (no write access)", str(path)) from None
+        else:
             os.close(fd)
 
     def fsync(self, path: Path) -> None:

@@ -482,6 +482,7 @@ class JournalWriter:
         self._file: AppendFile | None = None
         self._size = self._records = 0  # of the open segment
         self.segment_path: Path | None = None  # the open segment
+        self._created: list[tuple[int, Path]] = []  # (first_seq, path) of every segment this writer made
         self._prepare(next_seq)
 
     def _prepare(self, next_seq: int) -> None:
@@ -561,6 +562,7 @@ class JournalWriter:
             if created:
                 self.segment_path = self.directory / segment_name(first + i)
                 self._file = self._fs.open_append(self.segment_path)
+                self._created.append((first + i, self.segment_path))
                 chunk.append(encode_header(first + i))
                 self._size, self._records = HEADER_SIZE, 0
             assert self._file is not None
@@ -584,6 +586,25 @@ class JournalWriter:
             if i < len(frames):  # full: rotate
                 self._file.close()
                 self._file = None
+
+    def missing(self, after: int) -> Path | None:
+        """The first segment this writer made that holds a record after seq `after` and is
+        no longer in the journal directory (removed under the live writer, whose writes
+        to it then still succeed), or None. Only this writer's segments can hold such a
+        record when `after` is a position cut in its process (at or after `next_seq`).
+        Stats the open segment through its descriptor (the same file, still linked), the
+        others by name."""
+        with self._io_lock:
+            for i, (_, path) in enumerate(self._created):
+                nxt = self._created[i + 1][0] if i + 1 < len(self._created) else None
+                if nxt is not None and nxt <= after + 1:
+                    continue  # every record of it is at or before `after`
+                if path == self.segment_path and self._file is not None:
+                    if not self._file.still_at(path):
+                        return path
+                elif self._fs.kind_of(path) != FILE:
+                    return path
+            return None
 
     def close(self, *, flush: bool = True) -> None:
         """Flush what is buffered (unless the writer failed, or with `flush=False`: records

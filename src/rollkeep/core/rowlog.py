@@ -309,6 +309,9 @@ class RowLogWriter:
         self._file_segment = -1
         self._failed: BaseException | None = None
         self._closed = False
+        # The segments on disk that checkpoints or the journal may name: those found at
+        # open and those made since, less the ones retention deleted (`forget`).
+        self._known = {n for n, kind in existing.items() if kind == FILE}
 
     @property
     def segment(self) -> int:
@@ -388,6 +391,27 @@ class RowLogWriter:
             f.close()
             raise FileExistsError(errno.EEXIST, "a row segment is never appended to", str(path))
         self._file, self._file_segment = f, seg
+        self._known.add(seg)
+
+    def forget(self, numbers: list[int]) -> None:
+        """Retention deleted these segments (`delete_unreferenced`): nothing names them now."""
+        with self._io_lock:
+            self._known.difference_update(numbers)
+
+    def missing(self) -> Path | None:
+        """The first segment a checkpoint or the journal may name (see `_known`) that is no
+        longer in the row log's directory (removed under the live writer, whose writes to
+        its open segment then still succeed), or None. One listing of the directory, and
+        the open segment checked through its descriptor (the same file, still linked)."""
+        with self._io_lock:
+            if self._file is not None and not self._file.still_at(segment_path(self.directory, self._file_segment)):
+                return segment_path(self.directory, self._file_segment)
+            try:
+                on_disk = _numbers(self.directory, self._fs)
+            except NotADirectoryError:
+                on_disk = {}
+            gone = sorted(n for n in self._known if on_disk.get(n) != FILE)
+            return segment_path(self.directory, gone[0]) if gone else None
 
     def _usable(self) -> None:
         if self._closed:
@@ -397,12 +421,13 @@ class RowLogWriter:
                 errno.EIO, f"the row log is unusable after an earlier failure: {self._failed!r}"
             ) from self._failed
 
-    def close(self) -> None:
-        """Flush what is buffered (if the writer is still usable) and close. Idempotent."""
+    def close(self, *, flush: bool = True) -> None:
+        """Flush what is buffered (if the writer is still usable, and unless `flush=False`:
+        rows no durable record will name) and close. Idempotent."""
         if self._closed:
             return
         try:
-            if self._failed is None:
+            if flush and self._failed is None:
                 self.flush()
         finally:
             with self._io_lock:

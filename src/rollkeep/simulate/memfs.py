@@ -202,6 +202,10 @@ class MemFS(FS):
 
     # -- reading --------------------------------------------------------------------
 
+    def check_writable(self, path: Path) -> None:
+        self._alive()
+        self._get(path, DIR)  # the simulated disk has no permissions or read-only mounts
+
     def kind_of(self, path: Path) -> str | None:
         self._alive()
         node = self._lookup(path)
@@ -263,6 +267,10 @@ class _MemAppendFile:
     def tail(self, n: int) -> bytes:
         self._open()
         return bytes(self._node.data[-n:]) if n > 0 else b""
+
+    def still_at(self, path: Path) -> bool:
+        self._open()
+        return self._fs._lookup(path) is self._node
 
     def close(self) -> None:
         self._fs._alive()

@@ -418,12 +418,12 @@ class _Process:
                     if cmd.time > w.now:
                         heapq.heappush(self.queue, (cmd.time, next(self.seq), lambda: None))
                 elif isinstance(cmd, Stop):
-                    w.trace.flush()  # as the runner: then `run_finished`, then close the journal, the trace
-                    w.trace.emit(RunFinished(step=self.sched.version, weights_sha256=self.trainer.weights_sha256(),
-                                             reason=cmd.reason.value))
+                    w.trace.flush()  # as the runner: then close the journal (its last flush), `run_finished`, the trace
                     journal, w.journal = w.journal, None  # closed once, even if its close fails
                     if journal is not None:
                         journal.close()
+                    w.trace.emit(RunFinished(step=self.sched.version, weights_sha256=self.trainer.weights_sha256(),
+                                             reason=cmd.reason.value))
                     w.trace.close()
                     return "finished"
             if not self.queue:
