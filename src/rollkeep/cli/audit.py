@@ -5,8 +5,12 @@ which need the run's dataset and config: every listed file has its size and sha2
 schemas are supported, the ledger decodes, the custody audit passes, the rows match, and
 beyond what a restore reads, every row the checkpoint names in the row log is read and
 verified; and for LATEST of a run dir, the journal's tail after it (records, their sequence,
-the rows its seals name, each read and verified) and its replay onto the checkpoint. One line per checkpoint (and one for the journal);
-exit 0 iff every audited one passes. Modifies nothing on disk.
+the rows its seals name, each read and verified) and its replay onto the checkpoint. A run
+dir with no LATEST whose journal recorded work (killed before its first checkpoint) is
+audited from its journal alone, as `rollkeep train` would resume it: every record, the rows
+its seals name, and its replay onto the empty ledger of its dataset. One line per
+checkpoint (and one for the journal); exit 0 iff every audited one passes. Modifies
+nothing on disk.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from rollkeep.cli import exit_code, print_error
-from rollkeep.cli.inspect import STEPS_RUN, Target, custody, journal_tail, resolve
+from rollkeep.cli.inspect import STEPS_RUN, Target, custody, from_journal, journal_alone, journal_tail, resolve
 from rollkeep.core.errors import CheckpointNotFound, RollkeepError
 from rollkeep.core.restore import Restored, restore_chain
 from rollkeep.core.rowindex import rows_dir_for
@@ -24,18 +28,21 @@ from rollkeep.core.rowlog import RowLocation, RowLogReader
 
 _EXAMPLES = """\
 PATH is a run dir, its checkpoints/ dir, or one checkpoint dir (as for `rollkeep inspect`).
-Without --all, the checkpoint LATEST names (or the one given) is audited; with --all, every
-step_* directory of the store, and LATEST itself.
+Without --all, the checkpoint LATEST names (or the one given) is audited, with the journal's
+tail after it; with --all, every step_* directory of the store, and LATEST itself. A run
+that never published a checkpoint is audited from its journal, if it recorded work.
 
 examples:
   rollkeep audit runs/a
       step_000040: ok (trained 320, ledger 12, replay 8, spare 0, dropped 1, cursor e0.341, version 40)
   rollkeep audit --all runs/a/checkpoints
+  rollkeep audit runs/killed-before-its-first-checkpoint
+      journal (no checkpoint): ok (299 event(s), 126 row(s) read and verified, ...)
   rollkeep audit runs/a/checkpoints/step_000030
 
-Exit 0 iff every audited checkpoint passes; otherwise the code of the first failure
-(3 for a damaged or mismatched checkpoint; see `rollkeep --help`), with one paragraph on
-stderr per failure naming the file and what to do.
+Exit 0 iff every audited checkpoint (and journal) passes; otherwise the code of the first
+failure (3 for a damaged or mismatched checkpoint or journal; see `rollkeep --help`), with
+one paragraph on stderr per failure naming the file and what to do.
 """
 
 
@@ -80,6 +87,10 @@ def failed_line(name: str, err: RollkeepError) -> str:
 
 
 def _audit_one(target: Target) -> int:
+    alone = from_journal(target, verify_rows=True)
+    if alone is not None:
+        print(alone_line(alone))
+        return 0
     r = restore_chain(target.chain_target, source=None, config=None)
     print(ok_line(r, read_named(r)))
     j = journal_tail(target, r, verify_rows=True)
@@ -94,6 +105,16 @@ def journal_line(name: str, j: dict[str, Any]) -> str:
             f"replays onto the checkpoint{torn})")
 
 
+def alone_line(rep: dict[str, Any]) -> str:
+    """The line for a run that never published a checkpoint, audited from its journal."""
+    c, j = rep["custody"], rep["journal"]
+    torn = f", torn tail {j['torn_tail_bytes']} B" if j["torn_tail_bytes"] else ""
+    return (f"journal (no checkpoint): ok ({j['events']} event(s), {j['seals']} row(s) read and verified, "
+            f"replays onto the empty ledger{torn}; trained {c['trained']}, ledger {c['ledger']['total']}, "
+            f"replay {c['replay']['total']}, spare {c['spare']}, dropped {c['dropped']}, "
+            f"cursor {c['cursor_key']}, version {c['version']})")
+
+
 def _audit_all(target: Target) -> int:
     store = target.store
     names = store.list()
@@ -104,14 +125,31 @@ def _audit_all(target: Target) -> int:
         print_error(err)
         codes.append(exit_code(err))
 
-    latest = None
+    latest = alone = None
+    journal_failed = False
     try:
         latest = store.latest()
     except RollkeepError as err:
         failed("LATEST", err)
     else:
         if latest is None:
+            if not store.root.is_dir():  # no checkpoints/ at all: the journal alone, or nothing to audit
+                alone = from_journal(target, verify_rows=True)
+                print(alone_line(alone))
+                return 0
             print("LATEST: missing (no checkpoint is published)")
+            try:  # what `train` resumes from then
+                alone = journal_alone(Target(target.kind, store, None), verify_rows=True)
+            except CheckpointNotFound as err:  # `train` refuses to start here: said above, unless no dir is
+                if not names:
+                    failed("journal", err)
+                    journal_failed = True
+            except RollkeepError as err:
+                failed("journal", err)
+                journal_failed = True
+            else:
+                if alone is not None:
+                    print(alone_line(alone))
         elif latest not in names:
             try:  # raises CheckpointNotFound with the store's own wording and remedy
                 restore_chain(store, source=None, config=None)
@@ -119,7 +157,7 @@ def _audit_all(target: Target) -> int:
                 failed("LATEST", err)
         else:
             print(f"LATEST: {latest}")
-    if not names:
+    if not names and alone is None and not journal_failed:
         raise CheckpointNotFound(
             f"{store.root} holds no checkpoint directory",
             path=str(store.root),

@@ -3,7 +3,10 @@
 It runs restore steps 1-6 of docs/design.md §5, the same code `rollkeep train` runs when it
 resumes (`rollkeep.core.restore`), and modifies nothing on disk. Steps 7 (dataset) and 8
 (config) need the run's dataset and config, which inspect does not load; the output says
-so. PATH is resolved by `resolve()`, shared with `rollkeep audit`.
+so. PATH is resolved by `resolve()`, shared with `rollkeep audit`. With the journal, the
+plan is the one after LATEST's journal tail is replayed; a run dir with no LATEST whose
+journal recorded work (a run killed before its first checkpoint) is reported from the
+journal alone, as `rollkeep train` would resume it (`journal_alone`).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from rollkeep.core.rows import Row
 from rollkeep.core.store import LATEST, MANIFEST, RESERVED_KEYS, CheckpointStore
 
 CHECKPOINTS = "checkpoints"  # RUN_DIR/checkpoints (docs/design.md §4)
+JOURNAL = "journal"  # RUN_DIR/journal (docs/design.md §5.1)
 _CHECKPOINT_NAME = re.compile(r"step_\d{6,}")
 
 #: Restore steps this command runs, and the two it cannot.
@@ -53,12 +57,23 @@ NOT_RUN_REASON = (
     "when it resumes"
 )
 
+#: What a report from the journal alone (a run that never published a checkpoint) checked:
+#: what `rollkeep train` checks before it resumes such a run, but for steps 7 and 8.
+JOURNAL_CHECKS = {
+    "j1": "every journal record's checksum, and a sequence without gaps (a torn tail ends it)",
+    "j2": "every record decodes as a ledger event or a restart marker",
+    "j3": "every row segment a seal names exists, has its header and reaches that far",
+    "j4": "the events replay onto the empty ledger of the dataset the first process recorded",
+}
+ROWS_READ = {"j5": "every row and chunk a seal names read and verified (length, checksum, id)"}
+
 _LEDGER_STATES = [s for s in GroupState if s < GroupState.READY]
 _REPLAY_STATES = [s for s in GroupState if s >= GroupState.READY]
 
 _EXAMPLES = """\
 PATH is one of:
-  RUN_DIR                      the checkpoint LATEST names in RUN_DIR/checkpoints
+  RUN_DIR                      the checkpoint LATEST names in RUN_DIR/checkpoints (no LATEST:
+                               the journal alone, if it recorded work, as `train` resumes it)
   RUN_DIR/checkpoints          the same
   RUN_DIR/checkpoints/step_N   that checkpoint, whatever LATEST says
 
@@ -135,14 +150,9 @@ def resolve(path: Path) -> Target:
         or any(_CHECKPOINT_NAME.fullmatch(n) for n in entries)
     ):
         return Target("checkpoints dir", CheckpointStore(path), None)
-    if any(n in entries for n in ("config.yaml", "trace.jsonl", "metrics.jsonl")):
-        raise CheckpointNotFound(
-            f"run dir {path} has no {CHECKPOINTS}/ directory: it never published a checkpoint",
-            path=str(path / CHECKPOINTS),
-            expected=f"{CHECKPOINTS}/ with a LATEST file",
-            found="no such directory",
-            remedy="nothing to inspect yet; `rollkeep train` starts this run from scratch",
-        )
+    if any(n in entries for n in ("config.yaml", "trace.jsonl", "metrics.jsonl", JOURNAL)):
+        # A run that never published a checkpoint: its journal may hold its work (`build`).
+        return Target("run dir", CheckpointStore(path / CHECKPOINTS), None)
     raise UserInputError(
         f"{path} is not a run dir, a checkpoints dir or a checkpoint dir",
         path=str(path),
@@ -260,14 +270,14 @@ def journal_tail(target: Target, r: Restored, *, verify_rows: bool = False) -> d
                 reader.read(RowId(ev.group_id, ev.generation, ev.attempt), loc)
     events = [ev for ev, _ in tail.events if not isinstance(ev, Restart)]
     try:
-        replayed = replay(r.ledger, r.rows, tail.events)
+        replayed = replay(r.ledger, r.rows, tail.events, r.prefixes)
     except IllegalTransition as e:  # as `train`: a journal that is not this checkpoint's is refused
         raise JournalError(e.what, path=str(run_dir / "journal"), expected=e.expected, found=e.found,
                            remedy=e.remedy) from None
     after = plan(replayed.state)
     s = tail.summary
     return {
-        "after_seq": seq, "last_seq": tail.last_seq, "events": len(events),
+        "alone": False, "after_seq": seq, "last_seq": tail.last_seq, "events": len(events),
         "processes": sum(isinstance(ev, Restart) for ev, _ in tail.events),
         "seals": sum(row is not None for _, row in tail.events),
         "torn_tail_bytes": sum(t.dropped for t in s.torn) if s is not None else 0,
@@ -275,6 +285,155 @@ def journal_tail(target: Target, r: Restored, *, verify_rows: bool = False) -> d
         "dropped": tail.dropped,
         "plan": {**asdict(after), "source_cursor": list(after.source_cursor), "lines": after.lines()},
     }
+
+
+def journal_alone(target: Target, *, verify_rows: bool = False) -> dict[str, Any] | None:
+    """The report for a run dir with no LATEST whose journal recorded work (a run killed
+    before its first checkpoint): what `rollkeep train` restores then (`startup.journal_tail`
+    with no checkpoint, docs/design.md §5.1): the journal read and checked from its first
+    record, its seals' row segments checked (`verify_rows`: each row read and verified too,
+    as `audit` does), and its events replayed onto the empty ledger of the dataset its first
+    process recorded, the steps they committed taken back. Steps 7 and 8 (the dataset, the
+    config) are not run. None when `train` would start from scratch: a PATH that names a
+    checkpoint, no journal, or one with restart markers only. Raises what `train` would:
+    checkpoint directories without LATEST, a journal or row log that is not a directory, a
+    damaged record, a replay that does not continue the ledger (exit 3). Reads only."""
+    from rollkeep.controller.rundir import published_in_trace, start_point
+    from rollkeep.core.durable import read_tail
+    from rollkeep.core.errors import IllegalTransition
+    from rollkeep.core.fs import DEFAULT_FS, DIR
+    from rollkeep.core.journal import JournalError
+    from rollkeep.core.ledger import Ledger
+    from rollkeep.core.replay import Restart, replay
+    from rollkeep.core.restore import plan
+    from rollkeep.core.rowlog import ROWS_DIR, RowLogReader
+    from rollkeep.core.rows import RowId
+
+    store, fs = target.store, DEFAULT_FS
+    run_dir = store.root.parent
+    journal = run_dir / JOURNAL
+    if target.checkpoint is not None or fs.kind_of(journal) is None:
+        return None
+    # Where `train` would start (controller.rundir): step_* directories without LATEST are refused.
+    if start_point(store, None, published=lambda: published_in_trace(run_dir / "trace.jsonl")) is not None:
+        return None  # LATEST was published meanwhile: the caller's checkpoint path reports it
+    for name in (JOURNAL, ROWS_DIR):  # as `startup.journal_tail`: a file, a FIFO or a symlink is refused
+        if fs.kind_of(run_dir / name) not in (None, DIR):
+            raise JournalError(
+                f"RUN_DIR/{name} is not a directory", path=str(run_dir / name),
+                expected="a directory (not a symlink) that the run's journal writes",
+                found=fs.describe(run_dir / name), remedy="move it aside (`rollkeep train` refuses it too)")
+    tail = read_tail(run_dir, after=0)
+    events = [ev for ev, _ in tail.events if not isinstance(ev, Restart)]
+    if not events:
+        return None
+    if not tail.datasets:  # `train` takes the dataset it is given; inspect has none
+        raise JournalError(
+            "the journal's first process recorded no dataset (a journal of an older rollkeep)",
+            path=str(journal), expected="a restart marker naming the dataset, to rebuild the empty ledger from",
+            found=f"{len(events)} event(s) and no dataset", remedy="inspect cannot replay it without the "
+            "dataset; `rollkeep train` does (and checks it) when it resumes the run")
+    if verify_rows:  # what a restore leaves to the first read of each row
+        reader = RowLogReader(run_dir / ROWS_DIR)
+        for ev, loc in tail.events:
+            if loc is not None:
+                reader.read(RowId(ev.group_id, ev.generation, ev.attempt), loc)
+    first, newest = tail.datasets[0], tail.datasets[-1]
+    base = Ledger(n_rows=first.n_rows, seed=first.seed, epochs=first.epochs).capture()
+    try:
+        r = replay(base, {}, tail.events)
+    except IllegalTransition as e:  # as `train`: a journal that does not continue its own ledger
+        raise JournalError(e.what, path=str(journal), expected=e.expected, found=e.found,
+                           remedy=e.remedy) from None
+    after = plan(r.state)
+    files = _segment_files(run_dir, (JOURNAL, ROWS_DIR))
+    passed = {**JOURNAL_CHECKS, **(ROWS_READ if verify_rows else {})}
+    s = tail.summary
+    plan_json = {**asdict(after), "source_cursor": list(after.source_cursor), "lines": after.lines()}
+    return {
+        "ok": True,
+        "checkpoint": None,
+        "path": str(journal),
+        "via": "journal",
+        "step": r.state.version,
+        "weight_version": None,
+        "created": None,
+        "created_utc": None,
+        "bytes": sum(files.values()),
+        "files": files,
+        "meta": {"dataset": {"n_rows": newest.n_rows, "seed": newest.seed, "epochs": newest.epochs,
+                             "fingerprint": newest.fingerprint}},
+        "checks": {
+            "passed": passed,
+            "not_run": {str(k): v for k, v in STEPS_NOT_RUN.items()},
+            "not_run_reason": NOT_RUN_REASON,
+        },
+        "custody": custody(r.state),
+        "rows": len(r.rows),
+        "rows_by_reference": sum(not isinstance(x, Row) for x in r.rows.values()),
+        "partial_generations": len(r.prefixes),
+        "partial_tokens": sum(chain[-1].end for chain in r.prefixes.values()),
+        "turns": finished_turns(r.prefixes),
+        "plan": plan_json,
+        "journal": {
+            "alone": True, "after_seq": 0, "last_seq": tail.last_seq, "events": len(events),
+            "processes": sum(isinstance(ev, Restart) for ev, _ in tail.events),
+            "seals": sum(row is not None for _, row in tail.events),
+            "torn_tail_bytes": sum(t.dropped for t in s.torn) if s is not None else 0,
+            "steps_taken_back": r.steps_taken_back, "groups_returned": r.groups_returned,
+            "dropped": tail.dropped, "plan": plan_json,
+        },
+        "store": store_listing(store),
+    }
+
+
+def _segment_files(run_dir: Path, dirs: tuple[str, ...]) -> dict[str, int]:
+    """`dir/name`: size of each regular file in the run's journal and row log (already read)."""
+    out = {}
+    for d in dirs:
+        try:
+            entries = sorted(os.scandir(run_dir / d), key=lambda e: e.name)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            from rollkeep.core.errors import FilesystemError
+
+            raise FilesystemError.of(e, "listing the journal", run_dir / d) from None
+        out.update((f"{d}/{e.name}", e.stat(follow_symlinks=False).st_size)
+                   for e in entries if e.is_file(follow_symlinks=False))
+    return out
+
+
+def from_journal(target: Target, *, verify_rows: bool = False) -> dict[str, Any] | None:
+    """`journal_alone`'s report when PATH has no LATEST and `train` would resume from the
+    journal; None when PATH is to be restored from a checkpoint (a LATEST, or a checkpoint
+    dir given). Raises CheckpointNotFound for a run dir with neither checkpoints/ nor a
+    journal that recorded work."""
+    if target.checkpoint is not None or target.store.latest() is not None:
+        return None
+    alone = journal_alone(target, verify_rows=verify_rows)
+    if alone is None and not target.store.root.is_dir():
+        raise CheckpointNotFound(
+            f"run dir {target.store.root.parent} has no {CHECKPOINTS}/ directory: it never published a checkpoint",
+            path=str(target.store.root),
+            expected=f"{CHECKPOINTS}/ with a LATEST file",
+            found="no such directory, and no journal that recorded work",
+            remedy="nothing to inspect yet; `rollkeep train` starts this run from scratch",
+        )
+    return alone
+
+
+def build(target: Target, *, verify_rows: bool = False) -> dict[str, Any]:
+    """The report for PATH: from the journal alone where `train` would resume from it
+    (`from_journal`), else the checkpoint restored (steps 1-6) with LATEST's journal tail
+    replayed onto it. Raises what the restore would (no LATEST: the store's refusal)."""
+    alone = from_journal(target, verify_rows=verify_rows)
+    if alone is not None:
+        return alone
+    restored = restore_chain(target.chain_target, source=None, config=None)
+    rep = report(target, restored)
+    rep["journal"] = journal_tail(target, restored, verify_rows=verify_rows)
+    return rep
 
 
 def _size(n: int) -> str:
@@ -294,12 +453,21 @@ def render(rep: dict[str, Any]) -> str:
         out.append(f"{label:<12}{text}")
 
     store = rep["store"]
-    via = f"LATEST of {store['root']}" if rep["via"] == "LATEST" else "given by path"
-    row("checkpoint", f"{rep['checkpoint']}  ({via})")
-    row("path", rep["path"])
-    wv = rep["weight_version"]
-    row("step", f"{rep['step']}" + (f"  (weight version {wv})" if wv is not None else ""))
-    row("created", rep["created_utc"])
+    j = rep.get("journal")
+    alone = j is not None and j["alone"]
+    if alone:
+        row("checkpoint", "none: the run never published one; this is what its journal alone restores")
+        row("journal", rep["path"])
+        back = j["steps_taken_back"]
+        row("step", f"{rep['step']}" + (f"  (steps {back[0]}-{back[1]} the stopped process trained are taken "
+                                          "back: their weights died with it)" if back else ""))
+    else:
+        via = f"LATEST of {store['root']}" if rep["via"] == "LATEST" else "given by path"
+        row("checkpoint", f"{rep['checkpoint']}  ({via})")
+        row("path", rep["path"])
+        wv = rep["weight_version"]
+        row("step", f"{rep['step']}" + (f"  (weight version {wv})" if wv is not None else ""))
+        row("created", rep["created_utc"])
     row("size", f"{_size(rep['bytes'])} in {len(rep['files'])} files")
     for rel, n in rep["files"].items():
         row("", f"{_size(n):>10}  {rel}")
@@ -336,7 +504,7 @@ def render(rep: dict[str, Any]) -> str:
         row("", f"{'shortfall':<9}{'':>7}   " + ", ".join(f"step {s}: {n}" for s, n in c["shortfall"].items()))
     by_ref = rep["rows_by_reference"]
     row("", f"{'rows':<9}{rep['rows']:>7}   rows of sealed attempts: {by_ref} named in the row log (read when "
-            f"first needed), {rep['rows'] - by_ref} copied into the checkpoint")
+            "first needed)" + ("" if alone else f", {rep['rows'] - by_ref} copied into the checkpoint"))
     if rep["partial_generations"]:
         row("", f"{'partial':<9}{rep['partial_generations']:>7}   sibling(s) cut off mid-generation, continued from "
                 f"their {rep['partial_tokens']} token(s) (recovery.partial: resume)")
@@ -345,24 +513,26 @@ def render(rep: dict[str, Any]) -> str:
                 "after (the turn in flight is generated again)")
 
     out.append("")
-    j = rep.get("journal")
     if j is None:
         out.append("restore plan (what a restart from this checkpoint does)")
     else:
         back = j["steps_taken_back"]
-        out.append(f"journal     {j['events']} event(s) after this checkpoint (seq {j['after_seq'] + 1}-"
+        whence = "replayed from the journal alone, no checkpoint" if alone else "after this checkpoint"
+        out.append(f"journal     {j['events']} event(s) {whence} (seq {j['after_seq'] + 1}-"
                    f"{j['last_seq']}, {j['processes']} process(es)), {j['seals']} sealed row(s) in the row log"
                    + (f", a torn tail of {j['torn_tail_bytes']} byte(s) (never durable)" if j["torn_tail_bytes"] else ""))
         if back:
             out.append(f"{'':<12}steps {back[0]}-{back[1]} taken back: their {j['groups_returned']} group(s) are "
                        "trained again from their rows")
-        out.append("restore plan (what a restart does: this checkpoint with the journal's tail replayed)")
+        out.append("restore plan (what a restart does: " + (
+            "the journal replayed onto the empty ledger of its dataset)" if alone else
+            "this checkpoint with the journal's tail replayed)"))
     for line in (rep["plan"] if j is None else j["plan"])["lines"]:
         row("", line)
 
     out.append("")
-    out.append(f"checkpoints in {store['root']} (unverified but for the one inspected; "
-               "`rollkeep audit --all` checks each)")
+    out.append(f"checkpoints in {store['root']}" + (
+        "" if alone else " (unverified but for the one inspected; `rollkeep audit --all` checks each)"))
     if store["latest_problem"] is not None:
         row("", f"LATEST is unusable: {store['latest_problem']}")
     for name in store["checkpoints"]:
@@ -395,17 +565,7 @@ def failure(err: RollkeepError, code: int) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        target = resolve(args.path)
-        restored = restore_chain(target.chain_target, source=None, config=None)
-    except RollkeepError as err:
-        if args.json:
-            from rollkeep.cli import exit_code
-
-            print(json.dumps(failure(err, exit_code(err)), indent=2))
-        raise
-    rep = report(target, restored)
-    try:
-        rep["journal"] = journal_tail(target, restored)
+        rep = build(resolve(args.path))
     except RollkeepError as err:
         if args.json:
             from rollkeep.cli import exit_code
