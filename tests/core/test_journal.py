@@ -376,6 +376,23 @@ def test_delete_covered_keeps_what_is_needed_and_never_the_newest_segment():
     assert delete_covered(J, 10, fs=fs) == []  # no journal: nothing
 
 
+def test_retention_racing_a_new_segment_keeps_the_journal_reaching_the_checkpoint():
+    """The red chaos run: the writer's thread had created its next segment (the file, no
+    record yet) when the checkpoint writer deleted every segment before it; a kill, and
+    the next writer removed the empty segment as a crashed writer's: a journal emptied
+    under the checkpoint's position. A segment goes only once a durable record follows."""
+    fs = memfs()
+    w = write(fs, [b"a", b"b", b"c"], segment_bytes=HEADER_SIZE + FRAME_OVERHEAD + 1)  # one per segment
+    fs.open_append(J / segment_name(4)).close()  # the writer's thread, between creating and writing
+    assert w.delete_covered(3) == [J / segment_name(1), J / segment_name(2)]
+    fs.kill()
+    restored = read_journal(J, after=3, fs=fs)
+    assert restored.summary.last_seq == 3 and restored.records == []
+    JournalWriter(J, 4, fs=fs).close()  # removes the empty segment 4
+    assert segments(fs) == [segment_name(3)]
+    assert read_journal(J, after=3, fs=fs).summary.complete
+
+
 def test_a_read_after_the_checkpoint_reads_only_the_segments_it_needs():
     class Counting(MemFS):
         def __init__(self):

@@ -46,7 +46,7 @@ from ..core.durable import JOURNAL_DIR, ROWS_DIR, encode_entry, encode_restart
 from ..core.errors import FilesystemError
 from ..core.events import Event, Progressed, Sealed, TurnSealed
 from ..core.fs import DEFAULT_FS, DIR, FS
-from ..core.journal import JournalWriter, delete_covered
+from ..core.journal import JournalWriter
 from ..core.prefixes import PrefixStore, chunk_row
 from ..core.rowindex import referenced_segments
 from ..core.rowlog import RowLogWriter, delete_unreferenced
@@ -237,7 +237,7 @@ class JournalThread:
             raise
         yield
         self._covered = max(self._covered, seq)
-        delete_covered(self.run_dir / JOURNAL_DIR, seq, fs=self._fs)
+        self.journal.delete_covered(seq)
         referenced = referenced_segments(store)
         if referenced is not None:  # a manifest that cannot be read keeps every segment
             self.rowlog.forget(delete_unreferenced(self.run_dir / ROWS_DIR, referenced, keep_from=rows_segment,

@@ -587,6 +587,16 @@ class JournalWriter:
                 self._file.close()
                 self._file = None
 
+    def delete_covered(self, seq: int) -> list[Path]:
+        """`delete_covered` for a checkpoint that covers the journal through `seq`, safe
+        while this writer's thread may be starting a segment: a segment goes only once
+        the one after it holds a durable record. A new segment's file exists before its
+        first record is written, so deleting every segment before it and a kill there
+        would leave a journal that no longer reaches back to `seq` (the next writer
+        removes the empty segment as a crashed writer's). `durable_seq` is read before the
+        directory is listed: a segment made after it starts past it."""
+        return delete_covered(self.directory, min(seq, self.durable_seq - 1), fs=self._fs)
+
     def missing(self, after: int) -> Path | None:
         """The first segment this writer made that holds a record after seq `after` and is
         no longer in the journal directory (removed under the live writer, whose writes
