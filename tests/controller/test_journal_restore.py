@@ -18,6 +18,7 @@ import struct
 from pathlib import Path
 
 import pytest
+from hostile import main_child
 from run_harness import (
     DEFAULTS,
     FAST,
@@ -110,6 +111,42 @@ def test_resume_from_an_older_checkpoint_sets_the_journal_aside(tmp_path, capsys
     assert restored["checkpoint"] == "step_000002" and restored.get("journal_events_replayed", 0) == 0
     assert trace_lines(cfg)[-1]["event"] == "run_finished"
     check(cfg)  # the verifier follows the lineage through the abandoned checkpoints
+
+
+def test_a_checkpoint_killed_before_latest_moved_keeps_the_journal_tail(tmp_path) -> None:
+    """The red chaos run: killed after step 4's directory was renamed in and before LATEST
+    named it, the next start took that unpublished directory for a newer checkpoint, set
+    the journal aside (its tail lost), and a kill before the new journal's first flush
+    left an empty journal under step 2's position: every later start refused (exit 3)."""
+    sha = reference(tmp_path, *DET)
+    cfg = config(tmp_path / "run", *DET)
+    run = Path(cfg.run_dir)
+    assert killed(run_child(cfg, "publish.dir_renamed:2"))
+    assert CheckpointStore(run / "checkpoints").latest() == "step_000002"
+    assert killed(run_child(cfg, "ledger.taken:1"))
+    run_to_end(cfg)
+    assert not list(run.glob("journal-abandoned-*"))
+    first, second = restored_events(cfg)
+    assert first["checkpoint"] == second["checkpoint"] == "step_000002"
+    assert first["journal_events_replayed"] > 0 and second["journal_events_replayed"] > 0
+    check(cfg, sha)
+
+
+def test_a_resume_from_killed_before_its_first_flush_resumes_from_the_named_checkpoint(tmp_path, capsys):
+    """The same empty journal after a finished `--resume-from`: the new journal begins with
+    a segment at the named checkpoint's position before LATEST moves to it."""
+    over = ["checkpoint.keep_last=10", NO_FINAL]
+    cfg = config(tmp_path / "run", *over)
+    run = Path(cfg.run_dir)
+    stop(cfg, "ledger.step_committed:5")  # checkpoints 2 and 4, and a tail after 4
+    resume = ["train", DEFAULTS, *FAST, f"run_dir={run}", *over, "--resume-from", "step_000002"]
+    assert killed(main_child(resume, "ledger.taken:1"))
+    assert [p.name for p in segments(run, "journal")] and list(run.glob("journal-abandoned-*"))
+    run_to_end(cfg)  # a plain start now
+    restored = restored_events(cfg)
+    assert [r["checkpoint"] for r in restored] == ["step_000002", "step_000002"]
+    assert restored[-1].get("journal_events_replayed", 0) == 0  # the new journal held no record
+    check(cfg)
 
 
 def test_a_resume_with_the_journal_off_leaves_it_and_a_later_one_sets_it_aside(tmp_path) -> None:

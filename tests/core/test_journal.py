@@ -393,6 +393,42 @@ def test_retention_racing_a_new_segment_keeps_the_journal_reaching_the_checkpoin
     assert read_journal(J, after=3, fs=fs).summary.complete
 
 
+def test_a_writer_past_seq_one_with_no_older_segment_shows_where_it_starts():
+    """The red chaos run, second cause: a journal set aside under a checkpoint at seq 6, the
+    new writer killed before its first flush left an empty directory, which a restore must
+    refuse as damage (D6). The writer now puts a header at 7 in place before it returns."""
+    fs = memfs()
+    w = JournalWriter(J, 7, fs=fs)
+    fs.power_cut()  # no flush yet, and nothing made durable after the constructor
+    assert segments(fs) == [segment_name(7)]
+    tail = read_journal(J, after=6, fs=fs)
+    assert tail.records == [] and tail.summary.last_seq == 6 and tail.summary.complete
+    w = JournalWriter(J, 7, fs=fs)  # a header-only segment at next_seq is kept and appended to
+    w.append(b"g")
+    w.close()
+    fs.power_cut()
+    assert segments(fs) == [segment_name(7)] and records(fs, after=6) == [(7, b"g")]
+    with pytest.raises(CustodyError, match="reuse sequence numbers"):
+        JournalWriter(J, 7, fs=fs)  # it holds a record now
+
+
+@pytest.mark.parametrize("left", [b"", encode_header(7)[:5], "header+torn"])
+def test_a_frameless_segment_with_no_older_one_is_replaced_never_removed_first(left):
+    fs = memfs()
+    fs.makedirs(J)
+    fs.write(J / segment_name(7), encode_header(7) + encode_frame(7, b"x")[:-1] if left == "header+torn" else left)
+    fs.fsync(J / segment_name(7))
+    fs.fsync(J)
+    removed = []
+    unlink = fs.unlink
+    fs.unlink = lambda p: (removed.append(p), unlink(p))  # type: ignore[method-assign]
+    JournalWriter(J, 7, fs=fs).close()
+    assert not [p for p in removed if p.parent == J], "the directory held no segment for a while"
+    fs.power_cut()
+    assert fs.read(J / segment_name(7)) == encode_header(7)
+    assert read_journal(J, after=6, fs=fs).summary.complete
+
+
 def test_a_read_after_the_checkpoint_reads_only_the_segments_it_needs():
     class Counting(MemFS):
         def __init__(self):

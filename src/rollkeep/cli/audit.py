@@ -20,7 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from rollkeep.cli import exit_code, print_error
-from rollkeep.cli.inspect import STEPS_RUN, Target, custody, from_journal, journal_alone, journal_tail, resolve
+from rollkeep.cli.inspect import (
+    STEPS_RUN,
+    Target,
+    custody,
+    from_journal,
+    journal_alone,
+    journal_tail,
+    resolve,
+)
 from rollkeep.core.errors import CheckpointNotFound, RollkeepError
 from rollkeep.core.restore import Restored, restore_chain
 from rollkeep.core.rowindex import rows_dir_for

@@ -29,7 +29,7 @@ from ..core.configdiff import check_compatible, fingerprint, is_allowed
 from ..core.durable import JOURNAL_DIR, ROWS_DIR, journal_position, read_tail
 from ..core.errors import IllegalTransition, UserInputError
 from ..core.fs import DEFAULT_FS, DIR, FS
-from ..core.journal import JournalError
+from ..core.journal import JournalError, JournalWriter
 from ..core.ledger import Ledger, LedgerState
 from ..core.prefixes import Link, PrefixStore
 from ..core.replay import LostWork, Restart, replay
@@ -119,6 +119,8 @@ def open_run(
     if stale:  # first: killed before the checkpoints below are moved, a plain start refuses (no journal)
         set_journal_aside(run_dir)
         crashpoints.hit(JOURNAL_SET_ASIDE)
+        if cfg.journaled:  # the new journal shows where it starts before LATEST moves to it
+            JournalWriter(run_dir / JOURNAL_DIR, next_seq).close()
     abandoned = _resume_here(store, restored)
     if not resumed:
         run_dir.mkdir(parents=True, exist_ok=True)  # `train` made it; a direct caller may not
@@ -244,17 +246,26 @@ def journal_tail(run_dir: Path, restored: restore.Restored | None, *, newest: bo
                 expected="a directory (not a symlink) that the run's journal writes",
                 found=fs.describe(run_dir / name),
                 remedy="move it aside and run again (the run resumes from its checkpoint)")
-    if position and fs.kind_of(run_dir / JOURNAL_DIR) is None:
-        aside = sorted(n for n, _ in fs.listdir(run_dir) if n.startswith(f"{JOURNAL_DIR}-abandoned-"))
-        if aside:  # `--resume-from` sets the journal aside before it moves the newer checkpoints
-            raise JournalError(
-                "the journal is missing but the checkpoint counts on it; a journal was set aside beside it",
-                path=str(run_dir / JOURNAL_DIR), expected=f"records through seq {position}",
-                found=f"no journal directory; {', '.join(aside)} beside it",
-                remedy="if a `rollkeep train ... --resume-from NAME` was stopped before it moved the newer "
-                "checkpoints aside, run it again: it finishes and resumes from NAME. Otherwise the journal "
-                "was removed: resume from the checkpoint alone with journal.enabled=false")
-    tail = read_tail(run_dir, after=position, fs=fs)
+    rerun = ("if a `rollkeep train ... --resume-from NAME` was stopped before it moved the newer checkpoints "
+             "aside, run it again: it finishes and resumes from NAME")
+    aside = [] if not position else sorted(
+        n for n, _ in fs.listdir(run_dir) if n.startswith(f"{JOURNAL_DIR}-abandoned-"))
+    if aside and fs.kind_of(run_dir / JOURNAL_DIR) is None:
+        # `--resume-from` sets the journal aside before it moves the newer checkpoints
+        raise JournalError(
+            "the journal is missing but the checkpoint counts on it; a journal was set aside beside it",
+            path=str(run_dir / JOURNAL_DIR), expected=f"records through seq {position}",
+            found=f"no journal directory; {', '.join(aside)} beside it",
+            remedy=f"{rerun}. Otherwise the journal was removed: resume from the checkpoint alone with "
+            "journal.enabled=false")
+    try:
+        tail = read_tail(run_dir, after=position, fs=fs)
+    except JournalError as e:
+        if not aside:
+            raise
+        # killed after the new journal began and before LATEST moved: it starts after NAME's cut
+        raise JournalError(e.what, path=e.path, offset=e.offset, expected=e.expected, found=e.found,
+                           remedy=f"{rerun}. Otherwise: {e.remedy}") from None
     if not any(not isinstance(ev, Restart) for ev, _ in tail.events):
         if restored is not None:
             check_rows(restored.ledger, ledger_path, tail.datasets[-1].fingerprint if tail.datasets else recorded)
@@ -306,9 +317,11 @@ def _tree_stats(root: Path) -> dict[str, tuple[int, int, int]]:
 
 
 def is_newest(store: CheckpointStore, restored: restore.Restored | None) -> bool:
-    """No checkpoint of the store is newer than `restored` (None: a fresh start): only then
-    is the journal's tail after it replayed."""
-    return restored is None or not any(checkpoint_order(n) > checkpoint_order(restored.name) for n in store.list())
+    """`restored` is LATEST, or no checkpoint of the store is newer (None: a fresh start):
+    only then is the journal's tail after it replayed."""
+    if restored is None or restored.name == store.latest():
+        return True  # a directory newer than LATEST was never published (store P6-P8): the tail is LATEST's
+    return not any(checkpoint_order(n) > checkpoint_order(restored.name) for n in store.list())
 
 
 def set_journal_aside(run_dir: Path, fs: FS = DEFAULT_FS) -> None:

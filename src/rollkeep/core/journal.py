@@ -23,11 +23,16 @@ without trying every byte offset.
 
 ## Writing (`JournalWriter`)
 
-A writer **never appends to an existing segment**: its first flush creates a new segment
-whose first_seq is the caller's `next_seq` (the restore knows it: `summary.last_seq + 1`).
-A segment left by a crashed writer under that very name that holds no complete record
-(an empty file, a torn header, a header with a torn frame) is replaced; one that holds a
-record means `next_seq` is wrong and is refused. A segment is rotated when the next frame
+A writer **never appends to a segment that holds a record**: its first flush creates a new
+segment whose first_seq is the caller's `next_seq` (the restore knows it:
+`summary.last_seq + 1`). A segment left by a crashed writer under that very name that
+holds no complete record (an empty file, a torn header, a header with a torn frame) is
+replaced; one that holds a record means `next_seq` is wrong and is refused. A writer that
+starts past seq 1 with no older segment to show it (a journal set aside, §5.1 of
+docs/design.md) puts a segment of just a header at `next_seq` in place before it returns,
+atomically (written beside the directory, renamed in), and appends to it: an empty
+journal directory under a checkpoint's position is then always damage, never a writer
+killed before its first flush. A segment is rotated when the next frame
 would take it past `segment_bytes` (a segment holds at least one record, so one larger
 record gets a segment of its own).
 
@@ -490,24 +495,49 @@ class JournalWriter:
         if fs.kind_of(self.directory) is None:
             fs.makedirs(self.directory)
         fs.fsync(self.directory.parent)  # even if not new: an earlier process may have died before it
+        older = False  # a segment before next_seq shows where the journal goes on
         for seg in _list_segments(self.directory, fs, strict=False):
             if seg.first_seq < next_seq:
                 # A killed writer's last records may be in the page cache only, and the
                 # restore that chose `next_seq` read (and replayed) them: make them durable
                 # before records that follow them are, or a power cut opens a gap.
                 fs.fsync(seg.path)
+                older = True
                 continue
             if seg.first_seq == next_seq:
                 frames, _ = _scan(fs.read_prefix(seg.path, _MAX_FILE + 1), seg, last=True)
                 if not frames:  # left by a writer that crashed before its first record was durable
-                    fs.unlink(seg.path)  # made durable by the directory fsync of our first flush
-                    continue
+                    if older or next_seq == 1:
+                        fs.unlink(seg.path)  # made durable by the directory fsync of our first flush
+                    continue  # else replaced by `_start_segment`, never unlinked first
             raise CustodyError(
                 "a journal writer would reuse sequence numbers", path=str(seg.path),
                 expected=f"no journal record at or after seq {next_seq} (the writer's next_seq)",
                 found=f"a segment starting at seq {seg.first_seq}",
                 remedy="start the writer at summary.last_seq + 1 of a read of the journal",
             )
+        if not older and next_seq > 1:
+            self.segment_path = self._start_segment(next_seq)
+            self._file = fs.open_append(self.segment_path)
+            self._created.append((next_seq, self.segment_path))
+            self._size, self._records = HEADER_SIZE, 0
+
+    def _start_segment(self, next_seq: int) -> Path:
+        """The durable segment of just a header at `next_seq` (see the module docstring):
+        kept if a killed writer left it, else written beside the directory and renamed in
+        over whatever frameless file is there, so no instant has neither."""
+        fs, path, header = self._fs, self.directory / segment_name(next_seq), encode_header(next_seq)
+        if fs.kind_of(path) == FILE and fs.read_prefix(path, HEADER_SIZE + 1) == header:
+            return path
+        tmp = self.directory.parent / f".{self.directory.name}-start.tmp"
+        if fs.kind_of(tmp) is not None:
+            fs.unlink(tmp)  # a writer killed before its rename
+        fs.write(tmp, header)
+        fs.fsync(tmp)
+        fs.rename(tmp, path)
+        fs.fsync(self.directory)
+        fs.fsync(self.directory.parent)
+        return path
 
     @property
     def durable_seq(self) -> int:

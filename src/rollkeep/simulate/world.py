@@ -58,9 +58,11 @@ from ..controller.rundir import published_in_trace, start_point
 from ..controller.startup import is_newest, journal_tail, set_journal_aside
 from ..core import crashpoints
 from ..core.checkpoint import save_files, write_checkpoint
+from ..core.durable import JOURNAL_DIR
 from ..core.errors import ExternalError, FilesystemError
 from ..core.events import DATA, INFRA, Event
 from ..core.generation import Chunk, Completion, GenRequest
+from ..core.journal import JournalWriter
 from ..core.ledger import Ledger
 from ..core.prefixes import PrefixStore
 from ..core.restore import plan as restore_plan
@@ -306,6 +308,7 @@ class World:
                                                  source=self.source, fs=self.fs)
             if stale:
                 set_journal_aside(RUN_DIR, fs=self.fs)
+                JournalWriter(RUN_DIR / JOURNAL_DIR, next_seq, fs=self.fs).close()
         resumed = restored is not None or tail is not None
         if tail is not None:
             ledger, restored_rows = Ledger.from_state(tail.state), tail.rows
