@@ -35,7 +35,7 @@ import msgspec
 from .core.errors import FilesystemError
 from .core.events import Event
 from .core.fs import DEFAULT_FS, FILE, FS, AppendFile
-from .core.trace_schema import FLUSH_NOW, STEP_COMMITTED, RunEvent
+from .core.trace_schema import CHECKPOINT_PUBLISHED, FLUSH_NOW, STEP_COMMITTED, RunEvent
 from .core.untrusted import loads_json, read_regular
 
 __all__ = ["FLUSH_NOW", "Trace", "event_lines", "last_committed_in_trace", "parse_trace", "read_trace", "scan_trace"]
@@ -235,3 +235,22 @@ def last_committed_in_trace(trace_path: Path) -> int | None:
     return scan_trace(trace_path, lambda m: next(
         (line["step"] for _, line in event_lines(m, STEP_COMMITTED, reverse=True)
          if type(line.get("step")) is int), None))
+
+
+_PUBLISHED = b'"event":"%s"' % CHECKPOINT_PUBLISHED.encode()
+
+
+def published_in_trace(trace_path: Path, *, fs: FS | None = None) -> int | None:
+    """How many `checkpoint_published` lines the trace holds (None without a trace): what
+    `start.start_point` asks when LATEST is missing. A byte search, not a parse: only a run
+    directory without LATEST pays for it. `fs`: read through that filesystem seam (the
+    simulation's disk) instead of the real one."""
+
+    def count(m: mmap.mmap | bytes | None) -> int:
+        n, at = 0, -1 if m is None else m.find(_PUBLISHED)
+        while at >= 0:
+            n += 1
+            at = m.find(_PUBLISHED, at + 1)
+        return n
+
+    return scan_trace(trace_path, count, fs=fs)

@@ -20,7 +20,7 @@ from hostile import edit_manifest, main_child, refuses, rehash, rollkeep, train_
 from run_harness import STOPPED, check, config, final_sha, killed, run_child, trace_lines
 
 from rollkeep.cli import main
-from rollkeep.controller.startup import journal_tail, load_trainer
+from rollkeep.controller.startup import load_trainer
 from rollkeep.core.checkpoint import cut, write_checkpoint
 from rollkeep.core.errors import CheckpointError, UserInputError
 from rollkeep.core.ledger import Ledger
@@ -29,6 +29,7 @@ from rollkeep.core.restore import restore_chain
 from rollkeep.core.rowindex import ROWS_INDEX
 from rollkeep.core.rows import RowStore
 from rollkeep.core.source import JsonlDataset, PromptSource
+from rollkeep.core.start import journal_tail
 from rollkeep.core.store import CheckpointStore
 
 pytestmark = pytest.mark.slow

@@ -28,6 +28,7 @@ from rollkeep.controller import journaling
 from rollkeep.controller.journaling import JournalThread
 from rollkeep.core.errors import FilesystemError
 from rollkeep.core.fs import FS, OSAppendFile
+from rollkeep.core.groupcommit import GroupCommit
 from rollkeep.core.journal import segment_name
 from rollkeep.core.rows import RowStore
 from rollkeep.trace import read_trace
@@ -172,7 +173,7 @@ def test_a_failed_fsync_is_never_retried_and_every_later_sync_raises_it(tmp_path
     the thread's cycle fails, then the checkpoint's sync and `close()` raise the same error
     without touching the disk again; the run was never told, so `close()` raises it."""
     fs = _FailOnce()
-    j = JournalThread(tmp_path, next_seq=1, rows=RowStore(), flush_ms=10, flush_events=1, fs=fs, threaded=False)
+    j = GroupCommit(tmp_path, next_seq=1, rows=RowStore(), flush_ms=10, flush_events=1, fs=fs)
     j.restart(0)
     j.release()
     with pytest.raises(FilesystemError, match="writing the journal") as first:
@@ -182,8 +183,7 @@ def test_a_failed_fsync_is_never_retried_and_every_later_sync_raises_it(tmp_path
         with pytest.raises(FilesystemError) as again:
             j.sync()
         assert again.value is first.value
-    j2 = JournalThread(tmp_path / "b", next_seq=1, rows=RowStore(), flush_ms=10, flush_events=1, fs=_FailOnce(),
-                       threaded=False)
+    j2 = GroupCommit(tmp_path / "b", next_seq=1, rows=RowStore(), flush_ms=10, flush_events=1, fs=_FailOnce())
     j2.restart(0)
     j2.release()
     with pytest.raises(FilesystemError):
@@ -261,7 +261,7 @@ def test_D4_a_removed_row_segment_is_named(tmp_path):
     seg = tmp_path / "rows" / "00000000.rows"
     seg.parent.mkdir()
     seg.write_bytes(b"")  # a segment an earlier process left: the new writer goes on at 1
-    j = JournalThread(tmp_path, next_seq=1, rows=RowStore(), flush_ms=10, flush_events=1, threaded=False)
+    j = GroupCommit(tmp_path, next_seq=1, rows=RowStore(), flush_ms=10, flush_events=1)
     j.restart(0)
     j.release()
     seg.unlink()

@@ -12,14 +12,13 @@ from pathlib import Path
 import pytest
 
 from rollkeep.cli import main
-from rollkeep.controller.rundir import published_in_trace
 from rollkeep.core.events import StepCommitted
 from rollkeep.core.fs import DIR, FILE
 from rollkeep.core.trace_schema import CheckpointPublished
 from rollkeep.simulate import Crash, check, plan, simulate
 from rollkeep.simulate.memfs import MemFS, SimCrash
 from rollkeep.simulate.schedules import crash_points, schedule_seed
-from rollkeep.trace import Trace, parse_trace, read_trace
+from rollkeep.trace import Trace, parse_trace, published_in_trace, read_trace
 
 # `released` undoes a claim or a running finalization found in a checkpoint: a cut is taken
 # at a step boundary with no claim open and never inside a finalization, so no run reaches it.

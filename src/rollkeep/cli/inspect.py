@@ -289,7 +289,7 @@ def journal_tail(target: Target, r: Restored, *, verify_rows: bool = False) -> d
 
 def journal_alone(target: Target, *, verify_rows: bool = False) -> dict[str, Any] | None:
     """The report for a run dir with no LATEST whose journal recorded work (a run killed
-    before its first checkpoint): what `rollkeep train` restores then (`startup.journal_tail`
+    before its first checkpoint): what `rollkeep train` restores then (`start.journal_tail`
     with no checkpoint, docs/design.md §5.1): the journal read and checked from its first
     record, its seals' row segments checked (`verify_rows`: each row read and verified too,
     as `audit` does), and its events replayed onto the empty ledger of the dataset its first
@@ -298,7 +298,6 @@ def journal_alone(target: Target, *, verify_rows: bool = False) -> dict[str, Any
     checkpoint, no journal, or one with restart markers only. Raises what `train` would:
     checkpoint directories without LATEST, a journal or row log that is not a directory, a
     damaged record, a replay that does not continue the ledger (exit 3). Reads only."""
-    from rollkeep.controller.rundir import published_in_trace, start_point
     from rollkeep.core.durable import read_tail
     from rollkeep.core.errors import IllegalTransition
     from rollkeep.core.fs import DEFAULT_FS, DIR
@@ -308,6 +307,8 @@ def journal_alone(target: Target, *, verify_rows: bool = False) -> dict[str, Any
     from rollkeep.core.restore import plan
     from rollkeep.core.rowlog import ROWS_DIR, RowLogReader
     from rollkeep.core.rows import RowId
+    from rollkeep.core.start import start_point
+    from rollkeep.trace import published_in_trace
 
     store, fs = target.store, DEFAULT_FS
     run_dir = store.root.parent
@@ -317,7 +318,7 @@ def journal_alone(target: Target, *, verify_rows: bool = False) -> dict[str, Any
     # Where `train` would start (controller.rundir): step_* directories without LATEST are refused.
     if start_point(store, None, published=lambda: published_in_trace(run_dir / "trace.jsonl")) is not None:
         return None  # LATEST was published meanwhile: the caller's checkpoint path reports it
-    for name in (JOURNAL, ROWS_DIR):  # as `startup.journal_tail`: a file, a FIFO or a symlink is refused
+    for name in (JOURNAL, ROWS_DIR):  # as `start.journal_tail`: a file, a FIFO or a symlink is refused
         if fs.kind_of(run_dir / name) not in (None, DIR):
             raise JournalError(
                 f"RUN_DIR/{name} is not a directory", path=str(run_dir / name),

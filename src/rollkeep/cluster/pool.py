@@ -153,9 +153,7 @@ class EnginePool:
             tokens = len(completion.completion_ids) - (0 if request.prefix is None else len(request.prefix))
         except ReplicaLost as e:
             self._lost(i, incarnation, str(e))
-            err = InfraError(f"engine replica {i} died under the attempt: {e}")
-            err.replica = i
-            raise err from None
+            raise InfraError(f"engine replica {i} died under the attempt: {e}", replica=i) from None
         except (InfraError, DataError) as e:
             e.replica = i
             tokens = 0

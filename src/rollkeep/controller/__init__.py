@@ -12,14 +12,15 @@ from typing import Any
 
 from ..config import Config, check_allowed_changes
 from ..core.errors import FilesystemError, RollkeepError
+from ..core.start import start_point
 from ..core.store import CheckpointStore
 from ..progress import duration
 from ..tasks import use_rewards
-from ..trace import new_run_id
+from ..trace import new_run_id, published_in_trace
 from .build import Parts, build
 from .episodes import bounded
 from .metrics import MetricsLog, for_run
-from .rundir import RunDir, published_in_trace, start_point
+from .rundir import RunDir
 from .runner import Runner, RunResult
 from .warmup import run_warmup
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from ..cluster import open_engine
+from ..cluster import EnginePool, ReplicaGone, open_engine
 from ..config import Config
-from ..core.errors import ConfigError
+from ..core.errors import ConfigError, ExternalError
 from ..core.source import Dataset, PromptSource, SequenceDataset, load_dataset
 from ..engines import Engine, EngineRecipe
 from ..envs import EnvSpec, resolve
@@ -193,3 +193,17 @@ def _build_hf(cfg: Config, dataset: Dataset, source: PromptSource, eval_rows, en
                               greedy=lambda m, t, p, max_new_tokens: greedy_texts(
                                   m, t, p, max_new_tokens=max_new_tokens, chat_template=chat))
     return Parts(dataset, source, eval_rows, engine, trainer, getattr(trainer, "tokenizer", None), evaluator)
+
+
+async def start_replicas(engine: Engine, cfg: Config) -> None:
+    """Start the engine replicas (`cluster.backend: ray`; any other engine: nothing)."""
+    if not isinstance(engine, EnginePool):
+        return
+    try:
+        await engine.open()
+    except ReplicaGone as e:
+        raise ExternalError(
+            "the engine replicas did not start", field="engine.replicas",
+            expected=f"{cfg.engine.replicas} replica(s) of engine {cfg.engine.name} on Ray",
+            found=str(e), remedy="check the Ray cluster's resources (cluster.replica_cpus, "
+            "cluster.replica_gpus) and the engine's own errors above; nothing was changed") from None

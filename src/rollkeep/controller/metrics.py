@@ -134,6 +134,12 @@ class MetricsLog:
                 self._wandb_warmup_keys.add(key)
             self._wandb.log({"warmup/step": warmup_step, **record})
 
+    def write_eval(self, step: int, metrics: Mapping[str, float], samples: Sequence[Mapping[str, Any]],
+                   seconds: float) -> None:
+        """A held-out evaluation at `step`: its metrics with `eval/seconds`, its samples."""
+        self.write(step, {**metrics, "eval/seconds": seconds})
+        self.write_samples(step, samples)  # samples.jsonl: text stays out of metrics
+
     def write_samples(self, step: int, samples: Sequence[Mapping[str, Any]]) -> None:
         """An evaluation's sample completions (`prompt`, `completion`, `reward`, `answer`):
         one `samples.jsonl` line, the TensorBoard text `eval/samples` and the W&B table
@@ -310,6 +316,26 @@ class ReplicaRates:
             out[f"replica/{i}/tokens_per_s"] = (tokens - t0) / seconds if seconds > 0 else 0.0
         self._marks = per
         return out
+
+
+class StepMeter:
+    """The clocks of the per-step metrics: a step's `step_seconds` and the throughput count
+    from the start of the RL loop in this process (after the warm start and the restore)."""
+
+    def __init__(self, now: float, tokens: int) -> None:
+        self.start = self._last = now
+        self._throughput, self._rates = Throughput(now, tokens), ReplicaRates()
+
+    def record(self, batch: Any, metrics: dict[str, float], *, began: float, now: float, tokens: int,
+               counts: dict[str, int], pool: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The step's `metrics.jsonl` record: trained from `began` to `now`, `tokens`
+        sealed so far; `pool`: an engine pool's `stats()` (per-replica rates)."""
+        record = step_record(batch, metrics, train_seconds=now - began, step_seconds=now - self._last,
+                             generated_per_s=self._throughput.step(now, tokens), counts=counts)
+        if pool is not None:
+            record.update(self._rates.step(pool, now - self._last))
+        self._last = now
+        return record
 
 
 def _rate(a: tuple[float, int], b: tuple[float, int]) -> float:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..core.trace_schema import RESTORED, RUN_STARTED
+from ..core.trace_schema import RESTORED, RUN_STARTED, CheckpointPublished
 from ..core.untrusted import loads_json
 from ..progress import duration
 from ..trace import event_lines, scan_trace
@@ -150,3 +150,16 @@ def summary_lines(*, step: int, total_steps: int, first_step: int, rl_seconds: f
     else:
         lines.append("  restarts    none")
     return lines
+
+
+def checkpoint_note(ev: CheckpointPublished) -> str:
+    """The progress line of a published checkpoint."""
+    return (f"checkpoint {ev.name}: {ev.bytes / 1e6:.2f} MB; the cut held the loop "
+            f"{ev.cut_hold_seconds * 1e6:.0f} us (+{ev.trainer_snapshot_seconds * 1e3:.1f} ms trainer copy); "
+            f"written in the background in {ev.write_seconds:.2f} s")
+
+
+def error_text(e: BaseException) -> str:
+    """What `run_failed` says of the error that stopped a run (each leaf of a group)."""
+    leaves = e.exceptions if isinstance(e, BaseExceptionGroup) else (e,)
+    return "; ".join(f"{type(x).__name__}: {x}" for x in leaves)[:2000]

@@ -19,15 +19,20 @@ from .source import Prompt
 
 
 class InfraError(Exception):
-    """The engine failed to produce a result (crash, timeout, OOM): an infra failure."""
+    """The engine failed to produce a result (crash, timeout, OOM): an infra failure.
+    `replica`: the engine replica it happened on (an engine pool sets it)."""
 
-    replica: int = 0  # the engine replica it happened on (an engine pool sets it)
+    def __init__(self, *args: object, replica: int = 0) -> None:
+        super().__init__(*args)
+        self.replica = replica
 
 
 class DataError(Exception):
     """The environment or the reward rejected this rollout: a data failure."""
 
-    replica: int = 0
+    def __init__(self, *args: object, replica: int = 0) -> None:
+        super().__init__(*args)
+        self.replica = replica
 
 
 def sampling_seed(run_seed: int, group_id: str, generation: int, data_retries: int) -> int:

@@ -3,15 +3,14 @@ a fake clock against a scripted engine, the toy trainer and an in-memory disk, c
 restarted as its `Plan` says, and checked at the end.
 
 A *segment* is one simulated process: it restores the newest checkpoint (the real
-`rundir.start_point` rule and the real restore chain, on the simulated disk) or starts
-fresh, then carries out the scheduler's commands exactly as the runner does, each taking
-simulated time:
+production start-up, `core.start`, on the simulated disk) or starts fresh, then carries
+out the scheduler's commands exactly as the runner does, each taking simulated time:
 
     Dispatch  the engine script answers after a latency (or fails, or hangs forever, all
               as pure functions of the request, so every lineage sees the same ones)
     Train     the toy trainer (a digest of every batch) after a train time
-    Cut       the trainer snapshot now; the real `write_checkpoint` on the simulated disk
-              after a write time
+    Cut       the cut's loop part now, its write (`core.cutting`, the runner's) on the
+              simulated disk after a write time
     Refit     the engine holds the new version after a refit time
 
 A segment ends when the scheduler says Stop (the run is over), when an injected crash
@@ -29,9 +28,8 @@ back -- the publications `start_point` counts, the lineage checked at the end --
 from that disk, torn lines skipped as `read_trace` skips them.
 
 With `Plan.journal` each process keeps the journal on that disk as the runner does
-(`controller.journaling.JournalThread`, its thread's cycle run on the fake clock): a
-restore is LATEST and the journal's tail after it (`startup.journal_tail`, the runner's
-code), the first record a restart marker, records released at each trace flush and made
+(`core.groupcommit.GroupCommit`, the journal thread's cycle run on the fake clock): a
+restore is LATEST and the journal's tail after it (`core.start`, the runner's code), the first record a restart marker, records released at each trace flush and made
 durable (row log first) every `journal_ms` of simulated time or once `flush_events` wait,
 `covering` around each publication and the position in the checkpoint's meta. Crashes land
 inside those flushes too (`journal.*` and `rowlog.*` crash points, disk faults, torn
@@ -53,22 +51,14 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from ..controller.journaling import JournalThread
-from ..controller.rundir import published_in_trace, start_point
-from ..controller.startup import is_newest, journal_tail, set_journal_aside
-from ..core import crashpoints
-from ..core.checkpoint import save_files, write_checkpoint
-from ..core.durable import JOURNAL_DIR
+from ..core import crashpoints, cutting, start
+from ..core.checkpoint import save_files
 from ..core.errors import ExternalError, FilesystemError
 from ..core.events import DATA, INFRA, Event
 from ..core.generation import Chunk, Completion, GenRequest
-from ..core.journal import JournalWriter
-from ..core.ledger import Ledger
-from ..core.prefixes import PrefixStore
-from ..core.restore import plan as restore_plan
+from ..core.groupcommit import GroupCommit
 from ..core.restore import restore_chain
-from ..core.rowlog import ROWS_DIR, RowLogReader
-from ..core.rows import ENV_VERSION, RowStore
+from ..core.rows import ENV_VERSION
 from ..core.samplers import Limits, make_sampler
 from ..core.schedule import (
     Cancel,
@@ -80,15 +70,17 @@ from ..core.schedule import (
     Refit,
     Scheduler,
     Settings,
+    Sinks,
     Stop,
     Train,
     WakeAt,
+    crash_point,
 )
 from ..core.source import PromptSource, SequenceDataset
 from ..core.store import CheckpointStore
-from ..core.trace_schema import CheckpointPublished, Restored, RunFailed, RunFinished, RunStarted
+from ..core.trace_schema import Restored, RunFailed, RunFinished, RunStarted
 from ..lineage import EVENTS, exactly_once, lineage
-from ..trace import Trace, parse_trace
+from ..trace import Trace, parse_trace, published_in_trace
 from ..trainers.toy import STATE_FILE, ToyTrainer
 from .memfs import MemFS, SimCrash
 
@@ -196,7 +188,7 @@ class World:
         rows = [{"prompt": f"{i}+{i % 7}=", "answer": str(i + i % 7)} for i in range(plan.n_rows)]
         self.source = PromptSource(SequenceDataset(rows), seed=plan.seed % 2**31, epochs=plan.epochs)
         self.trace: Trace | None = None  # the trace writer of the process running now
-        self.journal: JournalThread | None = None  # and its journal (Plan.journal)
+        self.journal: GroupCommit | None = None  # and its journal (Plan.journal)
         self.out = Outcome()
         self._pending = sorted(plan.crashes, key=lambda c: (c.point or "", c.at))
         self._events = 0  # ledger events of the whole run (crash injection counts them)
@@ -278,7 +270,7 @@ class World:
             # that restored a tail writes its final cut even if it trains no step after
             # (`Scheduler.start(replayed=True)`), so LATEST holds what the tail did.
             try:
-                journal_tail(RUN_DIR, restored, newest=is_newest(self.store, restored), source=self.source,
+                start.journal_tail(RUN_DIR, restored, newest=start.is_newest(self.store, restored), source=self.source,
                              fs=self.fs)
             except Exception as e:
                 out.problems.append(f"the final journal tail fails to replay: {e}")
@@ -292,65 +284,44 @@ class World:
     # ================================================================== one process
 
     def _segment(self) -> str:
+        """One process, started as `rollkeep train` starts (`core.start`)."""
         plan, s = self.plan, self.plan.settings
         self.run_id = f"run{next(self._run_ids)}"
-        name = start_point(self.store, None, published=self._published)
+        name = start.start_point(self.store, None, published=self._published)
         trainer = ToyTrainer()
-        reader = RowLogReader(RUN_DIR / ROWS_DIR, fs=self.fs).read
-        rows, prefixes = RowStore(reader=reader), PrefixStore(reader=reader)
         restored = None
         if name is not None:
-            restored = restore_chain(self.store, name=name, source=self.source, config=None)
+            restored = restore_chain(self.store, name=name, source=self.source, config=None, dataset_rows=False)
             trainer.load_state(restored.trainer_file(STATE_FILE), step=restored.ledger.version)
-        tail, next_seq = None, 1
-        if plan.journal:  # as `startup.open_run`: LATEST and the journal's tail after it
-            tail, next_seq, stale = journal_tail(RUN_DIR, restored, newest=is_newest(self.store, restored),
-                                                 source=self.source, fs=self.fs)
-            if stale:
-                set_journal_aside(RUN_DIR, fs=self.fs)
-                JournalWriter(RUN_DIR / JOURNAL_DIR, next_seq, fs=self.fs).close()
-        resumed = restored is not None or tail is not None
-        if tail is not None:
-            ledger, restored_rows = Ledger.from_state(tail.state), tail.rows
-            prefixes.restore(tail.prefixes)
+        begun = start.prepare(RUN_DIR, self.store, self.source, restored, journaled=plan.journal, fs=self.fs)
+        ledger, rows, prefixes = start.open_state(RUN_DIR, begun, self.source, fs=self.fs)
+        start.begin(RUN_DIR, self.store, begun, journaled=plan.journal, fs=self.fs)
+        if begun.tail is not None:
             self.out.journal_restores += 1
-            self.out.journal_replayed += tail.events
-        elif restored is not None:
-            ledger, restored_rows = Ledger.from_state(restored.ledger), restored.rows
-            prefixes.restore(restored.prefixes)
-        else:
-            ledger, restored_rows = Ledger(n_rows=self.source.n_rows, seed=self.source.seed,
-                                           epochs=self.source.epochs), {}
-        rows.restore(restored_rows)
+            self.out.journal_replayed += begun.tail.events
         self.store.cleanup_tmp()
         self.trace = Trace(TRACE, self.run_id, fs=self.fs, clock=lambda: self.now)
+        if plan.journal:
+            self.journal = GroupCommit(RUN_DIR, next_seq=begun.next_seq, rows=rows, prefixes=prefixes,
+                                       flush_ms=plan.journal_ms, flush_events=plan.flush_events, fs=self.fs)
+            self.journal.restart(ledger.version, self.source.identity())
+            self.trace.on_flush = self.journal.release
         # With the journal, the engine streams and cut-off siblings continue (recovery.partial: resume).
         s = dataclasses.replace(s, record_partial=plan.journal, resume_partial=True,
                                 progress_every_s=plan.journal_ms / 1000)
         sched = Scheduler(ledger=ledger, rows=rows, source=self.source,
-                          sampler=make_sampler(plan.sampler, plan.limits), settings=s, prefixes=prefixes)
-        sched.subscribe(self.trace.ledger_event)
-        if plan.journal:
-            self.journal = JournalThread(RUN_DIR, next_seq=next_seq, rows=rows, prefixes=prefixes,
-                                         flush_ms=plan.journal_ms,
-                                         flush_events=plan.flush_events, fs=self.fs, threaded=False)
-            self.journal.restart(ledger.version, self.source.identity())
-            sched.subscribe(self.journal.sink)
-            self.trace.on_flush = self.journal.release
-        sched.subscribe(self._count_event)
-        sched.subscribe(lambda ev: crashpoints.hit("ledger." + ev.__struct_config__.tag))
-        self.trace.emit(RunStarted(resumed_from_step=ledger.version if resumed else None,
+                          sampler=make_sampler(plan.sampler, plan.limits), settings=s, prefixes=prefixes,
+                          sinks=Sinks(trace=self.trace.ledger_event, journal=self.journal and self.journal.sink,
+                                      crash=self._count_event),
+                          wall_clock=lambda: self.now)
+        self.trace.emit(RunStarted(resumed_from_step=ledger.version if begun.resumed else None,
                                    checkpoint=None if restored is None else restored.name))
-        if tail is not None:
-            counts = sched.start(restore_plan(tail.state), epochs=self.source.epochs, replayed=True, lost=tail.lost)
-        else:
-            counts = sched.start(restored, epochs=self.source.epochs)
-        if resumed:
-            journal_fields = {} if tail is None else {"journal_events_replayed": tail.events,
-                                                      "journal_dropped": tail.dropped}
+        counts = sched.start(begun.continues(), epochs=self.source.epochs, replayed=begun.tail is not None,
+                             lost=None if begun.tail is None else begun.tail.lost)
+        if begun.resumed:
             self.trace.emit(Restored(checkpoint=None if restored is None else restored.name, step=ledger.version,
                                      cut_time=restored.manifest.get("cut_time") if restored is not None else 0.0,
-                                     **counts, **journal_fields))
+                                     **counts, **begun.restored_fields()))
         return _Process(self, sched, trainer).drive()
 
     def _published(self) -> int | None:
@@ -359,8 +330,10 @@ class World:
     # ================================================================== crashes
 
     def _count_event(self, ev: Event) -> None:
+        """The crash sink: a crash after the n-th ledger event of the run, then the crash point."""
         self._events += 1
         self._maybe_crash(None, self._events)
+        crash_point(ev)
 
     def _on_point(self, name: str) -> None:
         self._hits[name] = self._hits.get(name, 0) + 1
@@ -398,20 +371,16 @@ class _Process:
         for _ in range(MAX_ACTIONS):
             for cmd in self.sched.poll(w.now):
                 if isinstance(cmd, Dispatch):
-                    self._dispatch(cmd.request)
+                    self._dispatch(cmd.request, cmd.stream)
                 elif isinstance(cmd, Cancel):
                     self.cancelled.update(cmd.attempts)
                 elif isinstance(cmd, Train):
                     self.later(_between(script.train_s, w.plan.seed, "train", cmd.step), lambda c=cmd: self._train(c))
                 elif isinstance(cmd, Cut):
-                    captured = self.sched.capture(now=w.now)
-                    position = None if w.journal is None else w.journal.position()
-                    snapshot = self.trainer.snapshot()
-                    w.trace.flush()  # as the runner's `_cut`: every commit it covers is in the trace
+                    taken = cutting.take(cmd, snapshot=self.trainer.snapshot, journal=w.journal, trace=w.trace)
                     self._journal_kicked()
-                    crashpoints.hit("checkpoint.after_cut")
                     self.later(_between(script.write_s, w.plan.seed, "write", cmd.step, w.now),
-                               lambda c=cmd, cap=captured, snap=snapshot, pos=position: self._write(c, cap, snap, pos))
+                               lambda t=taken: self._write(t))
                 elif isinstance(cmd, Refit):
                     self.later(_between(script.refit_s, w.plan.seed, "refit", cmd.version),
                                lambda v=cmd.version: self._refit(v))
@@ -450,7 +419,7 @@ class _Process:
 
     def _journal_cycle(self) -> None:
         """One turn of the journal's thread; a disk fault stops it, and the loop sees it at
-        its next event (`JournalThread.check`: exit 5), as in the runner."""
+        its next event (`GroupCommit.check`: exit 5), as in the runner."""
         j = self.w.journal
         if j is None or j._error is not None:
             return
@@ -459,7 +428,7 @@ class _Process:
         except (OSError, FilesystemError) as e:
             j.fail(e)
 
-    def _dispatch(self, req: GenRequest) -> None:
+    def _dispatch(self, req: GenRequest, stream: bool) -> None:
         script, seed = self.w.plan.script, self.w.plan.seed
         key = (req.group_id, req.generation, req.attempt)
         if _unit(seed, req.seed, "hang", req.infra_retries) < script.hang_rate:
@@ -474,7 +443,7 @@ class _Process:
         if outcome is None and script.turns > 1:
             self._episode(key, req, latency)
             return
-        if outcome is None and self.sched.partial.enabled:  # it streams: one chunk per token, as it goes
+        if outcome is None and stream:  # it streams: one chunk per token, as it goes
             n = 1 + int(_unit(req.seed, "len") * script.completion_tokens)
             made = [] if req.prefix is None else [req.prefix]
             k = 0 if req.prefix is None else len(req.prefix)
@@ -558,17 +527,11 @@ class _Process:
         self.engine_version = version
         self.sched.on_refit(version)
 
-    def _write(self, cmd: Cut, captured, snapshot, position) -> None:
+    def _write(self, taken: cutting.TakenCut) -> None:
         w = self.w
-        meta = {"dataset": {"n_rows": w.source.n_rows, "seed": w.source.seed, "epochs": w.source.epochs,
-                            "fingerprint": w.source.fingerprint()}, "config": {}}
-        if position is not None:
-            meta["journal"] = {"seq": position[0], "rows_segment": position[1]}  # as `startup.checkpoint_meta`
-        w.trace.sync_flushed()  # as the runner's `_write`: the durable trace has every commit first
-        with contextlib.nullcontext() if position is None else w.journal.covering(position, w.store):
-            # The toy's own `save` writes real files; the simulated disk takes them through its fs.
-            save = save_files({STATE_FILE: snapshot.state()}, w.fs)
-            published = write_checkpoint(w.store, captured, trainer_save=save, meta=meta,
-                                         keep_last=w.plan.keep_last, trainer_step=snapshot.step)
-        w.trace.emit(CheckpointPublished(step=cmd.step, name=published.name, cut_time=captured.time))
-        self.sched.on_cut_written(cmd.step)
+        meta = cutting.checkpoint_meta(w.source, {}, w.run_id, writer="simulate", journal=taken.position)
+        # The toy's own `save` writes real files; the simulated disk takes them through its fs.
+        save = save_files({STATE_FILE: taken.snapshot.state()}, w.fs)
+        w.trace.emit(cutting.write(taken, store=w.store, journal=w.journal, trace=w.trace, meta=meta,
+                                   keep_last=w.plan.keep_last, trainer_save=save))
+        self.sched.on_cut_written(taken.cmd.step)

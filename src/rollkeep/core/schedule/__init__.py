@@ -7,6 +7,7 @@ from .commands import (
     Command,
     Cut,
     Dispatch,
+    Evaluate,
     Failure,
     Generated,
     Note,
@@ -16,9 +17,10 @@ from .commands import (
     Stop,
     Train,
     WakeAt,
+    classify,
 )
 from .retry import RetryPolicy
-from .scheduler import TRAIN_TABLE, Phase, Scheduler, Settings
+from .scheduler import TRAIN_TABLE, Phase, Scheduler, Settings, Sinks, crash_point
 
 __all__ = [
     "TRAIN_TABLE",
@@ -27,6 +29,7 @@ __all__ = [
     "Command",
     "Cut",
     "Dispatch",
+    "Evaluate",
     "Failure",
     "Generated",
     "Note",
@@ -37,7 +40,10 @@ __all__ = [
     "RetryPolicy",
     "Scheduler",
     "Settings",
+    "Sinks",
     "Stop",
     "Train",
     "WakeAt",
+    "classify",
+    "crash_point",
 ]

@@ -5,14 +5,19 @@ returns commands, and the runner carries each one out and reports the outcome th
 callback (`on_result`, `on_trained`, `on_refit`, `on_cut_written`, `on_signal`). Commands
 are frozen records; carrying them out never changes custody by itself.
 
-    Dispatch(request)      start one generation attempt          -> on_result(key, outcome)
+    Dispatch(request,      start one generation attempt; `stream`: report its chunks
+             stream)       as they come (on_progress)             -> on_result(key, outcome)
     Cancel(attempts)       stop these attempts' work (results are ignored anyway)
     Train(step, batch)     run one optimizer step on `batch`      -> on_trained(step)
-    Cut(step, final)       capture custody now (`Scheduler.capture`, before any other
-                           scheduler call) and snapshot the trainer, then write both
-                           in the background                      -> on_cut_written(step)
+    Cut(step, final,       custody captured at the end of the poll: take the journal's
+        custody)           position and snapshot the trainer before any other scheduler
+                           call, then write all in the
+                           background (`rollkeep.core.cutting`)   -> on_cut_written(step)
     Refit(version)         load the trainer's weights into the
-                           engine (and evaluate, if due)          -> on_refit(version)
+                           engine                                 -> on_refit(version)
+    Evaluate(version)      the held-out evaluation of the weights
+                           of `version` (eval.every_steps); the
+                           train side waits for it                -> on_evaluated(version)
     Note(event)            record this trace event (`rollkeep.core.trace_schema`)
     WakeAt(time)           poll again at `time` even if nothing reports before
     Stop(reason)           the run is over: nothing is in flight, the final cut is written
@@ -24,7 +29,9 @@ import enum
 from dataclasses import dataclass
 
 from ..batch import Batch
-from ..generation import Completion, GenRequest
+from ..checkpoint import Cut as Custody
+from ..events import DATA, INFRA
+from ..generation import Completion, DataError, GenRequest, InfraError
 from ..trace_schema import RunEvent
 
 AttemptKey = tuple[str, int, int]  # (group id, generation index, attempt)
@@ -47,6 +54,7 @@ class Reason(enum.StrEnum):
 @dataclass(frozen=True)
 class Dispatch:
     request: GenRequest
+    stream: bool = False  # the engine's chunks go to `on_progress` (partial generations are recorded)
 
     @property
     def key(self) -> AttemptKey:
@@ -69,10 +77,16 @@ class Train:
 class Cut:
     step: int
     final: bool  # the last cut of the run (written before Stop)
+    custody: Custody  # the ledger, rows and prefixes as the poll that returned it left them (O(1))
 
 
 @dataclass(frozen=True)
 class Refit:
+    version: int
+
+
+@dataclass(frozen=True)
+class Evaluate:
     version: int
 
 
@@ -91,7 +105,7 @@ class Stop:
     reason: Reason
 
 
-Command = Dispatch | Cancel | Train | Cut | Refit | Note | WakeAt | Stop
+Command = Dispatch | Cancel | Train | Cut | Refit | Evaluate | Note | WakeAt | Stop
 
 
 @dataclass(frozen=True)
@@ -114,3 +128,15 @@ class Failure:
 
 
 Outcome = Generated | Failure
+
+
+def classify(exc: BaseException) -> Failure | None:
+    """The failure an attempt's exception is (docs/design.md §6): DataError a data failure
+    (an environment's or a reward's too), InfraError and a lost connection infra failures;
+    None for anything else, which is a bug and stops the run, never a silent retry."""
+    replica = getattr(exc, "replica", 0)
+    if isinstance(exc, DataError):
+        return Failure(DATA, str(exc), replica)
+    if isinstance(exc, InfraError | ConnectionError):
+        return Failure(INFRA, f"{type(exc).__name__}: {exc}", replica)
+    return None

@@ -4,12 +4,12 @@ It owns the ledger and the row store together (rows a transition frees are delet
 never by the caller), reads no clock (time is an argument), performs no IO and never
 waits. A runner drives it (h11's pattern):
 
-    sched = Scheduler(ledger, rows, source, sampler, settings)
-    sched.subscribe(trace)                 # every ledger event, for the trace
+    sched = Scheduler(ledger, rows, source, sampler, settings,
+                      sinks=Sinks(trace=..., journal=..., crash=...))  # after every ledger event
     restored_fields = sched.start(restored)
     while True:
-        for cmd in sched.poll(now()):      # Dispatch, Cancel, Train, Cut, Refit, Note, WakeAt, Stop
-            carry it out; report back with on_result / on_trained / on_cut_written / on_refit
+        for cmd in sched.poll(now()):      # Dispatch, Cancel, Train, Cut, Refit, Evaluate, Note, WakeAt, Stop
+            carry it out; report back with on_result / on_trained / on_cut_written / on_refit / on_evaluated
         (on SIGINT/SIGTERM: on_signal())
 
 Two sides, as docs/design.md §2 draws them:
@@ -30,9 +30,11 @@ own modules.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import heapq
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,10 +43,10 @@ import msgspec
 from .. import crashpoints
 from ..advantages import MAX_REWARD, ScaleRewards
 from ..batch import Batch, TrainGroup
-from ..checkpoint import Cut as CapturedCut
 from ..checkpoint import cut
 from ..errors import CustodyError, DatasetMismatch
 from ..events import (
+    ALL_EVENTS,
     DATA,
     INFRA,
     PROMPT_GROUP,
@@ -57,6 +59,7 @@ from ..events import (
     Evicted,
     Failed,
     Sealed,
+    event_name,
 )
 from ..generation import Chunk, GenRequest, sampling_seed
 from ..ledger import AttemptStatus, GroupState, Ledger
@@ -75,6 +78,7 @@ from .commands import (
     Command,
     Cut,
     Dispatch,
+    Evaluate,
     Failure,
     Generated,
     Note,
@@ -92,6 +96,13 @@ from .retry import RetryPolicy, budget_reason
 
 crashpoints.register("train.before_commit")
 crashpoints.register("train.after_commit")
+for _ev in ALL_EVENTS:  # `ledger.<event>`: after every sink saw the event (`crash_point`)
+    crashpoints.register("ledger." + event_name(_ev))
+
+
+def crash_point(ev: Event) -> None:
+    """The `crash` sink of a real run: crash point `ledger.<event>`."""
+    crashpoints.hit("ledger." + ev.__struct_config__.tag)  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
@@ -116,6 +127,21 @@ class Settings:
     resume_partial: bool = False  # and continue cut-off siblings from them (recovery.partial: resume)
     progress_every_s: float = 0.25  # an attempt records its chunks at most this often (recovery.progress_ms)
     lost_versions: str = "keep"  # keep | regenerate: work generated under lost versions (recovery.lost_versions)
+    eval_every: int = 0  # Evaluate the weights of every version divisible by it (eval.every_steps; 0: never)
+
+
+@dataclass(frozen=True)
+class Sinks:
+    """What follows every ledger event, in the order the scheduler fixes: the prefix store
+    (its own), then the trace (the line is buffered), then the journal (the record is staged
+    behind it: the journal is never ahead of the trace), then the crash points."""
+
+    trace: Callable[[Event], object] | None = None
+    journal: Callable[[Event], object] | None = None
+    crash: Callable[[Event], object] | None = None
+
+    def in_order(self) -> tuple[Callable[[Event], object], ...]:
+        return tuple(s for s in (self.trace, self.journal, self.crash) if s is not None)
 
 
 class Phase(enum.Enum):
@@ -123,6 +149,7 @@ class Phase(enum.Enum):
 
     START = "start"  # the engine has not been given the trainer's weights yet
     REFITTING = "refitting"  # Refit issued: waiting for on_refit
+    EVALUATING = "evaluating"  # Evaluate issued: waiting for on_evaluated
     IDLE = "idle"  # may claim the next step
     TRAINING = "training"  # Train issued: waiting for on_trained
     COMMITTED = "committed"  # the step committed: its cut (if due), then the refit
@@ -136,6 +163,8 @@ TRAIN_TABLE: dict[tuple[Phase, str], Phase] = {
     (Phase.START, "refit"): Phase.REFITTING,
     (Phase.START, "stop"): Phase.STOPPING,
     (Phase.REFITTING, "refitted"): Phase.IDLE,
+    (Phase.REFITTING, "evaluate"): Phase.EVALUATING,
+    (Phase.EVALUATING, "evaluated"): Phase.IDLE,
     (Phase.IDLE, "claim"): Phase.TRAINING,
     (Phase.IDLE, "stop"): Phase.STOPPING,
     (Phase.TRAINING, "trained"): Phase.COMMITTED,
@@ -157,6 +186,8 @@ class Scheduler:
         sampler: Sampler,
         settings: Settings,
         prefixes: PrefixStore | None = None,
+        sinks: Sinks | None = None,
+        wall_clock: Callable[[], float] | None = None,
     ) -> None:
         self.ledger, self.rows, self.source, self.sampler, self.settings = ledger, rows, source, sampler, settings
         self.prefixes = PrefixStore() if prefixes is None else prefixes
@@ -185,12 +216,15 @@ class Scheduler:
         # replay took back the steps after it): gid -> that version, below which their
         # siblings are not generated (docs/design.md §5.1, lost versions).
         self._floor: dict[str, int] = {}
+        self._wall = wall_clock  # the unix time a cut records (None: the real one)
         ledger.subscribe(self._on_event)
+        for sink in () if sinks is None else sinks.in_order():
+            ledger.subscribe(sink)
 
     # ============================================================== wiring
 
     def subscribe(self, sink) -> None:
-        """`sink(event)` after every ledger event (the trace, the journal, crash points)."""
+        """`sink(event)` after every ledger event, after the `sinks` the scheduler was built with."""
         self.ledger.subscribe(sink)
 
     def _on_event(self, ev: Event) -> None:
@@ -288,7 +322,7 @@ class Scheduler:
         # Cancels decided in callbacks (and in this poll) go first: their attempts are
         # already superseded, so nothing waits for them.
         out[:0], self._queued = self._queued, []
-        return out
+        return [self._captured(c) if isinstance(c, Cut) else c for c in out]
 
     # -------------------------------------------------------------- rollout side
 
@@ -346,7 +380,7 @@ class Scheduler:
                 )
                 self._in_flight[key] = deadline
                 heapq.heappush(self._deadlines, (deadline, key))
-                out.append(Dispatch(req))
+                out.append(Dispatch(req, stream=self.partial.enabled))
         return wake_at
 
     def _expire(self, now: float, out: list[Command]) -> None:
@@ -538,14 +572,16 @@ class Scheduler:
         return True
 
     def _cut(self, *, final: bool) -> Cut:
+        """A cut of this step; its custody is captured at the end of the poll (`_captured`)."""
         self._writing = True
         self._changed_since_cut = False
-        return Cut(self.ledger.version, final=final)
+        return Cut(self.ledger.version, final=final, custody=None)  # type: ignore[arg-type]
 
-    def capture(self, now: float | None = None) -> CapturedCut:
-        """The atomic cut the last Cut command asked for: call it right after the poll that
-        returned the command, before any other call (the state must be the one decided)."""
-        return cut(self.ledger, self.rows, now=now, prefixes=self.prefixes)
+    def _captured(self, cmd: Cut) -> Cut:
+        """`cmd` with the atomic cut (O(1)) of the state the poll leaves: what the driver's
+        journal position right after the poll covers, before any other call."""
+        now = None if self._wall is None else self._wall()
+        return dataclasses.replace(cmd, custody=cut(self.ledger, self.rows, now=now, prefixes=self.prefixes))
 
     # ============================================================== callbacks
 
@@ -565,9 +601,19 @@ class Scheduler:
         self._go("trained")
 
     def on_refit(self, version: int) -> None:
-        """The engine holds the trainer's weights of `version`."""
+        """The engine holds the trainer's weights of `version`; their evaluation is due
+        every `eval_every` versions, and the train side waits for it."""
         self.engine_version = version
-        self._go("refitted")
+        every = self.settings.eval_every
+        if every and version % every == 0:
+            self._go("evaluate")
+            self._queued.append(Evaluate(version))
+        else:
+            self._go("refitted")
+
+    def on_evaluated(self, version: int) -> None:
+        """The evaluation of `version` is done (its metrics are the driver's)."""
+        self._go("evaluated")
 
     def on_cut_written(self, step: int) -> None:
         """The cut of `step` is published (or its write ended)."""
