@@ -289,7 +289,7 @@ def journal_tail(run_dir: Path, restored: restore.Restored | None, *, newest: bo
 
 def load_trainer(trainer: Trainer, restored: restore.Restored) -> None:
     """`trainer.load` on the checkpoint's verified `trainer/` directory, which it must not
-    change (README, "Bring your own trainer"): a file written, changed or removed by it is
+    change (docs/library.md, "Bring your own trainer"): a file written, changed or removed by it is
     refused (exit 2) before anything else is written, since the checkpoint may no longer
     restore. Compares every file's (size, mtime, inode) before and after, not its bytes:
     the chain has just hashed them."""
