@@ -87,7 +87,8 @@ class _EngineSection(_Section):
 
     replicas: int = Field(1, ge=1, le=1024)
     """Engine replicas generating side by side, each in its own process (a Ray actor; more
-    than one needs `cluster.backend: ray`). Not semantic: a run resumes on any number."""
+    than one needs `cluster.backend: ray`, and is exit 2 on `local`). Not semantic: a run
+    resumes on any number."""
 
 
 class ToyEngineConfig(_EngineSection):
@@ -323,7 +324,8 @@ class CustomTrainerConfig(_TrainerSection):
     `callable(model=, tokenizer=, temperature=, seed=, max_completion_length=,
     scale_rewards=, **kwargs)`; it returns a trainer (`train_step`, `snapshot`, `load`,
     `weights`, `weights_sha256`: rollkeep.trainers.base). Imported from the current
-    directory or the Python path."""
+    directory or the Python path; a factory that cannot be imported or called, or builds
+    something that is not a trainer, is exit 2 at start-up."""
     kwargs: dict[str, Any] = {}
     """More keyword arguments of `factory` (your trainer's own settings)."""
     model: TorchModelConfig = TorchModelConfig()
