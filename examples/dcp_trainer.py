@@ -1,5 +1,5 @@
 """A trainer that saves its state with torch.distributed.checkpoint (DCP): the worked
-example of "Bring your own trainer" in the README.
+example of "Bring your own trainer" in docs/library.md.
 
 It is the built-in GRPO trainer on the built-in GPT (`TorchTrainer`) with another
 checkpoint format. The protocol it follows (rollkeep.trainers.base):

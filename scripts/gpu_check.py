@@ -3,7 +3,7 @@
     scripts/gpu_check.sh [--out DIR] [--only NAME,...] [--vllm-python PY] [--list]
 
 Run it through scripts/gpu_check.sh (which picks the interpreter and sets PYTHONPATH);
-README "GPU check" says how to set up the two environments. Every check prints one line,
+docs/backends.md, "GPU check", says how to set up the two environments. Every check prints one line,
 `PASS|FAIL|SKIP|INFO name: detail`; the last line counts them, and the exit status is 1
 if any check FAILed (0 otherwise; SKIP and INFO do not fail the run). Results also go to
 OUT/gpu_check.json, logs of the training runs to OUT/*.log.
@@ -625,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(ROOT / "runs" / "gpu_check"), help="where models, runs and logs go")
     ap.add_argument("--only", default="", help="comma-separated check names (default: all)")
-    ap.add_argument("--vllm-python", default=None, help="interpreter with vllm installed (default: see README)")
+    ap.add_argument("--vllm-python", default=None, help="interpreter with vllm installed (default: see docs/backends.md)")
     ap.add_argument("--group", choices=("all", "base", "vllm"), default="all", help=argparse.SUPPRESS)
     ap.add_argument("--list", action="store_true", help="list the checks and exit")
     args = ap.parse_args(argv)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check: what a machine with one CUDA GPU can run (README, "GPU check").
+# GPU check: what a machine with one CUDA GPU can run (docs/backends.md, "GPU check").
 #
 #   scripts/gpu_check.sh [--out DIR] [--only NAME,...] [--vllm-python PY] [--list]
 #

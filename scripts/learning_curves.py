@@ -1,4 +1,4 @@
-"""Learning curves of the default job (README, "Measured learning curves").
+"""Learning curves of the default job (docs/results.md, "Measured learning curves").
 
     python scripts/learning_curves.py [--config FILE] [--seeds 0 1 2] [--out runs/curves] [key=value ...]
 

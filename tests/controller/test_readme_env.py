@@ -1,17 +1,16 @@
-"""The README's user environment runs as written, under `env.factory`, and survives kills."""
+"""The user environment of docs/multiturn.md runs as written, under `env.factory`, and
+survives kills."""
 
 from __future__ import annotations
 
-import re
 import sys
 
 from run_harness import check, config, killed, run_child, run_to_end, trace_lines
-from test_readme import README
+from test_readme import all_python_blocks
 
 
 def test_the_readme_environment_runs_and_resumes_mid_episode(tmp_path, monkeypatch) -> None:
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    (code,) = [b for b in blocks if "class GuessEnv" in b]
+    (code,) = [b for b in all_python_blocks() if "class GuessEnv" in b]
     (tmp_path / "my_env.py").write_text(code)
     monkeypatch.syspath_prepend(str(tmp_path))
     sys.modules.pop("my_env", None)

@@ -22,6 +22,7 @@ are checked by `rollkeep.core.samplers.check_limits`, not here.
     loading    YAML, dotted overrides, backend switches by override, validation
     semantic_keys  what changes what a run trains on, what a resume may change
     problems   the rules that tie keys together, and the wording of every error
+    reference  docs/config.md, generated from the models' docstrings
 """
 
 from __future__ import annotations

@@ -54,7 +54,8 @@ class GeneratedDataConfig(_Section):
     digits: int = Field(2, ge=1)
     """Number of digits per operand of a generated problem."""
     eval_rows: int = Field(128, ge=0)
-    """Number of held-out prompts generated for evaluation (rows)."""
+    """Number of held-out prompts generated for evaluation (rows), drawn so that none is a
+    training problem."""
     tool_share: float = Field(1.0, ge=0.0, le=1.0)
     """Task `calc`: the share of the training rows whose demonstration (the warm start's)
     calls the calculator; the others answer at once, as a demonstrator who can multiply
@@ -70,7 +71,8 @@ class DataConfig(_Section):
     """Where prompts come from and how many passes are made over them."""
 
     path: str | None = None
-    """Path of a JSONL/Parquet dataset; null uses the built-in generated dataset."""
+    """Path of a JSONL/Parquet dataset (`prompt` required, `task` optional, other fields go to
+    the reward function); null uses the built-in generated dataset."""
     epochs: int | None = Field(1, ge=1)
     """Passes over the dataset before the source is exhausted; null = unbounded."""
     generated: GeneratedDataConfig = GeneratedDataConfig()
@@ -85,7 +87,8 @@ class _EngineSection(_Section):
 
     replicas: int = Field(1, ge=1, le=1024)
     """Engine replicas generating side by side, each in its own process (a Ray actor; more
-    than one needs `cluster.backend: ray`). Not semantic: a run resumes on any number."""
+    than one needs `cluster.backend: ray`, and is exit 2 on `local`). Not semantic: a run
+    resumes on any number."""
 
 
 class ToyEngineConfig(_EngineSection):
@@ -310,7 +313,7 @@ def _trainer_factory(v: Any) -> str:
 
 
 class CustomTrainerConfig(_TrainerSection):
-    """Your own trainer for the built-in GPT (README "Bring your own trainer"): rollkeep
+    """Your own trainer for the built-in GPT (docs/library.md, "Bring your own trainer"): rollkeep
     builds the model, the character tokenizer and the torch engine as for `torch`, and the
     trainer with `factory`."""
 
@@ -321,7 +324,8 @@ class CustomTrainerConfig(_TrainerSection):
     `callable(model=, tokenizer=, temperature=, seed=, max_completion_length=,
     scale_rewards=, **kwargs)`; it returns a trainer (`train_step`, `snapshot`, `load`,
     `weights`, `weights_sha256`: rollkeep.trainers.base). Imported from the current
-    directory or the Python path."""
+    directory or the Python path; a factory that cannot be imported or called, or builds
+    something that is not a trainer, is exit 2 at start-up."""
     kwargs: dict[str, Any] = {}
     """More keyword arguments of `factory` (your trainer's own settings)."""
     model: TorchModelConfig = TorchModelConfig()
@@ -396,7 +400,8 @@ class RecoveryConfig(_Section):
     `prompt_group`: a group is all-or-nothing; an unfinished group regenerates every
     sibling. `cursor_only`: the behaviour of systems without a ledger, for comparison only:
     groups in flight at the checkpoint are lost on restore (recorded as DROPPED with reason
-    "lost in flight at the cut", and refilled from the source)."""
+    "lost in flight at the cut", and refilled from the source; the trace and `rollkeep chaos`
+    say so)."""
 
 
 class TrainConfig(_Section):
@@ -630,12 +635,14 @@ class Config(_Section):
     """A whole run. Build it with `load_config`; hand each component only its section."""
 
     run_dir: str = "runs/default"
-    """Directory of the run: checkpoints, trace and metrics. A run resumes from it."""
+    """Directory of the run: checkpoints, `trace.jsonl`, `metrics.jsonl`, `samples.jsonl`,
+    `config.yaml` (and the journal, `rows/`). A run resumes from it."""
     seed: int = Field(0, ge=0, lt=2**63)
     """Seeds the dataset permutation, sampling and initial weights; 0 <= seed < 2**63."""
     deterministic: bool = False
-    """Make every step a function of the config alone (needs sampler `in_order`, no weight
-    updates in flight): a killed-and-resumed run ends byte-identical to an unkilled one."""
+    """Make every step a function of the config alone (needs `sampler.name: in_order`,
+    `rollout.on_dropped_prompt: shrink`, no weight updates in flight): a killed-and-resumed
+    run ends byte-identical to an unkilled one."""
     data: DataConfig = DataConfig()
     """Dataset."""
     engine: EngineConfig = ToyEngineConfig()
@@ -657,9 +664,11 @@ class Config(_Section):
     sampler: SamplerConfig = SamplerConfig()
     """Admission and selection policy."""
     max_inflight_prompts: int | None = None
-    """Most prompt groups being generated at once; null = the sampler's buffer capacity."""
+    """Most prompt groups being generated at once; null = the sampler's buffer capacity,
+    `num_prompts_per_step` x (window + 1)."""
     max_buffered_rollouts: int | None = None
-    """Most finished groups waiting for the trainer; null = the sampler's buffer capacity."""
+    """Most finished groups waiting for the trainer; null = the sampler's buffer capacity,
+    `num_prompts_per_step` x (window + 1)."""
     reward: RewardConfig = RewardConfig()
     """Reward functions from your own code."""
     env: EnvConfig = EnvConfig()

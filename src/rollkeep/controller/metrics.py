@@ -344,7 +344,7 @@ def _rate(a: tuple[float, int], b: tuple[float, int]) -> float:
 
 def step_record(batch: Any, metrics: dict[str, float], *, train_seconds: float, step_seconds: float,
                 generated_per_s: tuple[float, float], counts: dict[str, int]) -> dict[str, Any]:
-    """One `metrics.jsonl` line for a committed step (the keys are listed in the README);
+    """One `metrics.jsonl` line for a committed step (the keys are listed in docs/metrics.md);
     `generated_per_s` is `Throughput.step`'s (windowed, since the start)."""
     rows = [r for g in batch.groups for r in g.rows]
     tokens = sum(r.tokens for r in rows)

@@ -157,7 +157,7 @@ def open_run(
 
 def load_trainer(trainer: Trainer, restored: restore.Restored) -> None:
     """`trainer.load` on the checkpoint's verified `trainer/` directory, which it must not
-    change (README, "Bring your own trainer"): a file written, changed or removed by it is
+    change (docs/library.md, "Bring your own trainer"): a file written, changed or removed by it is
     refused (exit 2) before anything else is written, since the checkpoint may no longer
     restore. Compares every file's (size, mtime, inode) before and after, not its bytes:
     the chain has just hashed them."""

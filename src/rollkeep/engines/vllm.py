@@ -11,7 +11,7 @@ WHAT HAS AND HAS NOT RUN. No GPU and no vllm were available where this was writt
 CPU tests (tests/test_vllm_engine.py) run the whole adapter -- worker thread, streaming,
 version stamping, both weight-loading paths, finish reasons, shutdown, RNG isolation --
 against a fake `vllm` module with the shapes the real one has. Against real vLLM the
-adapter has NOT run yet: `scripts/gpu_check.sh` does that on a GPU machine (README, "GPU
+adapter has NOT run yet: `scripts/gpu_check.sh` does that on a GPU machine (docs/backends.md, "GPU
 check"); treat the adapter as unverified until it has passed there.
 
 How it works
@@ -81,7 +81,7 @@ Nine ways the results would be silently wrong, and what this module does about e
    runs in the same process. `preserve_global_rng` saves and restores all of them around
    the construction. After that vLLM draws from the global generators only for unseeded
    requests, and every request here is seeded with `req.seed % 2**63`.
-8. Version range: see the first paragraph; the README says the same.
+8. Version range: see the first paragraph; docs/backends.md says the same.
 9. Streaming and continuation (for partial generations). Requests use
    `RequestOutputKind.DELTA` (vllm/sampling_params.py), so each `step()` hands over only
    the new tokens; `generate(..., on_delta=...)` passes each delta on. `generate(...,

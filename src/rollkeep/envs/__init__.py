@@ -87,7 +87,7 @@ def resolve(env: Any) -> EnvSpec | None:
                      f"if its `recovery` is {SNAPSHOT!r}), `recovery` one of {list(RECOVERY_MODES)}",
             found=(f"no {', '.join(missing)}" if missing else f"recovery {recovery!r}")
                   + f" on {type(sample).__name__}",
-            remedy="see the README's 'Multi-turn environments' for the protocol")
+            remedy="see docs/multiturn.md for the protocol")
     return EnvSpec(lambda: factory(**kwargs), recovery, env.max_turns, env.timeout_s, env.max_snapshot_bytes, label,
                    env.max_turn_tokens, env.max_response_bytes)
 

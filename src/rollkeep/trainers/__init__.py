@@ -66,5 +66,5 @@ def _custom(cfg: Any, context: dict[str, Any]) -> Trainer:
             f"{field} {spec!r} does not build a trainer", field=field,
             expected=f"an object with {', '.join(TRAINER_METHODS)} (rollkeep.trainers.base.Trainer)",
             found=f"no {', '.join(missing)} on {type(trainer).__name__}",
-            remedy="see the README's 'Bring your own trainer' for the protocol")
+            remedy="see docs/library.md, 'Bring your own trainer', for the protocol")
     return trainer
