@@ -20,8 +20,8 @@ import numpy as np
 
 from rollkeep.core.events import Event
 from rollkeep.core.generation import Completion, GenRequest
-from rollkeep.core.ledger import Ledger
-from rollkeep.core.rows import RowStore
+from rollkeep.core.ledger import AttemptStatus, Ledger
+from rollkeep.core.rows import RowId, RowStore
 from rollkeep.core.samplers import check_limits, make_sampler
 from rollkeep.core.schedule import (
     Cancel,
@@ -40,6 +40,14 @@ from rollkeep.core.schedule import (
 from rollkeep.core.source import PromptSource, SequenceDataset
 
 Key = tuple[str, int, int]
+
+
+def sealed_rows(groups) -> list[RowId]:
+    """The rows of every sealed current attempt of `groups` ((gid, record) pairs, or a
+    captured state's {gid: record})."""
+    items = groups.items() if hasattr(groups, "items") else groups
+    return [RowId(gid, g, rec.attempts[g]) for gid, rec in items
+            for g, st in enumerate(rec.status) if st == AttemptStatus.SEALED]
 
 
 def completion(version: int, n: int = 2) -> Completion:
@@ -133,8 +141,14 @@ class Harness:
         return cmd.step
 
     def cut_written(self) -> int:
+        """The write is done: every row the captured ledger names was still readable
+        through the cut's pin (whatever the scheduler freed since), then the pin goes."""
         cmd, self.cut_cmd = self.cut_cmd, None
         assert cmd is not None, "no Cut to finish"
+        captured = self.captures[-1][1]
+        for rid in sealed_rows(captured.ledger.groups):
+            captured.rows.get(rid)
+        captured.rows.release()
         self.sched.on_cut_written(cmd.step)
         return cmd.step
 
