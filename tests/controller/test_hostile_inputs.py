@@ -494,12 +494,10 @@ def test_a_read_only_run_dir_is_exit_5_and_unchanged(tmp_path, finished_run):
 # -- 8. hung generations ----------------------------------------------------------------------
 
 
-def test_hung_generations_fail_as_infra_at_the_deadline_and_custody_holds(tmp_path):
-    cfg = config(tmp_path / "run", "engine.hang_rate=0.05", "rollout.timeout_s=1")
-    run_to_end(cfg)
-    check(cfg)
-    deadlines = [e for e in trace_lines(cfg) if e["event"] == "failed" and "deadline" in e["error"]]
-    assert deadlines and all(e["kind"] == "infra" for e in deadlines)
+# That a hung attempt fails as infra exactly at its deadline, is cancelled and retried
+# after its backoff, or dropped once its budget is spent, is the scheduler's decision:
+# tests/core/test_scheduler_clock.py checks it on a fake clock. The run below keeps the
+# runner's side (it sleeps until WakeAt, cancels, and a kill in between) on real time.
 
 
 def test_hangs_are_the_same_in_every_lineage_so_deterministic_mode_stays_deterministic(tmp_path):
@@ -507,6 +505,8 @@ def test_hangs_are_the_same_in_every_lineage_so_deterministic_mode_stays_determi
             "rollout.on_dropped_prompt=shrink"]
     reference = config(tmp_path / "reference", *over)
     run_to_end(reference)
+    deadlines = [e for e in trace_lines(reference) if e["event"] == "failed" and "deadline" in e["error"]]
+    assert deadlines and all(e["kind"] == "infra" for e in deadlines)  # the runner woke for them
     ref_sha = [e for e in trace_lines(reference) if e["event"] == "run_finished"][-1]["weights_sha256"]
     cfg = config(tmp_path / "killed", *over)
     assert run_child(cfg, "ledger.failed:2") == -9

@@ -1,6 +1,7 @@
 """Table-driven transition tests: every (group state, event) and (attempt status, event)
-pair is tried. Pairs in the tables must succeed; every other pair must raise
-IllegalTransition and leave the ledger byte-identical (h11's habit)."""
+pair is tried. Pairs in the tables must succeed and lead to the state the table names
+(GONE: the record leaves the ledger); every other pair must raise IllegalTransition and
+leave the ledger byte-identical (h11's habit)."""
 
 from __future__ import annotations
 
@@ -21,15 +22,17 @@ from rollkeep.core.events import (
     Evicted,
     Failed,
     Finalizing,
+    Progressed,
     Ready,
     Released,
     Sealed,
     Spared,
     StepCommitted,
     Taken,
+    TurnSealed,
 )
 from rollkeep.core.ledger import AttemptStatus, GroupState, Ledger
-from rollkeep.core.transitions import ATTEMPT_TABLE, GROUP_TABLE
+from rollkeep.core.transitions import ATTEMPT_TABLE, GONE, GROUP_TABLE
 
 G = 3
 GID = "e0.0"
@@ -85,6 +88,8 @@ def group_event(edge: str, led: Ledger):
     return {
         "admitted": Admitted(group_id=GID, target_step=1, version=0),
         "dispatched": Dispatched(group_id=GID, generations=(G - 1,), version=0),
+        "progressed": Progressed(group_id=GID, generation=g, attempt=0, tokens=1),
+        "turn_sealed": TurnSealed(group_id=GID, generation=g, attempt=0, turn=0, tokens=1),
         "sealed": Sealed(group_id=GID, generation=g, attempt=0, version=0, tokens=1),
         "failed": Failed(group_id=GID, generation=g, attempt=0, kind="infra"),
         # A complete group is abandoned only for a lost version (`_special_rules_abandon`).
@@ -101,7 +106,7 @@ def group_event(edge: str, led: Ledger):
     }[edge]
 
 
-EDGES = ["admitted", "dispatched", "sealed", "failed", "abandoned", "finalizing", "ready",
+EDGES = ["admitted", "dispatched", "progressed", "turn_sealed", "sealed", "failed", "abandoned", "finalizing", "ready",
          "claimed", "step_committed", "released", "evicted", "dropped"]
 
 # A seal repeated for the sealed current attempt is a no-op in any later state (the
@@ -123,7 +128,13 @@ def test_group_table(state: GroupState, edge: str) -> None:
     if (state, edge) in GROUP_TABLE:
         led.apply(event)
         assert audit(led).ok, audit(led)
-        assert fingerprint(led) != before
+        nxt = GROUP_TABLE[(state, edge)]
+        if nxt == GONE:
+            assert GID not in led
+        else:
+            assert GroupState(led.group(GID).state) == nxt
+        # `progressed` and `turn_sealed` record tokens only: custody does not change.
+        assert (fingerprint(led) == before) == (edge in ("progressed", "turn_sealed"))
     else:
         with pytest.raises(IllegalTransition) as err:
             led.apply(event)
@@ -168,6 +179,8 @@ def generating_with(status: AttemptStatus, granularity: str) -> Ledger:
 
 ATTEMPT_EDGES = {
     "dispatched": Dispatched(group_id=GID, generations=(0,), version=0),
+    "progressed": Progressed(group_id=GID, generation=0, attempt=0, tokens=1),
+    "turn_sealed": TurnSealed(group_id=GID, generation=0, attempt=0, turn=0, tokens=1),
     "sealed": Sealed(group_id=GID, generation=0, attempt=0, version=0, tokens=1),
     "failed": Failed(group_id=GID, generation=0, attempt=0, kind="data"),
     "abandoned": Abandoned(group_id=GID, generations=(0,), reason="test"),
@@ -195,14 +208,33 @@ def test_attempt_table(status: AttemptStatus, edge: str, granularity: str) -> No
         led.apply(event)
         assert audit(led).ok
         rec = led.group(GID)
-        if edge in ("failed", "abandoned"):
-            assert rec.attempts[0] == 1 and rec.status[0] == AttemptStatus.RESERVED
-        else:
-            assert rec.status[0] == ATTEMPT_TABLE[(status, edge)]
+        assert rec.status[0] == ATTEMPT_TABLE[(status, edge)]
+        # "failed" and "abandoned" end the attempt: the RESERVED one is a fresh attempt.
+        assert rec.attempts[0] == (1 if edge in ("failed", "abandoned") else 0)
+        assert rec.state == GroupState.GENERATING  # sibling 2 is still dispatched
     else:
         with pytest.raises(IllegalTransition):
             led.apply(event)
         assert fingerprint(led) == before
+
+
+def test_the_parametrizations_cover_every_entry_of_both_tables() -> None:
+    """A table entry for an event the tests above do not try would go unchecked."""
+    assert set(GROUP_TABLE) <= {(s, e) for s in GroupState for e in EDGES}
+    assert set(ATTEMPT_TABLE) <= {(s, e) for s in (AttemptStatus.RESERVED, AttemptStatus.DISPATCHED,
+                                                   AttemptStatus.SEALED) for e in ATTEMPT_EDGES}
+    assert {e for _, e in GROUP_TABLE} == set(EDGES)
+
+
+def test_the_last_sibling_sealed_makes_the_group_ready_to_finalize() -> None:
+    """The one GROUP_TABLE entry whose next state depends on the other siblings."""
+    led = ledger_in(GroupState.GENERATING)
+    led.apply(Dispatched(group_id=GID, generations=tuple(range(1, G)), version=0))
+    for g in range(G - 1):
+        led.apply(Sealed(group_id=GID, generation=g, attempt=0, version=0, tokens=1))
+        assert led.group(GID).state == GROUP_TABLE[(GroupState.GENERATING, "sealed")]
+    led.apply(Sealed(group_id=GID, generation=G - 1, attempt=0, version=0, tokens=1))
+    assert led.group(GID).state == GroupState.READY_TO_FINALIZE and audit(led).ok
 
 
 def test_prompt_group_failure_abandons_the_whole_group() -> None:

@@ -2,10 +2,13 @@
 attempt, which events are legal and the state each one leads to (docs/design.md §1).
 
 `Ledger.apply` looks every event up here before it changes anything; a pair that is not
-listed is an `IllegalTransition`. The tests walk both tables and check the next state of
-every entry, not only its legality. The few rules no table can express (a sealed sibling
-is abandoned only in an all-or-nothing group, or for a lost version, which alone takes a
-complete group back to GENERATING; a duplicate seal) are the ledger's `_special_rules_*`.
+listed is an `IllegalTransition`. The tests (tests/core/test_ledger_transitions.py) try every
+(state, event) pair of both tables' events: a listed pair must lead to the state listed
+(GONE: the record leaves the ledger), any other must be refused and change nothing. The
+few rules no table can express (a sealed sibling is abandoned only in an all-or-nothing
+group, or for a lost version, which alone takes a complete group back to GENERATING; a
+duplicate seal; a group's last seal makes it READY_TO_FINALIZE) are the ledger's
+`_special_rules_*` and its `sealed` handler, tested on their own.
 """
 
 from __future__ import annotations
