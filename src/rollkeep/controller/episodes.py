@@ -1,10 +1,12 @@
 """Multi-turn episodes (docs/design.md §5.4): the runner's part, which only waits.
 
-One attempt of a sibling is one episode. `run_episode` rebuilds the environment after the
-turns the attempt continues (`GenRequest.turns`: replayed, or restored from the snapshot),
-then alternates an engine call for the model's turn and an environment step for its
-response, reporting every finished turn (`on_turn`, which the scheduler records as a
-`turn_sealed` event) before the next model call. Any engine works: a turn is a generation
+One attempt of a sibling is one episode. `run_episode` drives the episode's state machine
+(`core.schedule.episode.Episode`, which makes every decision: the rebuild, the replay
+check, the turns and when they end) and carries out its commands: it rebuilds the
+environment after the turns the attempt continues (`GenRequest.turns`: replayed, or
+restored from the snapshot), then alternates an engine call for the model's turn and an
+environment step for its response, reporting every finished turn (`on_turn`, which the
+scheduler records as a `turn_sealed` event) before the next model call. Any engine works: a turn is a generation
 that continues the trajectory so far (`GenRequest.prefix`), so an engine needs nothing but
 prefix continuation (`continues`) and its tokenizer (`engine.episode_tokenizer`:
 `encode(text, bos=False)`, `decode(ids)`).
@@ -29,7 +31,6 @@ bounded alike (`usercode.call_sync`), every failure a DataError, SystemExit incl
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
 from collections.abc import Callable
 from typing import Any
@@ -39,58 +40,67 @@ import numpy as np
 from ..core.errors import RowsMismatch
 from ..core.generation import Completion, DataError, GenRequest, Tokens
 from ..core.prefixes import PrefixStore
-from ..envs import ENV_VERSION, SNAPSHOT, EnvSpec, Step
+from ..core.schedule.episode import (
+    Done,
+    EnvBuild,
+    EnvReplay,
+    EnvReset,
+    EnvRestore,
+    EnvSnapshot,
+    EnvStep,
+    Episode,
+    Generate,
+    Turn,
+)
+from ..envs import SNAPSHOT, EnvSpec, Step
 from .usercode import Overdue, UserCode, UserStop, call_sync
 
 OnTurn = Callable[[Tokens, int, bytes | None], None]  # (trajectory, turn, snapshot)
-_EMPTY = Tokens(np.zeros(0, np.int32), np.zeros(0, np.float32), np.zeros(0, np.int32))
 
 
 async def run_episode(engine: Any, spec: EnvSpec, req: GenRequest, progress: Any,
                       on_turn: OnTurn, *, code: UserCode) -> tuple[Completion, float]:
     """One episode: the trajectory as a Completion (environment tokens carry ENV_VERSION)
     and its reward, the last step's (an environment that scores turns adds them in). The
-    environment's calls run on `code`'s threads."""
-    tok = engine.episode_tokenizer
+    environment's calls run on `code`'s threads; every decision is the episode machine's
+    (`core.schedule.episode`), this only carries out its commands."""
+    machine = Episode(req, tokenizer=engine.episode_tokenizer, max_turns=spec.max_turns, label=spec.label,
+                      recovery=spec.recovery, max_turn_tokens=spec.max_turn_tokens,
+                      max_snapshot_bytes=spec.max_snapshot_bytes,
+                      completion_limit=getattr(engine, "completion_limit", None))  # (None: an engine without a budget)
 
     async def call(what: str, fn: Callable[..., Any], *args: Any) -> Any:
         return await _call(spec, code, what, fn, *args)
 
-    env = await call("building the environment", spec.factory)
-    traj = req.prefix if req.prefix is not None else _EMPTY
-    turns = list(req.turns)
-    texts = await _rebuild(spec, call, env, req, traj, tok)
-    step, finish = Step(), "length"
-    while True:  # (at least one turn: a resume with a lowered env.max_turns takes its last one)
-        start = turns[-1] if turns else 0  # where this turn begins
-        cap = None if spec.max_turn_tokens is None else start + spec.max_turn_tokens
-        turn_req = dataclasses.replace(req, prefix=traj if len(traj) else None, turns=tuple(turns), max_tokens=cap)
-        c = await (engine.generate(turn_req, progress) if progress is not None else engine.generate(turn_req))
-        traj = Tokens(c.completion_ids, c.logprobs, c.versions)
-        turn_ids = traj.completion_ids[start:]  # a continued prefix's tokens included
-        if not len(turn_ids):
-            break  # nothing generated: the budget is spent or the context is full
-        text = tok.decode(turn_ids)
-        texts.append(text)
-        step = _checked(spec, await call(f"step of turn {len(turns)}", env.step, text))
-        if step.done or len(turns) + 1 >= spec.max_turns:
-            finish = "stop" if step.done else "length"
-            break
-        response = np.asarray(tok.encode(step.response, bos=False), np.int32)
-        limit_of = getattr(engine, "completion_limit", None)  # (None: an engine without a budget)
-        limit = None if limit_of is None else limit_of(len(c.prompt_ids))
-        if limit is not None and len(traj) + len(response) >= limit:
-            break  # the response would spend what is left of the budget: the episode is cut here
-        traj = Tokens(np.concatenate([traj.completion_ids, response]),
-                      np.concatenate([traj.logprobs, np.zeros(len(response), np.float32)]),
-                      np.concatenate([traj.versions, np.full(len(response), ENV_VERSION, np.int32)]))
-        texts.append(step.response)
-        snapshot = await _snapshot(spec, call, env) if spec.recovery == SNAPSHOT else None
-        on_turn(traj, len(turns), snapshot)
-        turns.append(len(traj))
-    return Completion(prompt_ids=c.prompt_ids, completion_ids=traj.completion_ids,
-                      logprobs=traj.logprobs, versions=traj.versions, finish_reason=finish,
-                      text="".join(texts), replica=c.replica), float(step.reward)  # (its last turn's)
+    env: Any = None
+    cmd = machine.begin()
+    while True:
+        match cmd:
+            case EnvBuild():
+                env = await call(cmd.what, spec.factory)
+                cmd = machine.on_built()
+            case EnvRestore(snapshot=snapshot):
+                await call(cmd.what, env.restore, snapshot)
+                cmd = machine.on_restored()
+            case EnvReset(row=row, seed=seed):
+                await call(cmd.what, env.reset, row, seed)
+                cmd = machine.on_reset()
+            case EnvReplay(text=text):
+                cmd = machine.on_replayed(_checked(spec, await call(cmd.what, env.step, text)))
+            case Generate(request=turn_req):
+                c = await (engine.generate(turn_req, progress) if progress is not None else engine.generate(turn_req))
+                cmd = machine.on_generated(c)
+            case EnvStep(text=text):
+                cmd = machine.on_step(_checked(spec, await call(cmd.what, env.step, text)))
+            case EnvSnapshot():
+                cmd = machine.on_snapshot(await call(cmd.what, env.snapshot))
+            case Turn(trajectory=traj, turn=turn, snapshot=snapshot):
+                on_turn(traj, turn, snapshot)
+                cmd = machine.on_reported()
+            case Done(completion=completion, reward=reward):
+                return completion, reward
+            case _:  # pragma: no cover
+                raise AssertionError(f"unknown episode command {cmd!r}")
 
 
 def check_restored(prefixes: PrefixStore, spec: EnvSpec | None, where: str) -> None:
@@ -110,49 +120,6 @@ def check_restored(prefixes: PrefixStore, spec: EnvSpec | None, where: str) -> N
                     remedy="the checkpoint was written with another environment or a larger env.max_snapshot_bytes, "
                     "or its rows index was damaged: resume with the env.* it was written with, or from an "
                     "older checkpoint")
-
-
-async def _rebuild(spec: EnvSpec, call: Any, env: Any, req: GenRequest, traj: Tokens, tok: Any) -> list[str]:
-    """Bring a fresh environment to the state after `req.turns` (none: reset it); return
-    the texts of the turns and responses so far. A replay that answers differently from
-    the recorded responses is a DataError: the environment is not deterministic."""
-    texts: list[str] = []
-    if req.turns and spec.recovery == SNAPSHOT:
-        if req.snapshot is None:
-            raise DataError(f"environment {spec.label}: turn {len(req.turns) - 1} of "
-                            f"{req.group_id}/{req.generation} has no snapshot to restore")
-        await call("restoring the snapshot", env.restore, req.snapshot)
-    else:
-        await call("reset", env.reset, req.prompt.row, req.seed)
-    start = 0
-    for turn, end in enumerate(req.turns):
-        ids, versions = traj.completion_ids[start:end], traj.versions[start:end]
-        model, recorded = ids[versions != ENV_VERSION], ids[versions == ENV_VERSION]
-        text = tok.decode(model)
-        texts.append(text)
-        if spec.recovery != SNAPSHOT:
-            step = _checked(spec, await call(f"replay of turn {turn}", env.step, text))
-            answer = np.asarray(tok.encode(step.response, bos=False), np.int32)
-            if step.done or not np.array_equal(answer, recorded):
-                raise DataError(
-                    f"environment {spec.label} replayed turn {turn} of {req.group_id}/{req.generation} "
-                    f"differently: recorded response {tok.decode(recorded)!r}, now "
-                    f"{'done' if step.done else repr(step.response)} (a `replay` environment must be a "
-                    "function of row, seed and turns; declare recovery='snapshot' otherwise)")
-            texts.append(step.response)
-        else:
-            texts.append(tok.decode(recorded))
-        start = end
-    return texts
-
-
-async def _snapshot(spec: EnvSpec, call: Any, env: Any) -> bytes:
-    data = await call("snapshot", env.snapshot)
-    if not isinstance(data, bytes | bytearray) or len(data) > spec.max_snapshot_bytes:
-        found = f"{type(data).__name__}" if not isinstance(data, bytes | bytearray) else f"{len(data)} bytes"
-        raise DataError(f"environment {spec.label}: snapshot() must return at most env.max_snapshot_bytes="
-                        f"{spec.max_snapshot_bytes} bytes; got {found}")
-    return bytes(data)
 
 
 async def _call(spec: EnvSpec, code: UserCode, what: str, fn: Callable[..., Any], *args: Any) -> Any:

@@ -55,10 +55,9 @@ from ..core import crashpoints, cutting, start
 from ..core.checkpoint import save_files
 from ..core.errors import ExternalError, FilesystemError
 from ..core.events import DATA, INFRA, Event
-from ..core.generation import Chunk, Completion, GenRequest
+from ..core.generation import TOKEN_FIELDS, Chunk, Completion, GenRequest
 from ..core.groupcommit import GroupCommit
 from ..core.restore import restore_chain
-from ..core.rows import ENV_VERSION
 from ..core.samplers import Limits, make_sampler
 from ..core.schedule import (
     Cancel,
@@ -76,12 +75,27 @@ from ..core.schedule import (
     WakeAt,
     crash_point,
 )
+from ..core.schedule.episode import (
+    Done,
+    EnvBuild,
+    EnvReplay,
+    EnvReset,
+    EnvRestore,
+    EnvSnapshot,
+    EnvStep,
+    Episode,
+    EpisodeCommand,
+    Generate,
+    Turn,
+)
 from ..core.source import PromptSource, SequenceDataset
 from ..core.store import CheckpointStore
 from ..core.trace_schema import Restored, RunFailed, RunFinished, RunStarted
+from ..envs.base import REPLAY, SNAPSHOT
 from ..lineage import EVENTS, exactly_once, lineage
 from ..trace import Trace, parse_trace, published_in_trace
 from ..trainers.toy import STATE_FILE, ToyTrainer
+from .episodes import SimEnv, SimTokenizer
 from .memfs import MemFS, SimCrash
 
 RUN_DIR = Path("/sim/run")
@@ -358,6 +372,7 @@ class _Process:
         self.queue: list[tuple[float, int, Callable[[], None]]] = []
         self.seq = itertools.count()
         self.cancelled: set[tuple[str, int, int]] = set()
+        self.streaming: set[tuple[str, int, int]] = set()  # attempts dispatched with `stream`
         self.engine_version = 0
         self.next_flush = world.now + _FLUSH_S
         self.journal_s = world.plan.journal_ms / 1000
@@ -431,6 +446,8 @@ class _Process:
     def _dispatch(self, req: GenRequest, stream: bool) -> None:
         script, seed = self.w.plan.script, self.w.plan.seed
         key = (req.group_id, req.generation, req.attempt)
+        if stream:
+            self.streaming.add(key)
         if _unit(seed, req.seed, "hang", req.infra_retries) < script.hang_rate:
             return  # never answers: the scheduler's deadline aborts it
         if _unit(seed, req.seed, "infra", req.infra_retries) < script.infra_fail_rate:
@@ -454,44 +471,114 @@ class _Process:
         self.later(latency, lambda: self._deliver(key, req, outcome))
 
     def _episode(self, key, req: GenRequest, latency: float) -> None:
-        """A multi-turn episode continued from `req.prefix` after `req.turns`: every token a
-        function of (seed, position), each turn's model tokens then (but after the last) two
-        environment tokens; chunks as they come when it streams, `on_turn` after each
-        finished turn, the trajectory at the end. The timeline is laid out up front; every
-        callback checks the attempt was not cancelled."""
-        plan, env = [], self.w.plan.script.turns
-        pos, start = 0, len(req.prefix) if req.prefix is not None else 0
-        for turn in range(env):
-            m = 1 + int(_unit(req.seed, "len", turn) * self.w.plan.script.completion_tokens)
-            plan += [("model", pos + i, turn) for i in range(m)]
+        """A multi-turn episode continued from `req.prefix` after `req.turns`, run by the real
+        episode machine (`core.schedule.episode`, as `controller.episodes.run_episode` drives
+        it) against the simulated engine (every model token a function of (seed, position),
+        a turn's length of (seed, turn)) and a simulated deterministic environment
+        (`simulate.episodes.SimEnv`: two environment tokens a turn). How the run's episodes
+        end and recover is a function of the plan's seed: replay or snapshot, the
+        environment done at its last turn or `env.max_turns` ending it, a turn cap, an engine
+        budget. The timeline is in ticks, the episode's nominal length (every turn of full
+        length) spread over the attempt's latency as its tokens: a model token takes one
+        (streamed as a chunk when partial generations are on), the environment's answer
+        one, its response two before the turn is reported; every callback is scheduled with
+        `later` and first checks the attempt was not cancelled."""
+        script, seed = self.w.plan.script, self.w.plan.seed
+        turns, tokens = script.turns, script.completion_tokens
+        recovery = SNAPSHOT if _unit(seed, "env", "recovery") < 0.5 else REPLAY
+        done_at = turns if _unit(seed, "env", "done") < 0.5 else None
+        cap = None if _unit(seed, "env", "cap") < 0.5 else 1 + int(_unit(seed, "env", "cap", 1) * tokens)
+        budget = None if _unit(seed, "env", "budget") < 0.5 else \
+            3 + int(_unit(seed, "env", "budget", 1) * turns * (tokens + 2))
+        machine = Episode(req, tokenizer=SimTokenizer(), max_turns=turns, label="sim", recovery=recovery,
+                          max_turn_tokens=cap, completion_limit=None if budget is None else lambda _p: budget)
+        env = SimEnv(recovery, done_at)
+        first, pos, n = len(req.prefix) if req.prefix is not None else 0, 0, 0
+        for turn in range(turns):  # the nominal timeline's ticks still to come
+            m = 1 + int(_unit(req.seed, "len", turn) * tokens)
+            n += sum(pos + i >= first for i in range(m))
             pos += m
-            if turn < env - 1:
-                plan += [("env", pos, turn), ("env", pos + 1, turn), ("turn", pos + 2, turn)]
+            if turn < turns - 1:
+                n += (pos >= first) + (pos + 1 >= first) + (pos + 2 >= first and turn >= len(req.turns))
                 pos += 2
-        todo = [step for step in plan if step[1] >= start and not (step[0] == "turn" and step[2] < len(req.turns))]
-        made = [] if req.prefix is None else [req.prefix]
-        for j, step in enumerate(todo):
-            self.later(latency * (j + 1) / (len(todo) + 1), lambda step=step: self._episode_step(key, req, step, made))
-        self.later(latency, lambda: self._deliver(key, req, None, made))
+        tick = latency / (n + 1)
+        self._episode_step(key, machine, machine.begin(), env, tick, budget)
 
-    def _episode_step(self, key, req: GenRequest, step: tuple[str, int, int], made: list) -> None:
+    def _episode_step(self, key, machine: Episode, cmd: EpisodeCommand, env: SimEnv, tick: float,
+                      budget: int | None, waited: bool = False) -> None:
+        """Carry out the episode machine's commands, each when it is due: the environment's
+        step a tick after the turn's last token, a finished turn's report two after that (its
+        response's tokens), a generation's tokens one a tick (`_episode_generate`), the rest
+        at once. `waited`: `cmd` is due now."""
         if key in self.cancelled:
             return
-        kind, pos, turn = step
-        if kind == "turn":
-            traj = Chunk(*(np.concatenate([getattr(c, f) for c in made]) for f in ("completion_ids", "logprobs",
-                                                                                   "versions")))
-            self.sched.on_turn(key, traj, turn)
-            return
-        version = self.engine_version if req.pinned_version is None else req.pinned_version
-        if kind == "env":
-            made.append(Chunk(np.array([7], np.int32), np.zeros(1, np.float32), np.full(1, ENV_VERSION, np.int32)))
-            return
-        chunk = Chunk(np.array([int(_unit(req.seed, "tok", pos) * 10)], np.int32), np.full(1, -0.5, np.float32),
-                      np.full(1, version, np.int32))
-        made.append(chunk)
-        if self.sched.partial.enabled:
-            self.sched.on_progress(key, chunk, self.w.now)
+        while True:
+            ticks = 1 if isinstance(cmd, EnvStep) else 2 if isinstance(cmd, Turn) else 0
+            if ticks and not waited:
+                self.later(ticks * tick, lambda c=cmd: self._episode_step(key, machine, c, env, tick, budget, True))
+                return
+            waited = False
+            match cmd:
+                case EnvBuild():
+                    cmd = machine.on_built()  # (the environment is made up front: it holds no state before reset)
+                case EnvRestore(snapshot=snapshot):
+                    env.restore(snapshot)
+                    cmd = machine.on_restored()
+                case EnvReset(row=row, seed=seed):
+                    env.reset(row, seed)
+                    cmd = machine.on_reset()
+                case EnvReplay(text=text):
+                    cmd = machine.on_replayed(env.step(text))
+                case EnvStep(text=text):
+                    cmd = machine.on_step(env.step(text))
+                case EnvSnapshot():
+                    cmd = machine.on_snapshot(env.snapshot())
+                case Turn(trajectory=traj, turn=turn, snapshot=snapshot):
+                    self.sched.on_turn(key, traj, turn, snapshot)
+                    cmd = machine.on_reported()
+                case Generate(request=turn_req):
+                    self._episode_generate(key, machine, turn_req, env, tick, budget)
+                    return
+                case Done(completion=completion, reward=reward):
+                    self.sched.on_result(key, Generated(completion, reward), self.w.now)
+                    return
+
+    def _episode_generate(self, key, machine: Episode, turn_req: GenRequest, env: SimEnv, tick: float,
+                          budget: int | None) -> None:
+        """The simulated engine's model turn: it continues `turn_req.prefix` up to the turn's
+        length, within `turn_req.max_tokens` and the budget; each token made under the
+        version the engine holds then, then the completion fed to the machine."""
+        req = machine.req
+        made = [] if turn_req.prefix is None else [turn_req.prefix]
+        first = len(turn_req.prefix) if turn_req.prefix is not None else 0
+        start = turn_req.turns[-1] if turn_req.turns else 0
+        end = start + 1 + int(_unit(req.seed, "len", len(turn_req.turns)) * self.w.plan.script.completion_tokens)
+        for limit in (turn_req.max_tokens, budget):
+            end = end if limit is None else min(end, limit)
+
+        def token(pos: int) -> None:
+            if key in self.cancelled:
+                return
+            version = self.engine_version if req.pinned_version is None else req.pinned_version
+            chunk = Chunk(np.array([int(_unit(req.seed, "tok", pos) * 10)], np.int32), np.full(1, -0.5, np.float32),
+                          np.full(1, version, np.int32))
+            made.append(chunk)
+            if key in self.streaming:
+                self.sched.on_progress(key, chunk, self.w.now)
+
+        def generated() -> None:
+            if key in self.cancelled:
+                return
+            ids, logprobs, versions = ((np.concatenate([getattr(c, f) for c in made]) for f in TOKEN_FIELDS)
+                                       if made else (np.zeros(0, np.int32), np.zeros(0, np.float32),
+                                                     np.zeros(0, np.int32)))
+            c = Completion(prompt_ids=np.arange(3, dtype=np.int32), completion_ids=ids, logprobs=logprobs,
+                           versions=versions, finish_reason="stop", text="")
+            self._episode_step(key, machine, machine.on_generated(c), env, tick, budget)
+
+        for j, pos in enumerate(range(first, end)):
+            self.later(tick * (j + 1), lambda pos=pos: token(pos))
+        self.later(tick * max(1, end - first), generated)  # (after the last token: scheduled after it)
 
     def _chunk(self, key, req: GenRequest, i: int, made: list) -> None:
         if key in self.cancelled:
