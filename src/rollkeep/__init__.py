@@ -43,7 +43,8 @@ from .core.generation import Completion, DataError, GenRequest, InfraError
 from .core.keys import Key, group_id
 from .core.ledger import AttemptStatus, GroupState, Ledger, LedgerState, Owner
 from .core.restore import Restored, restore_chain
-from .core.rows import Row, RowId, RowStore
+from .core.rows import Row, RowId
+from .core.rowstore import RowStore
 from .core.samplers import Limits, check_limits, make_sampler
 from .core.schedule import Failure, Generated, Reason, RetryPolicy, Scheduler, Settings, commands
 from .core.source import PromptSource, SequenceDataset, load_dataset

@@ -23,7 +23,8 @@ from rollkeep.core.events import Admitted, Claimed, Dispatched, Finalizing, Read
 from rollkeep.core.ledger import Ledger
 from rollkeep.core.restore import plan
 from rollkeep.core.rowindex import ROWS_INDEX
-from rollkeep.core.rows import Row, RowId, RowStore
+from rollkeep.core.rows import Row, RowId
+from rollkeep.core.rowstore import RowStore
 from rollkeep.core.source import PromptSource, SequenceDataset
 from rollkeep.core.store import RESERVED_KEYS, CheckpointStore
 from rollkeep.core.take import drop_event, spare_event, take_event

@@ -27,7 +27,7 @@ from rollkeep.core.ledger import Ledger
 from rollkeep.core.manifest import read_manifest
 from rollkeep.core.restore import restore_chain
 from rollkeep.core.rowindex import ROWS_INDEX
-from rollkeep.core.rows import RowStore
+from rollkeep.core.rowstore import RowStore
 from rollkeep.core.source import JsonlDataset, PromptSource
 from rollkeep.core.store import CheckpointStore
 

@@ -45,7 +45,9 @@ from rollkeep.core.rowlog import (
     RowSegmentCorrupt,
     segment_path,
 )
-from rollkeep.core.rows import Row, RowId, RowStore, decode_rows
+from rollkeep.core.rowcodec import decode_rows
+from rollkeep.core.rows import Row, RowId
+from rollkeep.core.rowstore import RowStore
 from rollkeep.core.source import PromptSource, SequenceDataset
 from rollkeep.core.store import CheckpointStore
 from rollkeep.core.take import take_event
@@ -208,7 +210,7 @@ def test_step5_custody_violation(tmp_path, source) -> None:
 
 
 def test_step6_rows_missing(tmp_path, source) -> None:
-    from rollkeep.core.rows import decode_rows, encode_rows
+    from rollkeep.core.rowcodec import decode_rows, encode_rows
 
     def drop_one(blob: bytes) -> bytes:
         rows = decode_rows(blob)
@@ -221,7 +223,7 @@ def test_step6_rows_missing(tmp_path, source) -> None:
 
 
 def test_step6_rows_unreferenced(tmp_path, source) -> None:
-    from rollkeep.core.rows import decode_rows, encode_rows
+    from rollkeep.core.rowcodec import decode_rows, encode_rows
 
     def add_one(blob: bytes) -> bytes:
         rows = decode_rows(blob)

@@ -50,7 +50,8 @@ from ..core.journal import JournalWriter
 from ..core.prefixes import PrefixStore, chunk_row
 from ..core.rowindex import referenced_segments
 from ..core.rowlog import RowLogWriter, delete_unreferenced
-from ..core.rows import RowId, RowStore
+from ..core.rows import RowId
+from ..core.rowstore import RowStore
 from ..core.source import DatasetId
 from ..core.store import CheckpointStore
 

@@ -42,7 +42,9 @@ from .ledger import AttemptStatus, Ledger, LedgerState
 from .manifest import OpenedCheckpoint
 from .prefixes import Link, PrefixStore, finished_turns
 from .rowindex import ROWS_INDEX, encode_index, extents
-from .rows import RowId, RowPin, RowStore, encode_rows
+from .rowcodec import encode_rows
+from .rows import RowId
+from .rowstore import RowPin, RowStore
 from .store import CheckpointStore, Published
 from .untrusted import (
     SAFETENSORS_MAX_HEADER,

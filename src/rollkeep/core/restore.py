@@ -45,7 +45,8 @@ from .ledger import PROMPT_GROUP_CODE, AttemptStatus, GroupState, LedgerState
 from .prefixes import Link
 from .rowindex import ROWS_INDEX, decode_index, rows_dir_for, segments_listed
 from .rowlog import RowLocation, RowLogReader
-from .rows import Row, RowId, decode_rows
+from .rowcodec import decode_rows
+from .rows import Row, RowId
 from .source import PromptSource
 from .store import CheckpointStore, OpenedCheckpoint, open_path
 

@@ -85,7 +85,7 @@ import xxhash
 from . import crashpoints
 from .errors import FilesystemError, RowsMismatch
 from .fs import DEFAULT_FS, DIR, FILE, FS, AppendFile
-from .rows import FINISH_REASONS, Row, RowId, _check_row_id
+from .rows import FINISH_REASONS, Row, RowId, check_row_id
 
 # Crash points of a flush (`rollkeep simulate` kills and power-cuts there): the rows
 # written but not yet fsynced, and fsynced with their segment's name.
@@ -323,7 +323,7 @@ class RowLogWriter:
         """Encode `row` and buffer its frame; O(row bytes), no IO. The location is final,
         but the row is durable only once a later `flush` returns."""
         self._usable()
-        rid = _check_row_id(row_id)
+        rid = check_row_id(row_id)
         if not isinstance(row, Row):
             raise ValueError(f"RowLogWriter.append needs a Row, got {type(row).__name__}")
         payload = _encode_row(rid, row)
@@ -545,7 +545,7 @@ class RowLogReader:
 
     def read(self, row_id: RowId, loc: RowLocation) -> Row:
         """The row appended under `row_id` at `loc`, or RowSegmentCorrupt."""
-        rid = _check_row_id(row_id)
+        rid = check_row_id(row_id)
         if not isinstance(loc, RowLocation):
             raise ValueError(f"RowLogReader.read needs a RowLocation, got {type(loc).__name__}")
         seg, off = loc.segment, loc.offset
