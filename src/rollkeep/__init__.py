@@ -11,6 +11,7 @@ from .core.batch import Batch, TrainGroup
 from .core.checkpoint import Cut, cut, write_checkpoint
 from .core.codec import decode as decode_ledger
 from .core.codec import encode as encode_ledger
+from .core.datasets import SequenceDataset, load_dataset
 from .core.errors import (
     CheckpointError,
     ConfigError,
@@ -47,7 +48,7 @@ from .core.rows import Row, RowId
 from .core.rowstore import RowStore
 from .core.samplers import Limits, check_limits, make_sampler
 from .core.schedule import Failure, Generated, Reason, RetryPolicy, Scheduler, Settings, commands
-from .core.source import PromptSource, SequenceDataset, load_dataset
+from .core.source import PromptSource
 from .core.store import CheckpointStore
 from .core.take import drop_event, spare_event, take_event
 
