@@ -43,10 +43,10 @@ from rollkeep.core.rowlog import (
     ROWS_DIR,
     RowLocation,
     RowLogReader,
-    RowLogWriter,
     RowSegmentCorrupt,
     segment_path,
 )
+from rollkeep.core.rowlogwriter import RowLogWriter
 from rollkeep.core.rows import Row, RowId
 from rollkeep.core.rowstore import RowStore
 from rollkeep.core.source import PromptSource

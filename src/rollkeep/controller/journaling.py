@@ -49,7 +49,8 @@ from ..core.fs import DEFAULT_FS, DIR, FS
 from ..core.journal import JournalWriter
 from ..core.prefixes import PrefixStore, chunk_row
 from ..core.rowindex import referenced_segments
-from ..core.rowlog import RowLogWriter, delete_unreferenced
+from ..core.rowlog import delete_unreferenced
+from ..core.rowlogwriter import RowLogWriter
 from ..core.rows import RowId
 from ..core.rowstore import RowStore
 from ..core.source import DatasetId
