@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from rollkeep.core import codec
 from rollkeep.core.audit import audit
+from rollkeep.core.datasets import SequenceDataset
 from rollkeep.core.events import (
     SIBLING,
     Admitted,
@@ -34,7 +35,7 @@ from rollkeep.core.events import (
 from rollkeep.core.keys import group_id, parse_group_id
 from rollkeep.core.ledger import AttemptStatus, GroupState, Ledger
 from rollkeep.core.samplers import check_limits, make_sampler
-from rollkeep.core.source import PromptSource, SequenceDataset
+from rollkeep.core.source import PromptSource
 from rollkeep.core.take import drop_event, next_origin, spare_event, take_event
 
 

@@ -11,6 +11,7 @@ from .core.batch import Batch, TrainGroup
 from .core.checkpoint import Cut, cut, write_checkpoint
 from .core.codec import decode as decode_ledger
 from .core.codec import encode as encode_ledger
+from .core.datasets import SequenceDataset, load_dataset
 from .core.errors import (
     CheckpointError,
     ConfigError,
@@ -43,10 +44,11 @@ from .core.generation import Completion, DataError, GenRequest, InfraError
 from .core.keys import Key, group_id
 from .core.ledger import AttemptStatus, GroupState, Ledger, LedgerState, Owner
 from .core.restore import Restored, restore_chain
-from .core.rows import Row, RowId, RowStore
+from .core.rows import Row, RowId
+from .core.rowstore import RowStore
 from .core.samplers import Limits, check_limits, make_sampler
 from .core.schedule import Failure, Generated, Reason, RetryPolicy, Scheduler, Settings, commands
-from .core.source import PromptSource, SequenceDataset, load_dataset
+from .core.source import PromptSource
 from .core.store import CheckpointStore
 from .core.take import drop_event, spare_event, take_event
 

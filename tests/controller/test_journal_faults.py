@@ -30,7 +30,7 @@ from rollkeep.core.errors import FilesystemError
 from rollkeep.core.fs import FS, OSAppendFile
 from rollkeep.core.groupcommit import GroupCommit
 from rollkeep.core.journal import segment_name
-from rollkeep.core.rows import RowStore
+from rollkeep.core.rowstore import RowStore
 from rollkeep.trace import read_trace
 
 pytestmark = pytest.mark.slow

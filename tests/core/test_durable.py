@@ -38,10 +38,10 @@ from rollkeep.core.replay import Restart
 from rollkeep.core.rowlog import (
     RowLocation,
     RowLogReader,
-    RowLogWriter,
     RowSegmentCorrupt,
     segment_path,
 )
+from rollkeep.core.rowlogwriter import RowLogWriter
 from rollkeep.core.rows import Row, RowId
 
 LOC = RowLocation(segment=0, offset=64, length=100, checksum=12345)

@@ -19,7 +19,8 @@ from rollkeep.core.events import (
 )
 from rollkeep.core.generation import Tokens
 from rollkeep.core.prefixes import Link, PrefixStore, chunk_row
-from rollkeep.core.rowlog import RowLogReader, RowLogWriter
+from rollkeep.core.rowlog import RowLogReader
+from rollkeep.core.rowlogwriter import RowLogWriter
 from rollkeep.core.rows import RowId
 
 

@@ -15,6 +15,7 @@ from test_store import rewrite_manifest
 from rollkeep.cli import exit_code
 from rollkeep.core import codec
 from rollkeep.core.checkpoint import LEDGER_FILE, ROWS_FILE, cut, save_files, write_checkpoint
+from rollkeep.core.datasets import SequenceDataset
 from rollkeep.core.errors import (
     CheckpointCustodyError,
     CheckpointError,
@@ -30,6 +31,7 @@ from rollkeep.core.generation import Tokens
 from rollkeep.core.ledger import Ledger
 from rollkeep.core.prefixes import Link, PrefixStore, chunk_row
 from rollkeep.core.restore import restore_chain
+from rollkeep.core.rowcodec import decode_rows
 from rollkeep.core.rowindex import (
     ROWS_INDEX,
     decode_index,
@@ -41,12 +43,13 @@ from rollkeep.core.rowlog import (
     ROWS_DIR,
     RowLocation,
     RowLogReader,
-    RowLogWriter,
     RowSegmentCorrupt,
     segment_path,
 )
-from rollkeep.core.rows import Row, RowId, RowStore, decode_rows
-from rollkeep.core.source import PromptSource, SequenceDataset
+from rollkeep.core.rowlogwriter import RowLogWriter
+from rollkeep.core.rows import Row, RowId
+from rollkeep.core.rowstore import RowStore
+from rollkeep.core.source import PromptSource
 from rollkeep.core.store import CheckpointStore
 from rollkeep.core.take import take_event
 
@@ -208,7 +211,7 @@ def test_step5_custody_violation(tmp_path, source) -> None:
 
 
 def test_step6_rows_missing(tmp_path, source) -> None:
-    from rollkeep.core.rows import decode_rows, encode_rows
+    from rollkeep.core.rowcodec import decode_rows, encode_rows
 
     def drop_one(blob: bytes) -> bytes:
         rows = decode_rows(blob)
@@ -221,7 +224,7 @@ def test_step6_rows_missing(tmp_path, source) -> None:
 
 
 def test_step6_rows_unreferenced(tmp_path, source) -> None:
-    from rollkeep.core.rows import decode_rows, encode_rows
+    from rollkeep.core.rowcodec import decode_rows, encode_rows
 
     def add_one(blob: bytes) -> bytes:
         rows = decode_rows(blob)

@@ -22,7 +22,6 @@ from rollkeep.core.errors import CheckpointError, RowsMismatch
 from rollkeep.core.rowlog import (
     RowLocation,
     RowLogReader,
-    RowLogWriter,
     RowSegmentCorrupt,
     _encode,
     _frame,
@@ -33,6 +32,7 @@ from rollkeep.core.rowlog import (
     segments,
     verify_segment,
 )
+from rollkeep.core.rowlogwriter import RowLogWriter
 from rollkeep.core.rows import Row, RowId
 from rollkeep.simulate.memfs import MemFS, SimCrash
 

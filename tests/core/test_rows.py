@@ -16,15 +16,9 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from rollkeep.core.errors import CustodyError, RowsMismatch
-from rollkeep.core.rows import (
-    FINISH_REASONS,
-    Row,
-    RowId,
-    RowPin,
-    RowStore,
-    decode_rows,
-    encode_rows,
-)
+from rollkeep.core.rowcodec import decode_rows, encode_rows
+from rollkeep.core.rows import FINISH_REASONS, Row, RowId
+from rollkeep.core.rowstore import RowPin, RowStore
 
 TENSORS = [
     "prompt_ids",

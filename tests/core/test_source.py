@@ -12,16 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rollkeep.core.datasets import JsonlDataset, SequenceDataset, load_dataset, row_fingerprint
 from rollkeep.core.errors import CustodyError, DatasetError, UserInputError
 from rollkeep.core.keys import Key, exhausted, next_key
-from rollkeep.core.source import (
-    JsonlDataset,
-    PromptSource,
-    SequenceDataset,
-    load_dataset,
-    permutation,
-    row_fingerprint,
-)
+from rollkeep.core.permutation import permutation
+from rollkeep.core.source import PromptSource
 
 MASK = 2**64 - 1
 G = 0x9E3779B97F4A7C15

@@ -22,8 +22,10 @@ import numpy as np
 from ..core.checkpoint import cut, save_files, write_checkpoint
 from ..core.ledger import Ledger
 from ..core.restore import restore_chain
-from ..core.rowlog import ROWS_DIR, RowLogReader, RowLogWriter
-from ..core.rows import Row, RowId, RowStore
+from ..core.rowlog import ROWS_DIR, RowLogReader
+from ..core.rowlogwriter import RowLogWriter
+from ..core.rows import Row, RowId
+from ..core.rowstore import RowStore
 from ..core.store import CheckpointStore
 from ..core.trace_schema import (
     ADMITTED,

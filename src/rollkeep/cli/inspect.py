@@ -30,10 +30,11 @@ from rollkeep.core.errors import (
 )
 from rollkeep.core.keys import group_id
 from rollkeep.core.ledger import GroupState, LedgerState
+from rollkeep.core.manifest import RESERVED_KEYS
 from rollkeep.core.prefixes import finished_turns
 from rollkeep.core.restore import Restored, restore_chain
 from rollkeep.core.rows import Row
-from rollkeep.core.store import LATEST, MANIFEST, RESERVED_KEYS, CheckpointStore
+from rollkeep.core.store import LATEST, MANIFEST, CheckpointStore
 
 CHECKPOINTS = "checkpoints"  # RUN_DIR/checkpoints (docs/design.md §4)
 JOURNAL = "journal"  # RUN_DIR/journal (docs/design.md §5.1)

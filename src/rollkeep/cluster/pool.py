@@ -26,6 +26,7 @@ from typing import Any
 
 from ..core.generation import Completion, DataError, GenRequest, InfraError
 from ..core.trace_schema import EngineReplicaDied, EngineReplicaStarted, RunEvent
+from ..engines.base import Capabilities
 from .replicas import ReplicaGone, ReplicaHandle, ReplicaInfo, ReplicaLost, ReplicaSet
 
 
@@ -59,20 +60,27 @@ class EnginePool:
         return info
 
     @property
+    def capabilities(self) -> Capabilities:
+        """The replicas' engines' (all built from one recipe: the first started one's)."""
+        return self._first().capabilities
+
+    # The same, one attribute each, for readers not yet on `capabilities`.
+
+    @property
     def streams(self) -> bool:
-        return self._first().streams
+        return self.capabilities.streams
 
     @property
     def continues(self) -> bool:
-        return self._first().continues
+        return self.capabilities.continues
 
     @property
     def episode_tokenizer(self) -> Any:
-        return self._first().episode_tokenizer
+        return self.capabilities.episode_tokenizer
 
     @property
     def completion_limit(self) -> Any:
-        return self._first().completion_limit
+        return self.capabilities.completion_limit
 
     @property
     def version(self) -> int:

@@ -27,6 +27,7 @@ from typing import Any
 from ..core.errors import ConfigError
 from ..core.generation import Chunk, Completion, DataError, GenRequest, InfraError
 from ..engines import EngineRecipe
+from ..engines.base import capabilities_of
 from .local_ray import LocalRay
 from .pool import EnginePool
 from .replicas import ReplicaGone, ReplicaInfo, ReplicaLost
@@ -177,12 +178,10 @@ class ReplicaActor:
     async def describe(self) -> ReplicaInfo:
         import ray
 
-        e = self.engine
+        caps = capabilities_of(self.engine)
         return ReplicaInfo(pid=os.getpid(), node=f"{socket.gethostname()}/{ray.get_runtime_context().get_node_id()[:8]}",
-                           streams=bool(getattr(e, "streams", False)),
-                           continues=bool(getattr(e, "continues", False)),
-                           episode_tokenizer=getattr(e, "episode_tokenizer", None),
-                           completion_limit=getattr(e, "completion_limit", None))
+                           streams=caps.streams, continues=caps.continues,
+                           episode_tokenizer=caps.episode_tokenizer, completion_limit=caps.completion_limit)
 
     async def generate_once(self, request: GenRequest) -> tuple[str, Any]:
         try:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..core.generation import Completion, GenRequest
+from ..engines.base import Capabilities
 
 
 class ReplicaLost(Exception):
@@ -43,6 +44,12 @@ class ReplicaInfo:
     continues: bool = False
     episode_tokenizer: Any = None
     completion_limit: Any = None  # `engines.base.CompletionLimit`, or None
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """The replica's engine's `Capabilities`."""
+        return Capabilities(streams=self.streams, continues=self.continues,
+                            episode_tokenizer=self.episode_tokenizer, completion_limit=self.completion_limit)
 
 
 class ReplicaHandle(Protocol):

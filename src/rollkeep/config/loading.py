@@ -101,10 +101,10 @@ def load_config(
     try:
         cfg = Config.model_validate(raw, context={_DEFER_CROSS_FIELD: True})
     except ValidationError as err:
-        problems.extend(_problem_from_pydantic(e) for e in err.errors())
+        problems.extend(_problem_from_pydantic(e, Config) for e in err.errors())
 
     reported = {p.path for p in problems}
-    getter = _model_getter(cfg) if cfg is not None else _raw_getter(raw, reported)
+    getter = _model_getter(cfg) if cfg is not None else _raw_getter(raw, reported, Config)
     problems.extend(_cross_field_problems(getter))
 
     if problems:

@@ -138,17 +138,16 @@ def _model_getter(cfg: Any) -> Callable[[str], Any]:
     return get
 
 
-def _raw_getter(raw: Mapping[str, Any], reported: set[str]) -> Callable[[str], Any]:
+def _raw_getter(raw: Mapping[str, Any], reported: set[str], root: type[BaseModel]) -> Callable[[str], Any]:
     """Read a dotted path from the unvalidated dict, falling back to the model default of
-    the variant the dict names; `_BROKEN` if the path was reported or does not resolve."""
+    the variant the dict names (from `root`, the config's model); `_BROKEN` if the path was
+    reported or does not resolve."""
 
     def get(path: str) -> Any:
         if any(_under(path, [r]) or _under(r, [path]) for r in reported):
             return _BROKEN
         node: Any = raw
-        from .sections import Config  # the sections import this module: import at call time
-
-        model: type[BaseModel] | None = Config
+        model: type[BaseModel] | None = root
         for part in path.split("."):
             field = model.model_fields.get(part) if model is not None else None
             if field is None:
@@ -192,13 +191,14 @@ def _variants(annotation: Any) -> dict[str, type[BaseModel]]:
     return out
 
 
-def _resolve(loc: tuple[Any, ...]) -> tuple[str, type[BaseModel] | None, str | None]:
-    """Pydantic's error location -> (dotted path without union tags, the model at the end
-    of it or None, the union section's chosen variant name if the path crossed one)."""
-    from .sections import Config  # the sections import this module: import at call time
-
+def _resolve(
+    loc: tuple[Any, ...], root: type[BaseModel]
+) -> tuple[str, type[BaseModel] | None, str | None]:
+    """Pydantic's error location under the model `root` -> (dotted path without union
+    tags, the model at the end of it or None, the union section's chosen variant name if
+    the path crossed one)."""
     shown: list[str] = []
-    model: type[BaseModel] | None = Config
+    model: type[BaseModel] | None = root
     variant: str | None = None
     i = 0
     while i < len(loc):
@@ -242,12 +242,13 @@ _BOUNDS = {
 }
 
 
-def _problem_from_pydantic(e: Mapping[str, Any]) -> _Problem:
+def _problem_from_pydantic(e: Mapping[str, Any], root: type[BaseModel]) -> _Problem:
+    """One pydantic error of validating the model `root`, in our wording."""
     kind, loc, ctx, value = e["type"], tuple(e["loc"]), e.get("ctx") or {}, e.get("input")
     if kind == "extra_forbidden":
-        parent_path, parent, variant = _resolve(loc[:-1])
-        return _Problem(_resolve(loc)[0], _unknown_key(parent_path, parent, variant, loc[-1]))
-    path, _, _ = _resolve(loc)
+        parent_path, parent, variant = _resolve(loc[:-1], root)
+        return _Problem(_resolve(loc, root)[0], _unknown_key(parent_path, parent, variant, loc[-1], root))
+    path, _, _ = _resolve(loc, root)
     if kind == "missing":
         return _Problem(path, f"`{path}` is required and has no default; set it")
     if kind == "union_tag_invalid":
@@ -274,7 +275,8 @@ def _problem_from_pydantic(e: Mapping[str, Any]) -> _Problem:
 
 
 def _unknown_key(
-    parent_path: str, parent: type[BaseModel] | None, variant: str | None, key: Any
+    parent_path: str, parent: type[BaseModel] | None, variant: str | None, key: Any,
+    root: type[BaseModel],
 ) -> str:
     full = f"{parent_path}.{key}" if parent_path else str(key)
     line = f"unknown key `{full}`"
@@ -290,9 +292,7 @@ def _unknown_key(
     if variant is not None:
         # The key may belong to another variant: the commonest slip after `engine.name=...`.
         section = parent_path.split(".")[-1]
-        from .sections import Config
-
-        field = Config.model_fields.get(section)
+        field = root.model_fields.get(section)
         others = _variants(field.annotation if field else None)
         keys = {k for model in others.values() for k in model.model_fields} - set(valid)
         meant = difflib.get_close_matches(str(key), sorted(keys), n=1)

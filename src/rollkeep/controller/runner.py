@@ -43,6 +43,7 @@ from ..core.source import PromptSource
 from ..core.store import CheckpointStore
 from ..core.trace_schema import Eval, RunFailed, RunFinished
 from ..engines import Engine
+from ..engines.base import capabilities_of
 from ..envs import EnvSpec
 from ..progress import RunProgress
 from ..trace import Trace
@@ -95,7 +96,7 @@ class Runner:
                           limits=self.limits, semantic=self.semantic, resume=self.resume,
                           allow_config_change=self.allow_config_change,
                           allow_dataset_change=self.allow_dataset_change,
-                          streams=getattr(self.engine, "streams", False), env=self.env,
+                          streams=capabilities_of(self.engine).streams, env=self.env,
                           evaluates=self.evaluator is not None, crash=crash_point)
         self.sched, self.trace, self._metrics, self._progress, self._journal = opened
         if isinstance(self.engine, EnginePool):

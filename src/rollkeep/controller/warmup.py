@@ -35,9 +35,9 @@ import numpy as np
 from ..config import ADDED_KEYS, Config, semantic
 from ..core.checkpoint import TRAINER_DIR
 from ..core.configdiff import check_compatible
+from ..core.datasets import Dataset
 from ..core.errors import CheckpointError, ConfigError, DatasetError
 from ..core.generation import DataError
-from ..core.source import Dataset
 from ..core.store import CheckpointStore
 from .metrics import MetricsLog
 from .usercode import UserCodeError

@@ -41,8 +41,10 @@ from .fs import DEFAULT_FS, FS
 from .ledger import AttemptStatus, Ledger, LedgerState
 from .manifest import OpenedCheckpoint
 from .prefixes import Link, PrefixStore, finished_turns
+from .rowcodec import encode_rows
 from .rowindex import ROWS_INDEX, encode_index, extents
-from .rows import RowId, RowPin, RowStore, encode_rows
+from .rows import RowId
+from .rowstore import RowPin, RowStore
 from .store import CheckpointStore, Published
 from .untrusted import (
     SAFETENSORS_MAX_HEADER,

@@ -9,12 +9,30 @@ Events name groups by `group_id` (`e{epoch}.{ordinal}`), which is the same in ev
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
 
 # Attempt failure kinds (docs/design.md §6): each has its own per-sibling budget.
 INFRA = "infra"
 DATA = "data"
 FAILURE_KINDS = (INFRA, DATA)
+
+
+class Reason(enum.StrEnum):
+    """Why something ended: a run (`Stop`), or a group's work (`Abandoned`, `Evicted`,
+    `Dropped`). The values are the strings the trace has always carried."""
+
+    FINISHED = "finished"  # train.total_steps reached
+    DATA_EXHAUSTED = "data exhausted"  # no batch can ever come
+    SIGNAL = "signal"  # SIGINT / SIGTERM (a graceful stop)
+    NO_ENGINE = "no engine replica"  # every engine replica gone for cluster.replica_timeout_s (a graceful stop)
+    USER_CODE = "user code"  # user code raised SystemExit/KeyboardInterrupt or hung too often (a graceful stop)
+    RESTART = "restart"  # attempts in flight at the cut, abandoned on restore
+    SHUTDOWN = "shutdown"  # attempts in flight when a run stops, abandoned
+    STALE = "stale"  # a READY group outside the sampler's window
+    LOST = "lost in flight at the cut (recovery.mode=cursor_only)"
+
 
 # Where a taken prompt came from.
 FROM_SOURCE = "source"

@@ -47,8 +47,10 @@ from .fs import DEFAULT_FS, DIR, FS
 from .journal import JournalWriter
 from .prefixes import PrefixStore, chunk_row
 from .rowindex import referenced_segments
-from .rowlog import RowLogWriter, delete_unreferenced
-from .rows import RowId, RowStore
+from .rowlog import delete_unreferenced
+from .rowlogwriter import RowLogWriter
+from .rows import RowId
+from .rowstore import RowStore
 from .source import DatasetId
 from .store import CheckpointStore
 

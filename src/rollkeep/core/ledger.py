@@ -72,6 +72,7 @@ from .events import (
     Finalizing,
     Progressed,
     Ready,
+    Reason,
     Released,
     Sealed,
     Spared,
@@ -459,7 +460,7 @@ class Ledger:
                 else:
                     gens = tuple(g for g, s in enumerate(rec.status) if s == _A_DISPATCHED)
                 if gens:
-                    events.append(Abandoned(group_id=gid, generations=gens, reason="restart"))
+                    events.append(Abandoned(group_id=gid, generations=gens, reason=Reason.RESTART.value))
         return events
 
     # ------------------------------------------------------------------ helpers

@@ -298,120 +298,172 @@ def _open_dir(
     name = ckdir.name
     step = _step_of(name)
     assert step is not None
-    remedy = _earlier_remedy(ckdir, fs)
-    named = f"LATEST names {name}, but" if via_latest else f"checkpoint {name}:"
+    o = _Opening(
+        name=name,
+        ckdir=ckdir,
+        mpath=ckdir / MANIFEST,
+        remedy=_earlier_remedy(ckdir, fs),
+        named=f"LATEST names {name}, but" if via_latest else f"checkpoint {name}:",
+        fs=fs,
+    )
+    raw = _read_manifest_file(o)  # step 1
+    manifest = _parse_manifest(o, raw)  # step 2 (first half)
+    _check_manifest_schema(o, manifest)  # step 3 (first half)
+    _check_reserved_keys(o, manifest, step)  # step 2 (second half)
+    expected = _listed_files(o, manifest.get("files"))
+    _check_directory_files(o, expected)
+    _check_component_schemas(o, manifest.get("schemas"), supported)  # step 3 (second half)
+    return OpenedCheckpoint(name, ckdir, manifest, MappingProxyType(expected), fs)
 
-    # Step 1: the directory exists and has a manifest.
-    kind = fs.kind_of(ckdir)
-    if kind is None:
-        raise CheckpointNotFound(
-            f"{named} its directory does not exist",
-            path=str(ckdir),
-            expected="a checkpoint directory",
-            found="No such file or directory",
-            remedy=remedy,
-        )
-    if kind != DIR:
-        raise CheckpointNotFound(
-            f"{named} it is not a directory",
-            path=str(ckdir),
-            expected="a directory (not a symlink)",
-            found=fs.describe(ckdir),
-            remedy=remedy,
-        )
-    mpath = ckdir / MANIFEST
-    try:
-        raw = fs.read(mpath)
-    except FileNotFoundError as e:
-        raise CheckpointNotFound(
-            f"{named} it has no {MANIFEST} (the manifest is written last, so the "
-            f"checkpoint is incomplete or damaged)",
-            path=str(mpath),
-            expected=f"{MANIFEST} in the checkpoint directory",
-            found="no such file",
-            remedy=remedy,
-        ) from e
-    except OSError as e:
-        raise ManifestMismatch(
-            f"{MANIFEST} of {name} cannot be read",
-            path=str(mpath),
-            expected="a readable regular file",
-            found=_oserror_text(e),
-            remedy=remedy,
-        ) from e
 
-    # Step 2 (first half): the manifest itself.
-    def bad(what: str, field: str | None, expected: str, found: str) -> ManifestMismatch:
+@dataclass(frozen=True)
+class _Opening:
+    """What every check of `_open_dir` names in its error: the checkpoint, its manifest's
+    path, and the remedy (restore from an earlier checkpoint)."""
+
+    name: str
+    ckdir: Path
+    mpath: Path
+    remedy: str
+    named: str  # how an error of step 1 starts
+    fs: FS
+
+    def bad(self, what: str, field: str | None, expected: str, found: str) -> ManifestMismatch:
+        """A problem of the manifest itself."""
         return ManifestMismatch(
-            f"{MANIFEST} of {name}: {what}",
-            path=str(mpath),
+            f"{MANIFEST} of {self.name}: {what}",
+            path=str(self.mpath),
             field=field,
             expected=expected,
             found=found,
-            remedy=remedy,
+            remedy=self.remedy,
         )
 
+    def mismatch(self, rel: str, what: str, exp: str, found: str) -> ManifestMismatch:
+        """A listed file that is not what the manifest says."""
+        return ManifestMismatch(
+            f"{rel} of checkpoint {self.name}: {what}",
+            path=str(self.ckdir / rel),
+            field=f"files[{rel!r}]",
+            expected=exp,
+            found=found,
+            remedy=self.remedy,
+        )
+
+
+def _read_manifest_file(o: _Opening) -> bytes:
+    """Step 1: the directory exists and has a manifest."""
+    kind = o.fs.kind_of(o.ckdir)
+    if kind is None:
+        raise CheckpointNotFound(
+            f"{o.named} its directory does not exist",
+            path=str(o.ckdir),
+            expected="a checkpoint directory",
+            found="No such file or directory",
+            remedy=o.remedy,
+        )
+    if kind != DIR:
+        raise CheckpointNotFound(
+            f"{o.named} it is not a directory",
+            path=str(o.ckdir),
+            expected="a directory (not a symlink)",
+            found=o.fs.describe(o.ckdir),
+            remedy=o.remedy,
+        )
+    try:
+        return o.fs.read(o.mpath)
+    except FileNotFoundError as e:
+        raise CheckpointNotFound(
+            f"{o.named} it has no {MANIFEST} (the manifest is written last, so the "
+            f"checkpoint is incomplete or damaged)",
+            path=str(o.mpath),
+            expected=f"{MANIFEST} in the checkpoint directory",
+            found="no such file",
+            remedy=o.remedy,
+        ) from e
+    except OSError as e:
+        raise ManifestMismatch(
+            f"{MANIFEST} of {o.name} cannot be read",
+            path=str(o.mpath),
+            expected="a readable regular file",
+            found=_oserror_text(e),
+            remedy=o.remedy,
+        ) from e
+
+
+def _parse_manifest(o: _Opening, raw: bytes) -> dict[str, Any]:
+    """Step 2 (first half): the manifest itself: a JSON object whose checksum holds, in the
+    canonical form rollkeep writes."""
     try:
         manifest = _decode_json(raw)
     except ValueError as e:  # includes UnicodeDecodeError and JSONDecodeError
-        raise bad("it does not parse as JSON", None, "a UTF-8 JSON object", str(e)) from e
+        raise o.bad("it does not parse as JSON", None, "a UTF-8 JSON object", str(e)) from e
     if not isinstance(manifest, dict):
-        raise bad("it is not a JSON object", None, "a JSON object", type(manifest).__name__)
+        raise o.bad("it is not a JSON object", None, "a JSON object", type(manifest).__name__)
     if "manifest_sha256" in manifest:
         claimed = manifest["manifest_sha256"]
         body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
         actual = hashlib.sha256(_canonical_compact(body)).hexdigest()
         if claimed != actual:
-            raise bad(
+            raise o.bad(
                 "its checksum does not match its content (corrupted or edited)",
                 "manifest_sha256",
                 f"sha256 of the other keys' canonical JSON, {actual}",
                 repr(claimed),
             )
         if _encode_manifest(manifest) != raw:
-            raise bad(
+            raise o.bad(
                 "it is not byte-for-byte in the form rollkeep writes (corrupted or edited)",
                 None,
                 "canonical JSON: sorted keys, 2-space indent, ASCII, one final newline",
                 f"{len(raw)} bytes that differ from it",
             )
+    return manifest
 
-    # Step 3 (first half): manifest_schema decides how the rest is read.
+
+def _check_manifest_schema(o: _Opening, manifest: dict[str, Any]) -> None:
+    """Step 3 (first half): manifest_schema decides how the rest is read."""
     schema = manifest.get("manifest_schema")
     if not _is_int(schema):
-        raise bad("manifest_schema is missing or not an int", "manifest_schema", "1", repr(schema))
+        raise o.bad("manifest_schema is missing or not an int", "manifest_schema", "1", repr(schema))
     if schema != MANIFEST_SCHEMA:
         newer = schema > MANIFEST_SCHEMA
         raise SchemaUnsupported(
-            f"{MANIFEST} of {name} has manifest_schema {schema}"
+            f"{MANIFEST} of {o.name} has manifest_schema {schema}"
             + ("; it was written by a newer rollkeep" if newer else ""),
-            path=str(mpath),
+            path=str(o.mpath),
             field="manifest_schema",
             expected=str(MANIFEST_SCHEMA),
             found=str(schema),
-            remedy=("upgrade rollkeep (pip install -U rollkeep), or " if newer else "") + remedy,
+            remedy=("upgrade rollkeep (pip install -U rollkeep), or " if newer else "") + o.remedy,
         )
 
-    # Step 2 (second half): reserved keys and their types.
+
+def _check_reserved_keys(o: _Opening, manifest: dict[str, Any], step: int) -> None:
+    """Step 2 (second half): the reserved keys and their types, `files` aside."""
     if "manifest_sha256" not in manifest:
-        raise bad("manifest_sha256 is missing", "manifest_sha256", "a sha256 hex string", "none")
-    if manifest.get("name") != name:
-        raise bad(
+        raise o.bad("manifest_sha256 is missing", "manifest_sha256", "a sha256 hex string", "none")
+    if manifest.get("name") != o.name:
+        raise o.bad(
             "it belongs to another checkpoint (swapped or copied in?)",
             "name",
-            repr(name),
+            repr(o.name),
             repr(manifest.get("name")),
         )
     if manifest.get("step") != step or not _is_int(manifest.get("step")):
-        raise bad(
+        raise o.bad(
             "its step does not match the directory", "step", str(step), repr(manifest.get("step"))
         )
     created = manifest.get("created")
     if not (_is_int(created) or isinstance(created, float)) or not math.isfinite(created):
-        raise bad("created is not a unix time", "created", "a finite number", repr(created))
-    listed = manifest.get("files")
+        raise o.bad("created is not a unix time", "created", "a finite number", repr(created))
+
+
+def _listed_files(o: _Opening, listed: Any) -> dict[str, tuple[int, str]]:
+    """Step 2 (second half): `files`, each listed path -> (size, sha256); no path both a
+    file and a directory."""
     if not isinstance(listed, dict):
-        raise bad(
+        raise o.bad(
             "files is not an object", "files", "an object path -> {size, sha256}", repr(listed)
         )
     expected: dict[str, tuple[int, str]] = {}
@@ -419,47 +471,40 @@ def _open_dir(
         fld = f"files[{rel!r}]"
         problem = _relpath_problem(rel)
         if problem is not None:
-            raise bad(f"listed path {rel!r} is not allowed", fld, problem, repr(rel))
+            raise o.bad(f"listed path {rel!r} is not allowed", fld, problem, repr(rel))
         if not isinstance(entry, dict) or set(entry) != {"size", "sha256"}:
-            raise bad(f"the entry of {rel} is malformed", fld, "{size, sha256}", repr(entry))
+            raise o.bad(f"the entry of {rel} is malformed", fld, "{size, sha256}", repr(entry))
         size, digest = entry["size"], entry["sha256"]
         if not _is_int(size) or size < 0:
-            raise bad(f"the size of {rel} is malformed", fld + ".size", "an int >= 0", repr(size))
+            raise o.bad(f"the size of {rel} is malformed", fld + ".size", "an int >= 0", repr(size))
         if not isinstance(digest, str) or not _SHA256_RE.fullmatch(digest):
-            raise bad(
+            raise o.bad(
                 f"the sha256 of {rel} is malformed", fld + ".sha256", "64 hex digits", repr(digest)
             )
         expected[rel] = (size, digest)
-    subdirs = ancestors(expected)
-    for d in sorted(subdirs):
+    for d in sorted(ancestors(expected)):
         if d in expected:
-            raise bad(
+            raise o.bad(
                 f"{d} is listed both as a file and as a directory",
                 f"files[{d!r}]",
                 "distinct file and directory names",
                 d,
             )
+    return expected
 
-    # Step 2 (second half): the directory holds exactly the listed files.
-    def mismatch(rel: str, what: str, exp: str, found: str) -> ManifestMismatch:
-        return ManifestMismatch(
-            f"{rel} of checkpoint {name}: {what}",
-            path=str(ckdir / rel),
-            field=f"files[{rel!r}]",
-            expected=exp,
-            found=found,
-            remedy=remedy,
-        )
 
+def _check_directory_files(o: _Opening, expected: dict[str, tuple[int, str]]) -> None:
+    """Step 2 (second half): the directory holds exactly the listed files, each of its
+    listed size and sha256."""
     unlisted_remedy = (
         "an unlisted file is never trusted; if you added it by hand, move it out of the "
-        "checkpoint directory; otherwise " + remedy
+        "checkpoint directory; otherwise " + o.remedy
     )
-    for rel in _walk(ckdir, subdirs, fs):
+    for rel in _walk(o.ckdir, ancestors(expected), o.fs):
         if rel not in expected and rel != MANIFEST:
             raise ManifestMismatch(
-                f"{rel} in checkpoint {name} is not listed in {MANIFEST}",
-                path=str(ckdir / rel),
+                f"{rel} in checkpoint {o.name} is not listed in {MANIFEST}",
+                path=str(o.ckdir / rel),
                 field="files",
                 expected=f"only the files listed in {MANIFEST}",
                 found=f"an unlisted entry {rel!r}",
@@ -467,51 +512,51 @@ def _open_dir(
             )
     for rel, (size, digest) in sorted(expected.items()):
         try:
-            found_size, found_digest = fs.hash(ckdir / rel)
+            found_size, found_digest = o.fs.hash(o.ckdir / rel)
         except OSError as e:
-            raise mismatch(
+            raise o.mismatch(
                 rel,
                 "it is missing" if isinstance(e, FileNotFoundError) else "it cannot be read",
                 f"a regular file of {size} bytes",
                 _oserror_text(e),
             ) from e
         if found_size != size:
-            raise mismatch(
+            raise o.mismatch(
                 rel, "wrong size (truncated or replaced?)", f"{size} bytes", f"{found_size} bytes"
             )
         if found_digest != digest:
-            raise mismatch(rel, "wrong sha256 (corrupted or replaced)", digest, found_digest)
+            raise o.mismatch(rel, "wrong sha256 (corrupted or replaced)", digest, found_digest)
 
-    # Step 3 (second half): component schema versions.
-    schemas = manifest.get("schemas")
-    if schemas is not None:
-        if not isinstance(schemas, dict) or not all(_is_int(v) for v in schemas.values()):
-            raise bad(
-                "schemas is malformed", "schemas", "an object component -> int", repr(schemas)
-            )
-        if supported:
-            for comp, version in sorted(schemas.items()):
-                versions = supported.get(comp)
-                if versions is not None and version in versions:
-                    continue
-                newer = versions is None or (bool(versions) and version > max(versions))
-                raise SchemaUnsupported(
-                    f"checkpoint {name} holds {comp} in schema version {version}, which this "
-                    f"rollkeep cannot read"
-                    + ("; it was written by a newer rollkeep" if newer else ""),
-                    path=str(mpath),
-                    field=f"schemas.{comp}",
-                    expected=(
-                        f"one of the versions {sorted(versions)}"
-                        if versions is not None
-                        else f"one of the components {sorted(supported)}"
-                    ),
-                    found=str(version),
-                    remedy=("upgrade rollkeep (pip install -U rollkeep), or " if newer else "")
-                    + remedy,
-                )
 
-    return OpenedCheckpoint(name, ckdir, manifest, MappingProxyType(expected), fs)
+def _check_component_schemas(
+    o: _Opening, schemas: Any, supported: Mapping[str, AbstractSet[int]]
+) -> None:
+    """Step 3 (second half): component schema versions."""
+    if schemas is None:
+        return
+    if not isinstance(schemas, dict) or not all(_is_int(v) for v in schemas.values()):
+        raise o.bad("schemas is malformed", "schemas", "an object component -> int", repr(schemas))
+    if not supported:
+        return
+    for comp, version in sorted(schemas.items()):
+        versions = supported.get(comp)
+        if versions is not None and version in versions:
+            continue
+        newer = versions is None or (bool(versions) and version > max(versions))
+        raise SchemaUnsupported(
+            f"checkpoint {o.name} holds {comp} in schema version {version}, which this "
+            f"rollkeep cannot read"
+            + ("; it was written by a newer rollkeep" if newer else ""),
+            path=str(o.mpath),
+            field=f"schemas.{comp}",
+            expected=(
+                f"one of the versions {sorted(versions)}"
+                if versions is not None
+                else f"one of the components {sorted(supported)}"
+            ),
+            found=str(version),
+            remedy=("upgrade rollkeep (pip install -U rollkeep), or " if newer else "") + o.remedy,
+        )
 
 
 def ancestors(paths: Iterable[str]) -> set[str]:

@@ -40,13 +40,24 @@ from typing import Any
 import numpy as np
 
 from .errors import RowsMismatch
-from .events import DATA, Abandoned, Dropped, Event, Evicted, Failed, Progressed, Sealed, TurnSealed
+from .events import (
+    DATA,
+    Abandoned,
+    Dropped,
+    Event,
+    Evicted,
+    Failed,
+    Progressed,
+    Reason,
+    Sealed,
+    TurnSealed,
+)
 from .generation import Tokens
 from .rows import Row, RowId
 
 __all__ = ["Link", "PrefixStore", "chunk_row", "finished_turns", "KEPT_ON_ABANDON"]
 
-KEPT_ON_ABANDON = frozenset({"restart", "shutdown"})
+KEPT_ON_ABANDON = frozenset({Reason.RESTART.value, Reason.SHUTDOWN.value})
 _EMPTY = np.zeros(0, np.int32)
 _EMPTY.flags.writeable = False
 

@@ -43,9 +43,10 @@ from .configdiff import check_compatible
 from .errors import BindingMismatch, CheckpointCustodyError, DatasetMismatch, RowsMismatch
 from .ledger import PROMPT_GROUP_CODE, AttemptStatus, GroupState, LedgerState
 from .prefixes import Link
+from .rowcodec import decode_rows
 from .rowindex import ROWS_INDEX, decode_index, rows_dir_for, segments_listed
 from .rowlog import RowLocation, RowLogReader
-from .rows import Row, RowId, decode_rows
+from .rows import Row, RowId
 from .source import PromptSource
 from .store import CheckpointStore, OpenedCheckpoint, open_path
 

@@ -38,7 +38,8 @@ from .prefixes import Link, PrefixStore
 from .replay import LostWork, Restart, replay
 from .restore import Restored, RestorePlan, check_dataset_identity, check_dataset_rows, plan
 from .rowlog import ROWS_DIR, RowLocation, RowLogReader
-from .rows import Row, RowId, RowStore
+from .rows import Row, RowId
+from .rowstore import RowStore
 from .source import PromptSource
 from .store import CheckpointStore, checkpoint_order
 

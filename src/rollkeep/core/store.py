@@ -155,7 +155,6 @@ and why the manifest checks itself, is written down there.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import re
 import secrets
 import time
@@ -166,16 +165,14 @@ from pathlib import Path
 from typing import Any
 
 from rollkeep.core import crashpoints
-from rollkeep.core.errors import CheckpointError, CheckpointNotFound
-from rollkeep.core.fs import DIR, FILE, FS, SYMLINK
+from rollkeep.core.errors import CheckpointNotFound
+from rollkeep.core.fs import DIR, FS
 from rollkeep.core.manifest import (
     _NO_SCHEMA_CHECK,
     LATEST,
     MANIFEST,
     MANIFEST_SCHEMA,
-    RESERVED_KEYS,
     OpenedCheckpoint,
-    _canonical_compact,
     _decode_json,
     _encode_manifest,
     _is_int,
@@ -191,6 +188,7 @@ from rollkeep.core.manifest import (
     open_path,
     read_manifest,
 )
+from rollkeep.core.publication import check_files, manifest_fields, saved_files
 
 __all__ = [
     "FS",
@@ -271,12 +269,12 @@ class CheckpointStore:
         name = self._next_name(step)
         if keep_last is not None and (not _is_int(keep_last) or keep_last < 1):
             raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
-        entries = _check_files(files)
+        entries = check_files(files)
         tops = {rel.split("/")[0] for rel, _ in entries}
         for d in saved:
             if not isinstance(d, str) or "/" in d or _relpath_problem(d) is not None or d in tops:
                 raise ValueError(f"saved directory {d!r}: one path component, not one of the files'")
-        fields = _manifest_fields(name, step, entries, meta)
+        fields = manifest_fields(name, step, entries, meta)
         manifest_bytes = _encode_manifest(fields)
         if _encode_manifest(_decode_json(manifest_bytes)) != manifest_bytes:
             raise ValueError("meta does not survive a JSON round trip unchanged")
@@ -304,7 +302,7 @@ class CheckpointStore:
             for d, save in sorted(saved.items()):
                 fs.mkdir(tmp / d)
                 save(tmp / d)
-                listed, dirs = _saved_files(fs, tmp, d)
+                listed, dirs = saved_files(fs, tmp, d)
                 for rel, size, digest in listed:
                     if check_saved is not None:
                         path = tmp / rel
@@ -606,97 +604,3 @@ class CheckpointStore:
             self._fs.fsync(self.root)
             crashpoints.hit(crashpoints.PUBLISH_RETENTION)
             self._fs.rmtree(doomed)
-
-
-# -- publication helpers -----------------------------------------------------------------
-
-
-def _saved_files(fs: FS, tmp: Path, top: str) -> tuple[list[tuple[str, int, str]], list[str]]:
-    """What a `save` wrote into `tmp/top/`: (relative path, size, sha256) of every regular
-    file, sorted, and every directory (`top` included). Nothing is followed: a symlink
-    could point outside the checkpoint, a FIFO would block a reader, and neither can be
-    verified by a sha256 of its bytes, so anything but a regular file or a directory is
-    refused, as is an empty directory (the manifest lists files, so `open` would refuse
-    it as unlisted) and a name the manifest cannot list."""
-
-    def refuse(rel: str, what: str, expected: str, found: str) -> CheckpointError:
-        return CheckpointError(
-            f"the trainer's save wrote {what} into the checkpoint; nothing was published",
-            path=str(tmp / rel), expected=expected, found=found,
-            remedy="make the trainer's save(dir) write only regular files (and directories "
-            "holding them) with plain names into dir, and record its step in one of them",
-        )
-
-    files: list[tuple[str, int, str]] = []
-    dirs: list[str] = []
-
-    def walk(rel: str) -> None:
-        dirs.append(rel)
-        entries = fs.listdir(tmp / rel)
-        if not entries:
-            raise refuse(rel, "an empty directory", "at least one file in every directory",
-                         "an empty directory")
-        for name, kind in entries:
-            sub = f"{rel}/{name}"
-            problem = _relpath_problem(sub)
-            if problem is not None:
-                raise refuse(sub, f"a name the manifest cannot list ({name!r})", problem, repr(sub))
-            if kind == DIR:
-                walk(sub)
-            elif kind == FILE:
-                size, digest = fs.hash(tmp / sub)  # streamed; never the whole file in memory
-                files.append((sub, size, digest))
-            else:
-                what = "a symlink" if kind == SYMLINK else "a special file (FIFO, socket or device)"
-                raise refuse(sub, f"{what} {name!r}", "only regular files and directories",
-                             fs.describe(tmp / sub))
-
-    walk(top)
-    return sorted(files), dirs
-
-
-def _check_files(files: Mapping[str, bytes]) -> list[tuple[str, memoryview]]:
-    entries: list[tuple[str, memoryview]] = []
-    for rel, data in files.items():
-        problem = _relpath_problem(rel)
-        if problem is not None:
-            raise ValueError(f"checkpoint file name {rel!r}: {problem}")
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise TypeError(f"checkpoint file {rel!r}: expected bytes, got {type(data).__name__}")
-        entries.append((rel, memoryview(data).cast("B")))
-    entries.sort()
-    names = {rel for rel, _ in entries}
-    for d in sorted(ancestors(names) & names):
-        raise ValueError(f"checkpoint file {d!r} is also a directory")
-    return entries
-
-
-def _manifest_fields(
-    name: str, step: int, entries: list[tuple[str, memoryview]], meta: Mapping[str, Any]
-) -> dict[str, Any]:
-    for key in meta:
-        if not isinstance(key, str):
-            raise ValueError(f"meta keys must be strings, got {key!r}")
-        if key in RESERVED_KEYS:
-            raise ValueError(
-                f"meta key {key!r} is reserved by the store "
-                f"(reserved: {', '.join(sorted(RESERVED_KEYS))})"
-            )
-    fields: dict[str, Any] = {
-        "manifest_schema": MANIFEST_SCHEMA,
-        "name": name,
-        "step": step,
-        "created": time.time(),
-        "files": {
-            rel: {"size": len(view), "sha256": hashlib.sha256(view).hexdigest()}
-            for rel, view in entries
-        },
-        **meta,
-    }
-    try:
-        _canonical_compact(fields)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"meta must be JSON-serialisable (no NaN): {e}") from e
-    return fields
-
-

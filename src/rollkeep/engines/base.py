@@ -22,18 +22,21 @@ from ..core.generation import (
     sampling_seed,
 )
 
-__all__ = ["Chunk", "Completion", "CompletionLimit", "DataError", "Engine", "EpisodeTokenizer", "GenRequest", "InfraError", "Prefix",
-           "Progress", "sampling_seed"]
+__all__ = ["Capabilities", "Chunk", "Completion", "CompletionLimit", "DataError", "Engine", "EpisodeTokenizer", "GenRequest",
+           "InfraError", "Prefix", "Progress", "capabilities_of", "sampling_seed"]
 
 #: Called by a streaming engine with each chunk of new tokens, on the event loop's thread.
 Progress = Callable[[Chunk], None]
 
 
 class Engine(Protocol):
-    """Optional capabilities, as attributes: `streams` (reports chunks to `progress`),
-    `continues` (continues `request.prefix`; multi-turn episodes need it), and for
-    episodes `episode_tokenizer` (`encode(text, bos=False) -> ids`, `decode(ids) -> text`)
-    and `completion_limit(prompt_tokens)` (the longest completion after such a prompt)."""
+    """Optional capabilities, as one value: `capabilities`, a `Capabilities` (`streams`:
+    reports chunks to `progress`; `continues`: continues `request.prefix`, multi-turn
+    episodes need it; for episodes `episode_tokenizer`, `encode(text, bos=False) -> ids`
+    and `decode(ids) -> text`, and `completion_limit(prompt_tokens)`, the longest
+    completion after such a prompt). Every built-in engine has it. An engine without it
+    may give the same four as attributes of those names, as engines did before
+    `capabilities`; read them with `capabilities_of(engine)`, which accepts both."""
 
     name: str
 
@@ -77,6 +80,32 @@ class CompletionLimit:
     def __call__(self, prompt_tokens: int) -> int:
         room = self.max_new_tokens if self.context is None else self.context - prompt_tokens
         return max(0, min(self.max_new_tokens, room))
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine can do beyond `generate` (see `Engine`). The defaults are an engine
+    that reports only at the end, is never given a prefix, and runs no episodes."""
+
+    streams: bool = False  # `generate` reports each new token to `progress`
+    continues: bool = False  # `generate` continues `request.prefix`
+    episode_tokenizer: Any = None  # `encode(text, bos=False) -> ids`, `decode(ids) -> text`
+    completion_limit: Callable[[int], int] | None = None  # a `CompletionLimit`; None: no budget
+
+
+def capabilities_of(engine: Any) -> Capabilities:
+    """`engine.capabilities` if it is a `Capabilities`; else, for an engine written before
+    it, one built from its attributes `streams`, `continues`, `episode_tokenizer` and
+    `completion_limit` (each absent one takes the default)."""
+    caps = getattr(engine, "capabilities", None)
+    if isinstance(caps, Capabilities):
+        return caps
+    return Capabilities(
+        streams=bool(getattr(engine, "streams", False)),
+        continues=bool(getattr(engine, "continues", False)),
+        episode_tokenizer=getattr(engine, "episode_tokenizer", None),
+        completion_limit=getattr(engine, "completion_limit", None),
+    )
 
 
 class EpisodeTokenizer:

@@ -35,7 +35,15 @@ import numpy as np
 
 from ..core.errors import CustodyError, UserInputError
 from ..models.hf import load_pretrained
-from .base import Completion, CompletionLimit, DataError, EpisodeTokenizer, GenRequest, InfraError
+from .base import (
+    Capabilities,
+    Completion,
+    CompletionLimit,
+    DataError,
+    EpisodeTokenizer,
+    GenRequest,
+    InfraError,
+)
 from .inbox import Inbox, Refit, settle, take_batch
 
 
@@ -130,6 +138,12 @@ class HFEngine:
         job = _Job(req, ids_ctx, Future(), len(ids), budget)
         self._inbox.put(self._jobs, job)
         return await asyncio.wrap_future(job.future)
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """Continues a prefix (does not stream), runs episodes with the model's tokenizer."""
+        return Capabilities(streams=False, continues=self.continues, episode_tokenizer=self.episode_tokenizer,
+                            completion_limit=self.completion_limit)
 
     @property
     def completion_limit(self) -> CompletionLimit:

@@ -81,6 +81,7 @@ from ..models.gpt import GPT
 from ..models.sampling import sample
 from ..models.tokenizer import EOS
 from .base import (
+    Capabilities,
     Chunk,
     Completion,
     CompletionLimit,
@@ -228,6 +229,12 @@ class TorchEngine:
                 f"outside the vocabulary of {vocab}"
             )
         return ids
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """Streams, continues a prefix, runs episodes with its char tokenizer."""
+        return Capabilities(streams=self.streams, continues=self.continues, episode_tokenizer=self.episode_tokenizer,
+                            completion_limit=self.completion_limit)
 
     @property
     def episode_tokenizer(self) -> Any:

@@ -15,7 +15,16 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from .base import Chunk, Completion, CompletionLimit, DataError, GenRequest, InfraError, Progress
+from .base import (
+    Capabilities,
+    Chunk,
+    Completion,
+    CompletionLimit,
+    DataError,
+    GenRequest,
+    InfraError,
+    Progress,
+)
 
 VOCAB = 10  # digits: a completion's text is its token ids, so rewards can parse numbers
 # Token ids past the digits, for multi-turn episodes: the tool protocol of the built-in
@@ -102,6 +111,9 @@ class ToyEngine:
         self._version = 0
         # The trajectory's budget (no context: the toy has no model); episodes read it.
         self.completion_limit = CompletionLimit(max(TRAJECTORY_TOKENS, completion_tokens), None)
+        self.capabilities = Capabilities(streams=self.streams, continues=self.continues,
+                                         episode_tokenizer=self.episode_tokenizer,
+                                         completion_limit=self.completion_limit)
 
     @property
     def version(self) -> int:

@@ -129,6 +129,7 @@ import numpy as np
 
 from ..core.errors import CustodyError, UserInputError
 from .base import (
+    Capabilities,
     Chunk,
     Completion,
     CompletionLimit,
@@ -483,6 +484,12 @@ class VLLMEngine:
         await asyncio.to_thread(self._worker.join)
 
     # ------------------------------------------------------------------ worker thread
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """Streams, continues a prefix, runs episodes with the model's tokenizer."""
+        return Capabilities(streams=self.streams, continues=self.continues, episode_tokenizer=self.episode_tokenizer,
+                            completion_limit=self.completion_limit)
 
     @property
     def completion_limit(self) -> CompletionLimit:

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from ..core.errors import UserInputError
+from ..core.events import Reason
 from ..core.keys import group_id
-from ..core.schedule.commands import Reason
 from ..core.trace_schema import (
     ABANDONED,
     CHECKPOINT_PUBLISHED,

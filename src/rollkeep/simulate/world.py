@@ -53,6 +53,7 @@ import xxhash
 
 from ..core import crashpoints, cutting, start
 from ..core.checkpoint import save_files
+from ..core.datasets import SequenceDataset
 from ..core.errors import ExternalError, FilesystemError
 from ..core.events import DATA, INFRA, Event
 from ..core.generation import TOKEN_FIELDS, Chunk, Completion, GenRequest
@@ -88,7 +89,7 @@ from ..core.schedule.episode import (
     Generate,
     Turn,
 )
-from ..core.source import PromptSource, SequenceDataset
+from ..core.source import PromptSource
 from ..core.store import CheckpointStore
 from ..core.trace_schema import Restored, RunFailed, RunFinished, RunStarted
 from ..envs.base import REPLAY, SNAPSHOT

@@ -25,30 +25,19 @@ are frozen records; carrying them out never changes custody by itself.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 from ..batch import Batch
 from ..checkpoint import Cut as Custody
-from ..events import DATA, INFRA
+from ..events import (
+    DATA,
+    INFRA,
+    Reason,  # kept in this namespace: `rollkeep.core.schedule.Reason`
+)
 from ..generation import Completion, DataError, GenRequest, InfraError
 from ..trace_schema import RunEvent
 
 AttemptKey = tuple[str, int, int]  # (group id, generation index, attempt)
-
-
-class Reason(enum.StrEnum):
-    """Why something ended. The values are the strings the trace has always carried."""
-
-    FINISHED = "finished"  # train.total_steps reached
-    DATA_EXHAUSTED = "data exhausted"  # no batch can ever come
-    SIGNAL = "signal"  # SIGINT / SIGTERM (a graceful stop)
-    NO_ENGINE = "no engine replica"  # every engine replica gone for cluster.replica_timeout_s (a graceful stop)
-    USER_CODE = "user code"  # user code raised SystemExit/KeyboardInterrupt or hung too often (a graceful stop)
-    RESTART = "restart"  # attempts in flight at the cut, abandoned on restore
-    SHUTDOWN = "shutdown"  # attempts in flight when a run stops, abandoned
-    STALE = "stale"  # a READY group outside the sampler's window
-    LOST = "lost in flight at the cut (recovery.mode=cursor_only)"
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ from collections.abc import Callable
 from ..advantages import ScaleRewards, stored_advantages
 from ..events import Event, Finalizing, Ready
 from ..ledger import Ledger
-from ..rows import RowId, RowStore
+from ..rows import RowId
+from ..rowstore import RowStore
 
 
 def finalize(

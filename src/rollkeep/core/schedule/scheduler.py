@@ -66,7 +66,8 @@ from ..ledger import AttemptStatus, GroupState, Ledger
 from ..prefixes import PrefixStore
 from ..replay import LostWork
 from ..restore import Restored, RestorePlan
-from ..rows import Row, RowId, RowStore
+from ..rows import Row, RowId
+from ..rowstore import RowStore
 from ..samplers import Sampler
 from ..source import PromptSource
 from ..take import check_step_size, drop_event
