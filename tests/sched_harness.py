@@ -10,8 +10,8 @@ the scheduler returns is recorded, and nothing is carried out until the test say
     h.train(); h.cut_written()      # finish the Train / Cut the scheduler asked for
     h.run_to_stop()                 # answer everything at once until Stop
 
-A Cut is captured inside `poll`, right after the poll that returned it (the contract of
-`Scheduler.capture`). Every ledger event is appended to `h.events`.
+A Cut carries its custody, captured at the end of the poll that returned it
+(`Cut.custody`). Every ledger event is appended to `h.events`.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class Harness:
             elif isinstance(cmd, Cut):
                 assert self.cut_cmd is None, "two cuts written at once"
                 self.cut_cmd = cmd
-                self.captures.append((cmd, self.sched.capture(now=self.now)))
+                self.captures.append((cmd, cmd.custody))
             elif isinstance(cmd, Stop):
                 assert self.stop is None, "Stop twice"
                 self.stop = cmd

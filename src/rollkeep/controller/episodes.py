@@ -52,7 +52,6 @@ from ..core.schedule.episode import (
     Generate,
     Turn,
 )
-from ..engines.base import capabilities_of
 from ..envs import SNAPSHOT, EnvSpec, Step
 from .usercode import Overdue, UserCode, UserStop, call_sync
 
@@ -65,11 +64,10 @@ async def run_episode(engine: Any, spec: EnvSpec, req: GenRequest, progress: Any
     and its reward, the last step's (an environment that scores turns adds them in). The
     environment's calls run on `code`'s threads; every decision is the episode machine's
     (`core.schedule.episode`), this only carries out its commands."""
-    caps = capabilities_of(engine)
-    machine = Episode(req, tokenizer=caps.episode_tokenizer, max_turns=spec.max_turns, label=spec.label,
+    machine = Episode(req, tokenizer=engine.episode_tokenizer, max_turns=spec.max_turns, label=spec.label,
                       recovery=spec.recovery, max_turn_tokens=spec.max_turn_tokens,
                       max_snapshot_bytes=spec.max_snapshot_bytes,
-                      completion_limit=caps.completion_limit)  # (None: an engine without a budget)
+                      completion_limit=getattr(engine, "completion_limit", None))  # (None: an engine without a budget)
 
     async def call(what: str, fn: Callable[..., Any], *args: Any) -> Any:
         return await _call(spec, code, what, fn, *args)

@@ -25,7 +25,7 @@ are frozen records; carrying them out never changes custody by itself.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..batch import Batch
 from ..checkpoint import Cut as Custody
@@ -66,7 +66,8 @@ class Train:
 class Cut:
     step: int
     final: bool  # the last cut of the run (written before Stop)
-    custody: Custody  # the ledger, rows and prefixes as the poll that returned it left them (O(1))
+    # the ledger, rows and prefixes as the poll that returned it left them (O(1)); not compared
+    custody: Custody | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

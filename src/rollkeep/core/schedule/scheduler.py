@@ -576,7 +576,7 @@ class Scheduler:
         """A cut of this step; its custody is captured at the end of the poll (`_captured`)."""
         self._writing = True
         self._changed_since_cut = False
-        return Cut(self.ledger.version, final=final, custody=None)  # type: ignore[arg-type]
+        return Cut(self.ledger.version, final=final)
 
     def _captured(self, cmd: Cut) -> Cut:
         """`cmd` with the atomic cut (O(1)) of the state the poll leaves: what the driver's
