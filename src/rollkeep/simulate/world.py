@@ -560,9 +560,7 @@ class _Process:
         def token(pos: int) -> None:
             if key in self.cancelled:
                 return
-            version = self.engine_version if req.pinned_version is None else req.pinned_version
-            chunk = Chunk(np.array([int(_unit(req.seed, "tok", pos) * 10)], np.int32), np.full(1, -0.5, np.float32),
-                          np.full(1, version, np.int32))
+            chunk = self._token(req, pos)
             made.append(chunk)
             if key in self.streaming:
                 self.sched.on_progress(key, chunk, self.w.now)
@@ -581,12 +579,17 @@ class _Process:
             self.later(tick * (j + 1), lambda pos=pos: token(pos))
         self.later(tick * max(1, end - first), generated)  # (after the last token: scheduled after it)
 
+    def _token(self, req: GenRequest, pos: int) -> Chunk:
+        """The simulated engine's token at `pos`: a function of (seed, position), made
+        under the version the engine holds now (or the pinned one)."""
+        version = self.engine_version if req.pinned_version is None else req.pinned_version
+        return Chunk(np.array([int(_unit(req.seed, "tok", pos) * 10)], np.int32), np.full(1, -0.5, np.float32),
+                     np.full(1, version, np.int32))
+
     def _chunk(self, key, req: GenRequest, i: int, made: list) -> None:
         if key in self.cancelled:
             return
-        version = self.engine_version if req.pinned_version is None else req.pinned_version
-        chunk = Chunk(np.array([int(_unit(req.seed, "tok", i) * 10)], np.int32), np.full(1, -0.5, np.float32),
-                      np.full(1, version, np.int32))
+        chunk = self._token(req, i)
         made.append(chunk)
         self.sched.on_progress(key, chunk, self.w.now)
 
