@@ -36,9 +36,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from rollkeep.config import TorchModelConfig, TorchTrainerConfig
-from rollkeep.core.checkpoint import STEP_KEY
+from rollkeep.core.checkpoint.cut import STEP_KEY
 from rollkeep.core.errors import CheckpointError
-from rollkeep.core.untrusted import loads_json, read_regular
+from rollkeep.core.io.untrusted import loads_json, read_regular
 from rollkeep.trainers.base import check_step
 from rollkeep.trainers.grpo import GRPOSnapshot, TorchTrainer
 from rollkeep.trainers.grpo_snapshot import OptimizerState

@@ -166,8 +166,8 @@ class Reference:
 
 
 def request(text: str, seed: int, gid: str = "check"):
-    from rollkeep.core.keys import Key
-    from rollkeep.core.source import Prompt
+    from rollkeep.core.custody.keys import Key
+    from rollkeep.core.rollout.source import Prompt
     from rollkeep.engines import GenRequest
 
     prompt = Prompt(key=Key(0, 0), group_id=gid, idx=0, task="default", row={}, row_fingerprint=0, prompt=text)

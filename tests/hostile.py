@@ -13,7 +13,7 @@ from pathlib import Path
 from run_harness import DEFAULTS, FAST
 
 from rollkeep.cli import main
-from rollkeep.core.store import _encode_manifest
+from rollkeep.core.checkpoint.store import _encode_manifest
 
 
 def rollkeep(*args: str, timeout: float = 60, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -16,10 +16,9 @@ Every applied event is appended to `d.events` (across restores), every committed
 
 from __future__ import annotations
 
-from rollkeep.core import codec
-from rollkeep.core.audit import audit
-from rollkeep.core.datasets import SequenceDataset
-from rollkeep.core.events import (
+from rollkeep.core.custody import codec
+from rollkeep.core.custody.audit import audit
+from rollkeep.core.custody.events import (
     SIBLING,
     Admitted,
     Claimed,
@@ -32,11 +31,12 @@ from rollkeep.core.events import (
     Sealed,
     StepCommitted,
 )
-from rollkeep.core.keys import group_id, parse_group_id
-from rollkeep.core.ledger import AttemptStatus, GroupState, Ledger
-from rollkeep.core.samplers import check_limits, make_sampler
-from rollkeep.core.source import PromptSource
-from rollkeep.core.take import drop_event, next_origin, spare_event, take_event
+from rollkeep.core.custody.keys import group_id, parse_group_id
+from rollkeep.core.custody.ledger import AttemptStatus, GroupState, Ledger
+from rollkeep.core.rollout.datasets import SequenceDataset
+from rollkeep.core.rollout.samplers import check_limits, make_sampler
+from rollkeep.core.rollout.source import PromptSource
+from rollkeep.core.rollout.take import drop_event, next_origin, spare_event, take_event
 
 
 def dataset(n_rows: int) -> SequenceDataset:

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from rollkeep.core.events import Event
-from rollkeep.core.generation import Completion, GenRequest
-from rollkeep.core.ledger import AttemptStatus, Ledger
-from rollkeep.core.rows import RowId, RowStore
-from rollkeep.core.samplers import check_limits, make_sampler
+from rollkeep.core.custody.events import Event
+from rollkeep.core.custody.ledger import AttemptStatus, Ledger
+from rollkeep.core.rollout.generation import Completion, GenRequest
+from rollkeep.core.rollout.rows import RowId
+from rollkeep.core.rollout.rowstore import RowStore
+from rollkeep.core.rollout.samplers import check_limits, make_sampler
+from rollkeep.core.rollout.source import PromptSource, SequenceDataset
 from rollkeep.core.schedule import (
     Cancel,
     Command,
@@ -37,7 +39,6 @@ from rollkeep.core.schedule import (
     Train,
     WakeAt,
 )
-from rollkeep.core.source import PromptSource, SequenceDataset
 
 Key = tuple[str, int, int]
 

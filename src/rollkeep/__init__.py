@@ -6,23 +6,12 @@ imports torch or the controller (`rollkeep.controller`, `rollkeep.engines`,
 `rollkeep.trainers` are the torch layer).
 """
 
-from .core.audit import AuditReport, audit
-from .core.batch import Batch, TrainGroup
-from .core.checkpoint import Cut, cut, write_checkpoint
-from .core.codec import decode as decode_ledger
-from .core.codec import encode as encode_ledger
-from .core.datasets import SequenceDataset, load_dataset
-from .core.errors import (
-    CheckpointError,
-    ConfigError,
-    CustodyError,
-    DatasetError,
-    ExternalError,
-    IllegalTransition,
-    RollkeepError,
-    UserInputError,
-)
-from .core.events import (
+from .core.checkpoint.cut import Cut, cut, write_checkpoint
+from .core.checkpoint.store import CheckpointStore
+from .core.custody.audit import AuditReport, audit
+from .core.custody.codec import decode as decode_ledger
+from .core.custody.codec import encode as encode_ledger
+from .core.custody.events import (
     Abandoned,
     Admitted,
     Claimed,
@@ -40,17 +29,28 @@ from .core.events import (
     StepCommitted,
     Taken,
 )
-from .core.generation import Completion, DataError, GenRequest, InfraError
-from .core.keys import Key, group_id
-from .core.ledger import AttemptStatus, GroupState, Ledger, LedgerState, Owner
-from .core.restore import Restored, restore_chain
-from .core.rows import Row, RowId
-from .core.rowstore import RowStore
-from .core.samplers import Limits, check_limits, make_sampler
+from .core.custody.keys import Key, group_id
+from .core.custody.ledger import AttemptStatus, GroupState, Ledger, LedgerState, Owner
+from .core.errors import (
+    CheckpointError,
+    ConfigError,
+    CustodyError,
+    DatasetError,
+    ExternalError,
+    IllegalTransition,
+    RollkeepError,
+    UserInputError,
+)
+from .core.restore.chain import Restored, restore_chain
+from .core.rollout.batch import Batch, TrainGroup
+from .core.rollout.datasets import SequenceDataset, load_dataset
+from .core.rollout.generation import Completion, DataError, GenRequest, InfraError
+from .core.rollout.rows import Row, RowId
+from .core.rollout.rowstore import RowStore
+from .core.rollout.samplers import Limits, check_limits, make_sampler
+from .core.rollout.source import PromptSource
+from .core.rollout.take import drop_event, spare_event, take_event
 from .core.schedule import Failure, Generated, Reason, RetryPolicy, Scheduler, Settings, commands
-from .core.source import PromptSource
-from .core.store import CheckpointStore
-from .core.take import drop_event, spare_event, take_event
 
 __all__ = [
     "Abandoned",

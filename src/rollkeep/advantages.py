@@ -1,5 +1,5 @@
-"""Moved to `rollkeep.core.advantages` (the scheduler computes advantages at finalize);
+"""Moved to `rollkeep.core.rollout.advantages` (the scheduler computes advantages at finalize);
 this name stays importable."""
 
-from .core.advantages import *  # noqa: F403
-from .core.advantages import __all__  # noqa: F401
+from .core.rollout.advantages import *  # noqa: F403
+from .core.rollout.advantages import __all__  # noqa: F401

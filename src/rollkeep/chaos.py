@@ -40,20 +40,28 @@ from typing import Any
 
 from .config import Config, load_config
 from .core import crashpoints
-from .core.errors import RollkeepError, UserInputError
-from .core.events import ALL_EVENTS, Abandoned, Configured, Evicted, Released, Spared, event_name
-from .core.journal import JOURNAL_AFTER_FSYNC, JOURNAL_BEFORE_FSYNC
-from .core.restore import restore_chain
-from .core.rowlog import ROWLOG_AFTER_FSYNC, ROWLOG_BEFORE_FSYNC
-from .core.source import PromptSource
-from .core.store import CheckpointStore
-from .core.trace_schema import (
+from .core.checkpoint.store import CheckpointStore
+from .core.custody.events import (
+    ALL_EVENTS,
+    Abandoned,
+    Configured,
+    Evicted,
+    Released,
+    Spared,
+    event_name,
+)
+from .core.custody.trace_schema import (
     CHECKPOINT_PUBLISHED,
     ENGINE_REPLICA_STARTED,
     RUN_FINISHED,
     RUN_STARTED,
     SEALED,
 )
+from .core.errors import RollkeepError, UserInputError
+from .core.journal.segments import JOURNAL_AFTER_FSYNC, JOURNAL_BEFORE_FSYNC
+from .core.restore.chain import restore_chain
+from .core.rollout.source import PromptSource
+from .core.rowlog.segments import ROWLOG_AFTER_FSYNC, ROWLOG_BEFORE_FSYNC
 from .lineage import exactly_once, lineage
 from .trace import last_committed_in_trace, read_trace
 

@@ -55,10 +55,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .core.durable import JOURNAL_DIR, ROWS_DIR
+from .core.checkpoint.store import CheckpointStore
 from .core.errors import CheckpointError, ExternalError, FilesystemError, UserInputError
-from .core.restore import restore_chain
-from .core.store import CheckpointStore
+from .core.journal.durable import JOURNAL_DIR, ROWS_DIR
+from .core.restore.chain import restore_chain
 from .version import rollkeep_version
 
 __all__ = ["ExportResult", "Loaded", "RUN_STATE", "TOLERANCE", "export", "gpt2_state_dict", "hf_tokenizer",
@@ -139,8 +139,8 @@ def load_builtin(run_dir: str | Path, *, checkpoint: str | None = None) -> Loade
             remedy="name a checkpoint of RUN_DIR/checkpoints, or leave --checkpoint out for LATEST's",
         )
     restored = restore_chain(store, name=checkpoint, source=None, config=None)
-    config = restored.manifest.get("config")
-    trainer_cfg = config.get("trainer") if isinstance(config, dict) else None
+    config = restored.meta.config
+    trainer_cfg = config.get("trainer")
     name = trainer_cfg.get("name") if isinstance(trainer_cfg, dict) else None
     if name != "torch":
         raise UserInputError(

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .core.trace_schema import DROPPED, RESTORED, RUN_FINISHED, RUN_STARTED, STEP_COMMITTED
+from .core.custody.trace_schema import DROPPED, RESTORED, RUN_FINISHED, RUN_STARTED, STEP_COMMITTED
 
 #: The only events `lineage` reads (`trace.read_trace(..., events=EVENTS)` parses no other).
 EVENTS = frozenset({RUN_STARTED, RESTORED, DROPPED, STEP_COMMITTED, RUN_FINISHED})

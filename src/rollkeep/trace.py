@@ -12,7 +12,7 @@ and the checkpoint writer fsyncs it (`sync_flushed`) before the checkpoint is pu
 after a power cut the trace holds every commit up to the restored checkpoint, and what
 came after it may be lost or end in a torn line (those steps are redone).
 
-The file is written through the filesystem seam (`rollkeep.core.fs`), so the simulation
+The file is written through the filesystem seam (`rollkeep.core.io.fs`), so the simulation
 runs this writer on its in-memory disk.
 
 The trace is data: tests and `rollkeep trace` read it, nothing parses log text.
@@ -32,11 +32,11 @@ from typing import Any
 
 import msgspec
 
+from .core.custody.events import Event
+from .core.custody.trace_schema import CHECKPOINT_PUBLISHED, FLUSH_NOW, STEP_COMMITTED, RunEvent
 from .core.errors import FilesystemError
-from .core.events import Event
-from .core.fs import DEFAULT_FS, FILE, FS, AppendFile
-from .core.trace_schema import CHECKPOINT_PUBLISHED, FLUSH_NOW, STEP_COMMITTED, RunEvent
-from .core.untrusted import loads_json, read_regular
+from .core.io.fs import DEFAULT_FS, FILE, FS, AppendFile
+from .core.io.untrusted import loads_json, read_regular
 
 __all__ = ["FLUSH_NOW", "Trace", "event_lines", "last_committed_in_trace", "parse_trace", "read_trace", "scan_trace"]
 
@@ -79,7 +79,7 @@ class Trace:
         self.on_flush: Callable[[], None] | None = None
 
     def emit(self, ev: RunEvent | Event) -> None:
-        """One event of the schema (`rollkeep.core.trace_schema`) becomes a line. Also the
+        """One event of the schema (`rollkeep.core.custody.trace_schema`) becomes a line. Also the
         ledger's sink: every ledger event is traced as it is applied (the hot path: one
         encode and one join; msgspec writes `t` exactly, as the shortest repr)."""
         # The event encodes as b'{...}': splice the common fields in front of its own.

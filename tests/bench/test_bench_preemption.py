@@ -19,8 +19,8 @@ from run_harness import FAST
 from rollkeep.bench.preemption import kill_schedule, run_preempted
 from rollkeep.bench.speedup import async_speedup
 from rollkeep.cli import main
-from rollkeep.core.restore import restore_chain
-from rollkeep.core.store import CheckpointStore
+from rollkeep.core.checkpoint.store import CheckpointStore
+from rollkeep.core.restore.chain import restore_chain
 
 # Twenty steps of 4 groups of 3, every generation 50 + U(0, 50) ms: about a second in all
 # (lookahead 1 generates two steps at once), a checkpoint every 2 steps, so a kill lands

@@ -18,18 +18,18 @@ import pytest
 from rollkeep import cli
 from rollkeep.cli import main
 from rollkeep.core import errors
-from rollkeep.core.checkpoint import LEDGER_FILE, ROWS_FILE, cut, save_files, write_checkpoint
-from rollkeep.core.datasets import SequenceDataset
-from rollkeep.core.events import Admitted, Claimed, Dispatched, Finalizing, Ready, Sealed
-from rollkeep.core.ledger import Ledger
-from rollkeep.core.manifest import RESERVED_KEYS
-from rollkeep.core.restore import plan
-from rollkeep.core.rowindex import ROWS_INDEX
-from rollkeep.core.rows import Row, RowId
-from rollkeep.core.rowstore import RowStore
-from rollkeep.core.source import PromptSource
-from rollkeep.core.store import CheckpointStore
-from rollkeep.core.take import drop_event, spare_event, take_event
+from rollkeep.core.checkpoint.cut import LEDGER_FILE, ROWS_FILE, cut, save_files, write_checkpoint
+from rollkeep.core.checkpoint.manifest import RESERVED_KEYS
+from rollkeep.core.checkpoint.rowindex import ROWS_INDEX
+from rollkeep.core.checkpoint.store import CheckpointStore
+from rollkeep.core.custody.events import Admitted, Claimed, Dispatched, Finalizing, Ready, Sealed
+from rollkeep.core.custody.ledger import Ledger
+from rollkeep.core.restore.chain import plan
+from rollkeep.core.rollout.datasets import SequenceDataset
+from rollkeep.core.rollout.rows import Row, RowId
+from rollkeep.core.rollout.rowstore import RowStore
+from rollkeep.core.rollout.source import PromptSource
+from rollkeep.core.rollout.take import drop_event, spare_event, take_event
 
 G = 2
 

@@ -23,9 +23,9 @@ from hostile import tree
 
 import rollkeep
 from rollkeep.cli import main
-from rollkeep.core.durable import encode_restart
-from rollkeep.core.journal import HEADER_SIZE, JournalWriter
-from rollkeep.core.source import DatasetId
+from rollkeep.core.journal.durable import encode_restart
+from rollkeep.core.journal.segments import HEADER_SIZE, JournalWriter
+from rollkeep.core.rollout.source import DatasetId
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = str(Path(rollkeep.__file__).resolve().parents[1])  # the code this test imports

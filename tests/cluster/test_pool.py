@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from rollkeep.cluster.pool import EnginePool
 from rollkeep.cluster.replicas import ReplicaGone, ReplicaInfo, ReplicaLost, ReplicaSet, State
-from rollkeep.core.generation import Completion, GenRequest, InfraError
-from rollkeep.core.trace_schema import EngineReplicaDied, EngineReplicaStarted
+from rollkeep.core.custody.trace_schema import EngineReplicaDied, EngineReplicaStarted
+from rollkeep.core.rollout.generation import Completion, GenRequest, InfraError
 
 
 def request(n: int) -> GenRequest:

@@ -22,8 +22,8 @@ from rollkeep.config import (
     load_config,
     semantic,
 )
-from rollkeep.core.configdiff import diff, flatten
 from rollkeep.core.errors import ConfigError, UserInputError
+from rollkeep.core.restore.configdiff import diff, flatten
 
 REPO = Path(__file__).resolve().parents[2]
 

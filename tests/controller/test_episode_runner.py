@@ -13,8 +13,8 @@ import pytest
 
 from rollkeep.controller.episodes import run_episode
 from rollkeep.controller.usercode import UserCode
-from rollkeep.core.generation import DataError, GenRequest, Tokens
-from rollkeep.core.source import Prompt
+from rollkeep.core.rollout.generation import DataError, GenRequest, Tokens
+from rollkeep.core.rollout.source import Prompt
 from rollkeep.engines.base import CompletionLimit
 from rollkeep.engines.toy import TOKENIZER, ToyEngine
 from rollkeep.envs import ENV_VERSION, EnvSpec
@@ -121,7 +121,8 @@ def test_an_environment_response_past_the_engines_budget_ends_the_episode() -> N
     """The trajectory never outgrows what the engine may generate after the prompt (the
     built-in GPT's block_size): a response that would reach it cuts the episode there."""
     bounded = ToyEngine(tool_turns=2)
-    bounded.completion_limit = CompletionLimit(20, None)
+    bounded.completion_limit = CompletionLimit(20, None)  # what the toy generates within
+    bounded.capabilities = dataclasses.replace(bounded.capabilities, completion_limit=bounded.completion_limit)
     talkative = type("Talkative", (episode_envs.CountEnv,),
                      {"step": lambda self, text: episode_envs.Step(response="=" * 30)})
     c, _, turns = episode(spec(talkative), request(), engine=bounded)

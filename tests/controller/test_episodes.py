@@ -23,8 +23,8 @@ from run_harness import (
 )
 
 from rollkeep.cli import main
-from rollkeep.core.rowindex import ROWS_INDEX, decode_index
-from rollkeep.core.store import CheckpointStore
+from rollkeep.core.checkpoint.rowindex import ROWS_INDEX, decode_index
+from rollkeep.core.checkpoint.store import CheckpointStore
 
 # Three-turn episodes of streamed 6-token turns: generation is the slow part, so episodes are
 # in flight, between their turns, at every stop.

@@ -21,8 +21,8 @@ from run_harness import check, config, run_child, run_to_end, trace_lines
 from trainer_files import as_dir, files_of
 
 from rollkeep.cli import main
-from rollkeep.core import codec
-from rollkeep.core.ledger import AttemptStatus
+from rollkeep.core.custody import codec
+from rollkeep.core.custody.ledger import AttemptStatus
 
 ROOT = Path(__file__).resolve().parents[2]
 V010_RUN = ROOT / "tests" / "data" / "v0.1.0-toy-run"  # written by rollkeep 0.1.0 (ledger schema 1)
@@ -151,7 +151,7 @@ def test_manifest_weight_version_other_than_the_ledgers_is_refused(run, capsys):
 def test_grpo_trainer_files_of_another_step_are_refused_by_load():
     torch = pytest.importorskip("torch")
     from rollkeep.config import TorchModelConfig, TorchTrainerConfig
-    from rollkeep.core.checkpoint import declared_step
+    from rollkeep.core.checkpoint.cut import declared_step
     from rollkeep.core.errors import CheckpointError
     from rollkeep.models.gpt import GPT, GPTConfig
     from rollkeep.models.tokenizer import CharTokenizer
@@ -376,7 +376,7 @@ class _FullDisk:
     """Make the n-th checkpoint file write fail with ENOSPC (the store's filesystem seam)."""
 
     def __init__(self, monkeypatch, fail_at: int) -> None:
-        from rollkeep.core import store
+        from rollkeep.core.checkpoint import store
 
         self.calls = 0
         real = store.FS.write
@@ -405,7 +405,7 @@ def test_enospc_while_publishing_is_exit_5_and_the_previous_checkpoint_stands(tm
 
 
 def test_enospc_while_writing_the_trace_is_exit_5(tmp_path, monkeypatch, capsys):
-    from rollkeep.core.fs import OSAppendFile  # the trace's handle on the filesystem seam
+    from rollkeep.core.io.fs import OSAppendFile  # the trace's handle on the filesystem seam
 
     real_write, written = OSAppendFile.write, [0]
 

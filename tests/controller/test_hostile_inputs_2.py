@@ -21,17 +21,17 @@ from run_harness import STOPPED, check, config, final_sha, killed, run_child, tr
 
 from rollkeep.cli import main
 from rollkeep.controller.startup import load_trainer
-from rollkeep.core.checkpoint import cut, write_checkpoint
-from rollkeep.core.datasets import JsonlDataset
+from rollkeep.core.checkpoint.cut import cut, write_checkpoint
+from rollkeep.core.checkpoint.manifest import read_manifest
+from rollkeep.core.checkpoint.rowindex import ROWS_INDEX
+from rollkeep.core.checkpoint.store import CheckpointStore
+from rollkeep.core.custody.ledger import Ledger
 from rollkeep.core.errors import CheckpointError, UserInputError
-from rollkeep.core.ledger import Ledger
-from rollkeep.core.manifest import read_manifest
-from rollkeep.core.restore import restore_chain
-from rollkeep.core.rowindex import ROWS_INDEX
-from rollkeep.core.rowstore import RowStore
-from rollkeep.core.source import PromptSource
-from rollkeep.core.start import journal_tail
-from rollkeep.core.store import CheckpointStore
+from rollkeep.core.restore.chain import restore_chain
+from rollkeep.core.restore.start import journal_tail
+from rollkeep.core.rollout.datasets import JsonlDataset
+from rollkeep.core.rollout.rowstore import RowStore
+from rollkeep.core.rollout.source import PromptSource
 
 pytestmark = pytest.mark.slow
 

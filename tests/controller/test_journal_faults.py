@@ -27,10 +27,10 @@ from hostile import main_child, rollkeep, train_args, tree
 from rollkeep.controller import journaling
 from rollkeep.controller.journaling import JournalThread
 from rollkeep.core.errors import FilesystemError
-from rollkeep.core.fs import FS, OSAppendFile
-from rollkeep.core.groupcommit import GroupCommit
-from rollkeep.core.journal import segment_name
-from rollkeep.core.rowstore import RowStore
+from rollkeep.core.io.fs import FS, OSAppendFile
+from rollkeep.core.journal.groupcommit import GroupCommit
+from rollkeep.core.journal.segments import segment_name
+from rollkeep.core.rollout.rowstore import RowStore
 from rollkeep.trace import read_trace
 
 pytestmark = pytest.mark.slow

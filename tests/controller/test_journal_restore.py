@@ -33,12 +33,12 @@ from run_harness import (
 )
 
 from rollkeep.cli import main
-from rollkeep.core.journal import HEADER_SIZE
-from rollkeep.core.manifest import read_manifest
-from rollkeep.core.rowindex import ROWS_INDEX, decode_index, referenced_segments
-from rollkeep.core.rowlog import segment_path as rowlog_segment_path
-from rollkeep.core.rowlog import segments as rowlog_segments
-from rollkeep.core.store import CheckpointStore
+from rollkeep.core.checkpoint.manifest import read_manifest
+from rollkeep.core.checkpoint.rowindex import ROWS_INDEX, decode_index, referenced_segments
+from rollkeep.core.checkpoint.store import CheckpointStore
+from rollkeep.core.journal.segments import HEADER_SIZE
+from rollkeep.core.rowlog.segments import segment_path as rowlog_segment_path
+from rollkeep.core.rowlog.segments import segments as rowlog_segments
 
 NO_FINAL = "checkpoint.on_shutdown=false"
 DET = ["deterministic=true", "rollout.on_dropped_prompt=shrink", "sampler.name=in_order"]
@@ -253,7 +253,7 @@ def test_a_journal_or_row_log_that_is_not_a_directory_is_refused_before_anything
 
 
 def test_a_disk_error_in_the_journal_stops_the_run_with_exit_5_and_it_resumes(tmp_path, monkeypatch, capsys) -> None:
-    from rollkeep.core import journal
+    from rollkeep.core.journal import segments as journal
 
     real = journal.JournalWriter._write
     calls = [0]

@@ -17,8 +17,8 @@ from rollkeep.controller.metrics import (
     samples_markdown,
     step_record,
 )
-from rollkeep.core.batch import Batch, TrainGroup
-from rollkeep.core.rows import Row
+from rollkeep.core.rollout.batch import Batch, TrainGroup
+from rollkeep.core.rollout.rows import Row
 
 
 def test_throughput_is_windowed_and_counts_from_the_start_of_the_rl_loop() -> None:

@@ -22,9 +22,9 @@ from run_harness import (
 )
 
 from rollkeep.cli import main
-from rollkeep.core.rowindex import ROWS_INDEX, decode_index
-from rollkeep.core.rowlog import segment_path
-from rollkeep.core.store import CheckpointStore
+from rollkeep.core.checkpoint.rowindex import ROWS_INDEX, decode_index
+from rollkeep.core.checkpoint.store import CheckpointStore
+from rollkeep.core.rowlog.segments import segment_path
 
 # Streamed one token at a time, recorded at most every millisecond. Generation is the slow
 # part (24 ms per completion, the toy trainer is instant), so generations are in flight at

@@ -14,9 +14,9 @@ import pytest
 from run_harness import config, killed, run_child, run_to_end, trace_lines
 
 from rollkeep.chaos import ChaosReport, verify
-from rollkeep.core import codec
-from rollkeep.core.ledger import GroupState
-from rollkeep.core.store import CheckpointStore
+from rollkeep.core.checkpoint.store import CheckpointStore
+from rollkeep.core.custody import codec
+from rollkeep.core.custody.ledger import GroupState
 
 pytestmark = pytest.mark.slow
 

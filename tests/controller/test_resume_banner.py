@@ -10,11 +10,11 @@ import pytest
 from run_harness import config, killed, run_child, run_to_end, trace_lines
 
 from rollkeep.controller.startup import restore_banner
-from rollkeep.core.durable import read_tail
-from rollkeep.core.ledger import AttemptStatus, GroupState
-from rollkeep.core.replay import replay
-from rollkeep.core.restore import restore_chain
-from rollkeep.core.store import CheckpointStore
+from rollkeep.core.checkpoint.store import CheckpointStore
+from rollkeep.core.custody.ledger import AttemptStatus, GroupState
+from rollkeep.core.journal.durable import read_tail
+from rollkeep.core.journal.replay import replay
+from rollkeep.core.restore.chain import restore_chain
 from rollkeep.trace import last_committed_in_trace
 
 pytestmark = pytest.mark.slow

@@ -13,8 +13,8 @@ from run_harness import DEFAULTS, FAST, check, config
 
 from rollkeep.cli import main
 from rollkeep.controller import train
-from rollkeep.core.fs import FS, OSAppendFile
-from rollkeep.core.store import LATEST
+from rollkeep.core.checkpoint.store import LATEST
+from rollkeep.core.io.fs import FS, OSAppendFile
 from rollkeep.trace import parse_trace
 
 

@@ -14,16 +14,7 @@ import numpy as np
 import pytest
 
 from rollkeep.cli import exit_code
-from rollkeep.core.durable import (
-    JOURNAL_DIR,
-    ROWS_DIR,
-    JournalEntry,
-    decode_entry,
-    encode_entry,
-    encode_restart,
-    read_tail,
-)
-from rollkeep.core.events import (
+from rollkeep.core.custody.events import (
     Admitted,
     Dispatched,
     Dropped,
@@ -33,16 +24,25 @@ from rollkeep.core.events import (
     StepCommitted,
     Taken,
 )
-from rollkeep.core.journal import JournalError, JournalWriter
-from rollkeep.core.replay import Restart
-from rollkeep.core.rowlog import (
+from rollkeep.core.journal.durable import (
+    JOURNAL_DIR,
+    ROWS_DIR,
+    JournalEntry,
+    decode_entry,
+    encode_entry,
+    encode_restart,
+    read_tail,
+)
+from rollkeep.core.journal.replay import Restart
+from rollkeep.core.journal.segments import JournalError, JournalWriter
+from rollkeep.core.rollout.rows import Row, RowId
+from rollkeep.core.rowlog.segments import (
     RowLocation,
     RowLogReader,
     RowSegmentCorrupt,
     segment_path,
 )
-from rollkeep.core.rowlogwriter import RowLogWriter
-from rollkeep.core.rows import Row, RowId
+from rollkeep.core.rowlog.writer import RowLogWriter
 
 LOC = RowLocation(segment=0, offset=64, length=100, checksum=12345)
 TAKEN = Taken(epoch=0, ordinal=0, idx=7, task="t", row_fingerprint=99, group_size=3)

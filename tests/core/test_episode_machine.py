@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from rollkeep.core.errors import CustodyError
-from rollkeep.core.generation import Completion, DataError, GenRequest, Tokens
-from rollkeep.core.rows import ENV_VERSION
+from rollkeep.core.rollout.generation import Completion, DataError, GenRequest, Tokens
+from rollkeep.core.rollout.rows import ENV_VERSION
+from rollkeep.core.rollout.source import Prompt
 from rollkeep.core.schedule.episode import (
     EPISODE_TABLE,
     SNAPSHOT,
@@ -29,7 +30,6 @@ from rollkeep.core.schedule.episode import (
     Generate,
     Turn,
 )
-from rollkeep.core.source import Prompt
 from rollkeep.envs import SNAPSHOT as ENVS_SNAPSHOT
 from rollkeep.envs import Step
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from rollkeep.core.custody.events import Sealed, StepCommitted
 from rollkeep.core.errors import FilesystemError
-from rollkeep.core.events import Sealed, StepCommitted
-from rollkeep.core.fs import DEFAULT_FS, DIR
+from rollkeep.core.io.fs import DEFAULT_FS, DIR
 from rollkeep.simulate.memfs import MemFS
 from rollkeep.trace import Trace, parse_trace, read_trace
 

@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollkeep.core.errors import CheckpointError, CustodyError
-from rollkeep.core.fs import DEFAULT_FS
-from rollkeep.core.journal import (
+from rollkeep.core.io.fs import DEFAULT_FS
+from rollkeep.core.journal.segments import (
     FRAME_OVERHEAD,
     HEADER_SIZE,
     MAX_RECORD_BYTES,

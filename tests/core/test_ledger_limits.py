@@ -11,10 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollkeep.core import codec
-from rollkeep.core.audit import audit, check_steps
-from rollkeep.core.errors import IllegalTransition, LedgerDecodeError
-from rollkeep.core.events import (
+from rollkeep.core.custody import codec
+from rollkeep.core.custody.audit import audit, check_steps
+from rollkeep.core.custody.events import (
     Admitted,
     Claimed,
     Configured,
@@ -25,7 +24,8 @@ from rollkeep.core.events import (
     Sealed,
     Taken,
 )
-from rollkeep.core.ledger import MAX_ADVANTAGE, MAX_REASON, Ledger, StepRun
+from rollkeep.core.custody.ledger import MAX_ADVANTAGE, MAX_REASON, Ledger, StepRun
+from rollkeep.core.errors import IllegalTransition, LedgerDecodeError
 
 G = 2
 

@@ -15,10 +15,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from rollkeep.core import codec
-from rollkeep.core.audit import audit
-from rollkeep.core.errors import IllegalTransition
-from rollkeep.core.events import (
+from rollkeep.core.custody import codec
+from rollkeep.core.custody.audit import audit
+from rollkeep.core.custody.events import (
     FROM_SOURCE,
     FROM_SPARE,
     GRANULARITIES,
@@ -37,7 +36,8 @@ from rollkeep.core.events import (
     StepCommitted,
     Taken,
 )
-from rollkeep.core.ledger import AttemptStatus, GroupState, Ledger, Owner
+from rollkeep.core.custody.ledger import AttemptStatus, GroupState, Ledger, Owner
+from rollkeep.core.errors import IllegalTransition
 
 N_ROWS = 7
 EPOCHS = 3

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from rollkeep.core import codec
-from rollkeep.core.audit import audit
-from rollkeep.core.errors import IllegalTransition
-from rollkeep.core.events import (
+from rollkeep.core.custody import codec
+from rollkeep.core.custody.audit import audit
+from rollkeep.core.custody.events import (
     LOST_VERSION,
     PROMPT_GROUP,
     SIBLING,
@@ -31,8 +30,9 @@ from rollkeep.core.events import (
     Taken,
     TurnSealed,
 )
-from rollkeep.core.ledger import AttemptStatus, GroupState, Ledger
-from rollkeep.core.transitions import ATTEMPT_TABLE, GONE, GROUP_TABLE
+from rollkeep.core.custody.ledger import AttemptStatus, GroupState, Ledger
+from rollkeep.core.custody.transitions import ATTEMPT_TABLE, GONE, GROUP_TABLE
+from rollkeep.core.errors import IllegalTransition
 
 G = 3
 GID = "e0.0"

@@ -6,8 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rollkeep.core.errors import RowsMismatch
-from rollkeep.core.events import (
+from rollkeep.core.custody.events import (
     DATA,
     INFRA,
     Abandoned,
@@ -17,11 +16,12 @@ from rollkeep.core.events import (
     Progressed,
     Sealed,
 )
-from rollkeep.core.generation import Tokens
-from rollkeep.core.prefixes import Link, PrefixStore, chunk_row
-from rollkeep.core.rowlog import RowLogReader
-from rollkeep.core.rowlogwriter import RowLogWriter
-from rollkeep.core.rows import RowId
+from rollkeep.core.errors import RowsMismatch
+from rollkeep.core.rollout.generation import Tokens
+from rollkeep.core.rollout.prefixes import Link, PrefixStore, chunk_row
+from rollkeep.core.rollout.rows import RowId
+from rollkeep.core.rowlog.segments import RowLogReader
+from rollkeep.core.rowlog.writer import RowLogWriter
 
 
 def toks(*ids: int, version: int = 0) -> Tokens:

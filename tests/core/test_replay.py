@@ -1,4 +1,4 @@
-"""Restore = checkpoint + journal tail (`rollkeep.core.replay`): the tail's events are
+"""Restore = checkpoint + journal tail (`rollkeep.core.journal.replay`): the tail's events are
 applied as they were, and the steps committed after the checkpoint are taken back (their
 trainer state is gone), so their groups are trained again, never regenerated or lost.
 
@@ -15,13 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from ledger_driver import Driver
 
-from rollkeep.core import codec
-from rollkeep.core.audit import audit
+from rollkeep.core.custody import codec
+from rollkeep.core.custody.audit import audit
+from rollkeep.core.custody.events import DATA, INFRA, Claimed, Sealed, StepCommitted
+from rollkeep.core.custody.ledger import AttemptStatus, GroupState, Ledger
 from rollkeep.core.errors import IllegalTransition
-from rollkeep.core.events import DATA, INFRA, Claimed, Sealed, StepCommitted
-from rollkeep.core.ledger import AttemptStatus, GroupState, Ledger
-from rollkeep.core.replay import replay
-from rollkeep.core.rows import Row, RowId
+from rollkeep.core.journal.replay import replay
+from rollkeep.core.rollout.rows import Row, RowId
 
 SAMPLERS = ["in_order", "weight_fifo", "windowed"]
 

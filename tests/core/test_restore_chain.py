@@ -13,9 +13,19 @@ import pytest
 from test_store import rewrite_manifest
 
 from rollkeep.cli import exit_code
-from rollkeep.core import codec
-from rollkeep.core.checkpoint import LEDGER_FILE, ROWS_FILE, cut, save_files, write_checkpoint
-from rollkeep.core.datasets import SequenceDataset
+from rollkeep.core.checkpoint.cut import LEDGER_FILE, ROWS_FILE, cut, save_files, write_checkpoint
+from rollkeep.core.checkpoint.rowcodec import decode_rows
+from rollkeep.core.checkpoint.rowindex import (
+    ROWS_INDEX,
+    decode_index,
+    encode_index,
+    extents,
+    referenced_segments,
+)
+from rollkeep.core.checkpoint.store import CheckpointStore
+from rollkeep.core.custody import codec
+from rollkeep.core.custody.events import Admitted, Dispatched, Finalizing, Ready, Sealed
+from rollkeep.core.custody.ledger import Ledger
 from rollkeep.core.errors import (
     CheckpointCustodyError,
     CheckpointError,
@@ -26,32 +36,22 @@ from rollkeep.core.errors import (
     ManifestMismatch,
     RowsMismatch,
 )
-from rollkeep.core.events import Admitted, Dispatched, Finalizing, Ready, Sealed
-from rollkeep.core.generation import Tokens
-from rollkeep.core.ledger import Ledger
-from rollkeep.core.prefixes import Link, PrefixStore, chunk_row
-from rollkeep.core.restore import restore_chain
-from rollkeep.core.rowcodec import decode_rows
-from rollkeep.core.rowindex import (
-    ROWS_INDEX,
-    decode_index,
-    encode_index,
-    extents,
-    referenced_segments,
-)
-from rollkeep.core.rowlog import (
+from rollkeep.core.restore.chain import restore_chain
+from rollkeep.core.rollout.datasets import SequenceDataset
+from rollkeep.core.rollout.generation import Tokens
+from rollkeep.core.rollout.prefixes import Link, PrefixStore, chunk_row
+from rollkeep.core.rollout.rows import Row, RowId
+from rollkeep.core.rollout.rowstore import RowStore
+from rollkeep.core.rollout.source import PromptSource
+from rollkeep.core.rollout.take import take_event
+from rollkeep.core.rowlog.segments import (
     ROWS_DIR,
     RowLocation,
     RowLogReader,
     RowSegmentCorrupt,
     segment_path,
 )
-from rollkeep.core.rowlogwriter import RowLogWriter
-from rollkeep.core.rows import Row, RowId
-from rollkeep.core.rowstore import RowStore
-from rollkeep.core.source import PromptSource
-from rollkeep.core.store import CheckpointStore
-from rollkeep.core.take import take_event
+from rollkeep.core.rowlog.writer import RowLogWriter
 
 G = 3
 CONFIG = {"seed": 5, "rollout": {"group_size": G}, "train": {"num_prompts_per_step": 2}}
@@ -211,7 +211,7 @@ def test_step5_custody_violation(tmp_path, source) -> None:
 
 
 def test_step6_rows_missing(tmp_path, source) -> None:
-    from rollkeep.core.rowcodec import decode_rows, encode_rows
+    from rollkeep.core.checkpoint.rowcodec import decode_rows, encode_rows
 
     def drop_one(blob: bytes) -> bytes:
         rows = decode_rows(blob)
@@ -224,7 +224,7 @@ def test_step6_rows_missing(tmp_path, source) -> None:
 
 
 def test_step6_rows_unreferenced(tmp_path, source) -> None:
-    from rollkeep.core.rowcodec import decode_rows, encode_rows
+    from rollkeep.core.checkpoint.rowcodec import decode_rows, encode_rows
 
     def add_one(blob: bytes) -> bytes:
         rows = decode_rows(blob)

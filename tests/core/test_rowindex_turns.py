@@ -6,10 +6,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from rollkeep.core.checkpoint.rowindex import decode_index, encode_index
 from rollkeep.core.errors import RowsMismatch
-from rollkeep.core.prefixes import Link
-from rollkeep.core.rowindex import decode_index, encode_index
-from rollkeep.core.rowlog import FRAME_HEADER, RowLocation
+from rollkeep.core.rollout.prefixes import Link
+from rollkeep.core.rowlog.segments import FRAME_HEADER, RowLocation
 
 
 def loc(i: int) -> RowLocation:

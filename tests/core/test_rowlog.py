@@ -19,7 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollkeep.core.errors import CheckpointError, RowsMismatch
-from rollkeep.core.rowlog import (
+from rollkeep.core.rollout.rows import Row, RowId
+from rollkeep.core.rowlog.segments import (
     RowLocation,
     RowLogReader,
     RowSegmentCorrupt,
@@ -32,8 +33,7 @@ from rollkeep.core.rowlog import (
     segments,
     verify_segment,
 )
-from rollkeep.core.rowlogwriter import RowLogWriter
-from rollkeep.core.rows import Row, RowId
+from rollkeep.core.rowlog.writer import RowLogWriter
 from rollkeep.simulate.memfs import MemFS, SimCrash
 
 RUN = Path("/run")

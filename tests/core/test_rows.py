@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
+from rollkeep.core.checkpoint.rowcodec import decode_rows, encode_rows
 from rollkeep.core.errors import CustodyError, RowsMismatch
-from rollkeep.core.rowcodec import decode_rows, encode_rows
-from rollkeep.core.rows import FINISH_REASONS, Row, RowId
-from rollkeep.core.rowstore import RowPin, RowStore
+from rollkeep.core.rollout.rows import FINISH_REASONS, Row, RowId
+from rollkeep.core.rollout.rowstore import RowPin, RowStore
 
 TENSORS = [
     "prompt_ids",

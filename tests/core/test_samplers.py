@@ -13,13 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from ledger_driver import Driver, ordinal
 
-from rollkeep.core import codec
+from rollkeep.core.custody import codec
+from rollkeep.core.custody.events import FROM_SOURCE, FROM_SPARE, INFRA, Admitted, Claimed
+from rollkeep.core.custody.keys import Key
+from rollkeep.core.custody.ledger import AttemptStatus, GroupState, Owner
 from rollkeep.core.errors import ConfigError, IllegalTransition, UserInputError
-from rollkeep.core.events import FROM_SOURCE, FROM_SPARE, INFRA, Admitted, Claimed
-from rollkeep.core.keys import Key
-from rollkeep.core.ledger import AttemptStatus, GroupState, Owner
-from rollkeep.core.samplers import Limits, check_limits, make_sampler
-from rollkeep.core.take import drop_event
+from rollkeep.core.rollout.samplers import Limits, check_limits, make_sampler
+from rollkeep.core.rollout.take import drop_event
 
 
 def g(o: int) -> str:

@@ -15,8 +15,8 @@ import math
 import pytest
 from sched_harness import Harness, completion
 
-from rollkeep.core.audit import audit
-from rollkeep.core.events import (
+from rollkeep.core.custody.audit import audit
+from rollkeep.core.custody.events import (
     DATA,
     INFRA,
     Abandoned,
@@ -26,8 +26,8 @@ from rollkeep.core.events import (
     Evicted,
     Failed,
 )
-from rollkeep.core.ledger import AttemptStatus, GroupState, Ledger
-from rollkeep.core.rows import RowId
+from rollkeep.core.custody.ledger import AttemptStatus, GroupState, Ledger
+from rollkeep.core.rollout.rows import RowId
 from rollkeep.core.schedule import (
     TRAIN_TABLE,
     Cancel,

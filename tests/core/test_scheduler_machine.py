@@ -22,10 +22,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from sched_harness import Harness, completion, sealed_rows
 
-from rollkeep.core.audit import audit
+from rollkeep.core.custody.audit import audit
+from rollkeep.core.custody.events import DATA, INFRA, StepCommitted
+from rollkeep.core.custody.ledger import AttemptStatus
 from rollkeep.core.errors import ExternalError
-from rollkeep.core.events import DATA, INFRA, StepCommitted
-from rollkeep.core.ledger import AttemptStatus
 from rollkeep.core.schedule import TRAIN_TABLE, Failure, Generated, Phase, Reason, RetryPolicy
 
 PHASES = {p for p, _ in TRAIN_TABLE} | set(TRAIN_TABLE.values())

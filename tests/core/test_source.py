@@ -12,11 +12,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollkeep.core.datasets import JsonlDataset, SequenceDataset, load_dataset, row_fingerprint
+from rollkeep.core.custody.keys import Key, exhausted, next_key
 from rollkeep.core.errors import CustodyError, DatasetError, UserInputError
-from rollkeep.core.keys import Key, exhausted, next_key
-from rollkeep.core.permutation import permutation
-from rollkeep.core.source import PromptSource
+from rollkeep.core.rollout.datasets import (
+    JsonlDataset,
+    SequenceDataset,
+    load_dataset,
+    row_fingerprint,
+)
+from rollkeep.core.rollout.permutation import permutation
+from rollkeep.core.rollout.source import PromptSource
 
 MASK = 2**64 - 1
 G = 0x9E3779B97F4A7C15

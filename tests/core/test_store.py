@@ -15,13 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rollkeep.core.errors import (
-    CheckpointError,
-    CheckpointNotFound,
-    ManifestMismatch,
-    SchemaUnsupported,
-)
-from rollkeep.core.store import (
+from rollkeep.core.checkpoint.store import (
     FS,
     LATEST,
     MANIFEST,
@@ -31,6 +25,12 @@ from rollkeep.core.store import (
     _encode_manifest,
     checkpoint_name,
     open_path,
+)
+from rollkeep.core.errors import (
+    CheckpointError,
+    CheckpointNotFound,
+    ManifestMismatch,
+    SchemaUnsupported,
 )
 
 FILE_NAMES = (

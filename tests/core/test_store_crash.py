@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from rollkeep.core import crashpoints
-from rollkeep.core.store import FS, LATEST, CheckpointStore
+from rollkeep.core.checkpoint.store import FS, LATEST, CheckpointStore
 
 FILE_NAMES = (
     "ledger.msgpack",
@@ -84,7 +84,7 @@ def base_store(tmp_path: Path) -> CheckpointStore:
 CHILD = r"""
 import json, sys
 from pathlib import Path
-from rollkeep.core.store import CheckpointStore
+from rollkeep.core.checkpoint.store import CheckpointStore
 root, step, tag, keep = sys.argv[1:5]
 files = {k: bytes.fromhex(v) for k, v in json.loads(sys.stdin.read()).items()}
 CheckpointStore(Path(root)).publish(int(step), files, {"tag": tag}, keep_last=int(keep))

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from ledger_driver import Driver, ordinal
 from run_harness import config, run_to_end, trace_lines
 
-from rollkeep.core.events import INFRA, Admitted, Claimed, Evicted
-from rollkeep.core.ledger import AttemptStatus, GroupState
+from rollkeep.core.custody.events import INFRA, Admitted, Claimed, Evicted
+from rollkeep.core.custody.ledger import AttemptStatus, GroupState
 
 
 def g(o: int) -> str:

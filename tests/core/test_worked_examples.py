@@ -14,8 +14,7 @@ from collections import Counter
 import pytest
 from ledger_driver import Driver, ordinal
 
-from rollkeep.core.errors import ExternalError
-from rollkeep.core.events import (
+from rollkeep.core.custody.events import (
     INFRA,
     PROMPT_GROUP,
     SIBLING,
@@ -24,9 +23,10 @@ from rollkeep.core.events import (
     Finalizing,
     Taken,
 )
-from rollkeep.core.keys import Key
-from rollkeep.core.ledger import AttemptStatus, GroupState, Owner
-from rollkeep.core.take import check_step_size
+from rollkeep.core.custody.keys import Key
+from rollkeep.core.custody.ledger import AttemptStatus, GroupState, Owner
+from rollkeep.core.errors import ExternalError
+from rollkeep.core.rollout.take import check_step_size
 
 
 def g(o: int) -> str:

@@ -18,9 +18,9 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 from hf_fixture import make_tiny_hf_model  # noqa: E402
 
+from rollkeep.core.custody.keys import Key  # noqa: E402
 from rollkeep.core.errors import UserInputError  # noqa: E402
-from rollkeep.core.keys import Key  # noqa: E402
-from rollkeep.core.source import Prompt  # noqa: E402
+from rollkeep.core.rollout.source import Prompt  # noqa: E402
 from rollkeep.engines import GenRequest, InfraError  # noqa: E402
 from rollkeep.engines.hf import HFEngine  # noqa: E402
 

@@ -20,9 +20,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rollkeep.core.custody.keys import Key
 from rollkeep.core.errors import CustodyError
-from rollkeep.core.keys import Key
-from rollkeep.core.source import Prompt
+from rollkeep.core.rollout.source import Prompt
 from rollkeep.engines.base import Completion, DataError, GenRequest, InfraError
 from rollkeep.engines.torch_gpt import TorchEngine
 from rollkeep.models.gpt import GPT, GPTConfig

@@ -22,7 +22,7 @@ import pytest
 import torch
 from test_torch_engine import BLOCKER, Gate, make_engine, no_eos, req, same
 
-from rollkeep.core.generation import Chunk, Completion, GenRequest, Prefix
+from rollkeep.core.rollout.generation import Chunk, Completion, GenRequest, Prefix
 from rollkeep.engines.torch_gpt import TorchEngine
 from rollkeep.models.sampling import counter_uniform, sample
 from rollkeep.models.tokenizer import EOS, CharTokenizer

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from rollkeep.config import load_config
+from rollkeep.core.custody.keys import Key
 from rollkeep.core.errors import ConfigError, CustodyError, UserInputError
-from rollkeep.core.keys import Key
-from rollkeep.core.source import Prompt
+from rollkeep.core.rollout.source import Prompt
 from rollkeep.engines import DataError, GenRequest, InfraError
 from rollkeep.engines import vllm as vl
 from rollkeep.engines.vllm import Prefix, VLLMEngine
@@ -409,7 +409,7 @@ def test_the_engine_protocol_streams_chunks_to_the_loop_and_continues_req_prefix
     as a Chunk before the result; `req.prefix` (the scheduler's Prefix) is continued."""
     import threading
 
-    from rollkeep.core.generation import Tokens
+    from rollkeep.core.rollout.generation import Tokens
 
     eng = build(fake, max_new_tokens=6)
     seen: list = []

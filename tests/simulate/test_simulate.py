@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from rollkeep.cli import main
-from rollkeep.core.events import StepCommitted
-from rollkeep.core.fs import DIR, FILE
-from rollkeep.core.trace_schema import CheckpointPublished
+from rollkeep.core.custody.events import StepCommitted
+from rollkeep.core.custody.trace_schema import CheckpointPublished
+from rollkeep.core.io.fs import DIR, FILE
 from rollkeep.simulate import Crash, check, plan, simulate
 from rollkeep.simulate.memfs import MemFS, SimCrash
 from rollkeep.simulate.schedules import crash_points, schedule_seed
@@ -56,7 +56,7 @@ def test_the_same_seed_gives_the_same_schedules():
 def test_a_restart_that_forgets_in_flight_attempts_is_caught_and_shrunk(monkeypatch, capsys):
     # The bug class the ledger exists to prevent: a restore that keeps attempts DISPATCHED
     # instead of abandoning them, so their results never come and the run cannot go on.
-    from rollkeep.core.ledger import Ledger
+    from rollkeep.core.custody.ledger import Ledger
 
     monkeypatch.setattr(Ledger, "normalize_for_restart", lambda self: [])
     assert main(["simulate", "--schedules", "300", "--seed", "0"]) == 4
@@ -68,7 +68,7 @@ def test_a_restart_that_forgets_in_flight_attempts_is_caught_and_shrunk(monkeypa
 def test_a_publication_that_does_not_fsync_latest_is_caught_by_a_power_cut(monkeypatch):
     # Without the fsync of the new LATEST before it is renamed in (store step P7), a power
     # cut right after the commit point can leave a LATEST that names nothing durable.
-    from rollkeep.core import store
+    from rollkeep.core.checkpoint import store
 
     real = store.CheckpointStore.publish
 

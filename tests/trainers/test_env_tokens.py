@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rollkeep.core.rows import Row
+from rollkeep.core.rollout.rows import Row
 from rollkeep.envs.base import ENV_VERSION
 from rollkeep.models.gpt import GPT, GPTConfig
 from rollkeep.models.tokenizer import EOS, PAD, CharTokenizer
@@ -23,7 +23,7 @@ E = ENV_VERSION
 
 @dataclass(frozen=True)
 class _Trajectory:
-    """The Row fields a trainer reads; stands in for Row while core/rows.py still refuses
+    """The Row fields a trainer reads; stands in for Row while core/rollout/rows.py still refuses
     negative versions (relaxed to allow ENV_VERSION on main)."""
 
     prompt_ids: np.ndarray

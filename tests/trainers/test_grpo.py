@@ -16,7 +16,7 @@ from trainer_files import as_dir, files_of
 
 from rollkeep.config import TorchModelConfig, TorchTrainerConfig
 from rollkeep.core.errors import CheckpointError
-from rollkeep.core.rows import Row
+from rollkeep.core.rollout.rows import Row
 from rollkeep.models.gpt import GPT, GPTConfig
 from rollkeep.models.tokenizer import EOS, PAD, CharTokenizer
 from rollkeep.trainers import Batch, TrainGroup, make_trainer

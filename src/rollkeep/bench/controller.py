@@ -19,15 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..core.checkpoint import cut, save_files, write_checkpoint
-from ..core.ledger import Ledger
-from ..core.restore import restore_chain
-from ..core.rowlog import ROWS_DIR, RowLogReader
-from ..core.rowlogwriter import RowLogWriter
-from ..core.rows import Row, RowId
-from ..core.rowstore import RowStore
-from ..core.store import CheckpointStore
-from ..core.trace_schema import (
+from ..core.checkpoint.cut import cut, save_files, write_checkpoint
+from ..core.checkpoint.store import CheckpointStore
+from ..core.custody.ledger import Ledger
+from ..core.custody.trace_schema import (
     ADMITTED,
     CHECKPOINT_PUBLISHED,
     DISPATCHED,
@@ -36,6 +31,11 @@ from ..core.trace_schema import (
     SEALED,
     TAKEN,
 )
+from ..core.restore.chain import restore_chain
+from ..core.rollout.rows import Row, RowId
+from ..core.rollout.rowstore import RowStore
+from ..core.rowlog.segments import ROWS_DIR, RowLogReader
+from ..core.rowlog.writer import RowLogWriter
 from ..trace import read_trace
 from .ledger import G, inflight_ledger
 

@@ -19,9 +19,9 @@ import statistics
 import time
 import tracemalloc
 
-from rollkeep.core import codec
-from rollkeep.core.audit import audit
-from rollkeep.core.events import (
+from rollkeep.core.custody import codec
+from rollkeep.core.custody.audit import audit
+from rollkeep.core.custody.events import (
     Admitted,
     Claimed,
     Dispatched,
@@ -30,7 +30,7 @@ from rollkeep.core.events import (
     Sealed,
     Taken,
 )
-from rollkeep.core.ledger import Ledger
+from rollkeep.core.custody.ledger import Ledger
 
 G = 16
 

@@ -50,8 +50,8 @@ from pathlib import Path
 from typing import Any
 
 from ..chaos import _env, _trace_mark, _train_cmd, _wait_started
+from ..core.custody.trace_schema import DROPPED, PROGRESSED, SEALED, STEP_COMMITTED, TURN_SEALED
 from ..core.errors import RollkeepError
-from ..core.trace_schema import DROPPED, PROGRESSED, SEALED, STEP_COMMITTED, TURN_SEALED
 from ..lineage import lineage
 from ..trace import read_trace
 

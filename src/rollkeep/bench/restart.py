@@ -190,9 +190,9 @@ def _restore_chain_seconds(config: str, overrides: list[str], run_dir: Path) -> 
     """The restore chain on the run's LATEST, in this process, read-only."""
     from ..config import ADDED_KEYS, load_config, semantic
     from ..controller.build import build_data
-    from ..core.restore import restore_chain
-    from ..core.source import PromptSource
-    from ..core.store import CheckpointStore
+    from ..core.checkpoint.store import CheckpointStore
+    from ..core.restore.chain import restore_chain
+    from ..core.rollout.source import PromptSource
 
     cfg = load_config(config, [*overrides, f"run_dir={run_dir}"])
     dataset, _ = build_data(cfg)

@@ -34,8 +34,8 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-from ..core.samplers import SAMPLERS
-from ..core.trace_schema import STEP_COMMITTED
+from ..core.custody.trace_schema import STEP_COMMITTED
+from ..core.rollout.samplers import SAMPLERS
 from ..trace import read_trace
 from .preemption import run_preempted
 

@@ -1,6 +1,6 @@
 """`rollkeep audit PATH`: does a checkpoint pass restore steps 1-6?
 
-The same chain `rollkeep train` runs on resume (`rollkeep.core.restore`), minus steps 7-8
+The same chain `rollkeep train` runs on resume (`rollkeep.core.restore.chain`), minus steps 7-8
 which need the run's dataset and config: every listed file has its size and sha256, the
 schemas are supported, the ledger decodes, the custody audit passes, the rows match, and
 beyond what a restore reads, every row the checkpoint names in the row log is read and
@@ -29,10 +29,10 @@ from rollkeep.cli.inspect import (
     journal_tail,
     resolve,
 )
+from rollkeep.core.checkpoint.rowindex import rows_dir_for
 from rollkeep.core.errors import CheckpointNotFound, RollkeepError
-from rollkeep.core.restore import Restored, restore_chain
-from rollkeep.core.rowindex import rows_dir_for
-from rollkeep.core.rowlog import RowLocation, RowLogReader
+from rollkeep.core.restore.chain import Restored, restore_chain
+from rollkeep.core.rowlog.segments import RowLocation, RowLogReader
 
 _EXAMPLES = """\
 PATH is a run dir, its checkpoints/ dir, or one checkpoint dir (as for `rollkeep inspect`).

@@ -1,7 +1,7 @@
 """`rollkeep inspect PATH`: what a checkpoint holds and what a restore from it would do.
 
 It runs restore steps 1-6 of docs/design.md §5, the same code `rollkeep train` runs when it
-resumes (`rollkeep.core.restore`), and modifies nothing on disk. Steps 7 (dataset) and 8
+resumes (`rollkeep.core.restore.chain`), and modifies nothing on disk. Steps 7 (dataset) and 8
 (config) need the run's dataset and config, which inspect does not load; the output says
 so. PATH is resolved by `resolve()`, shared with `rollkeep audit`. With the journal, the
 plan is the one after LATEST's journal tail is replayed; a run dir with no LATEST whose
@@ -22,19 +22,19 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from rollkeep.core.checkpoint.manifest import RESERVED_KEYS
+from rollkeep.core.checkpoint.store import LATEST, MANIFEST, CheckpointStore
+from rollkeep.core.custody.keys import group_id
+from rollkeep.core.custody.ledger import GroupState, LedgerState
 from rollkeep.core.errors import (
     CheckpointError,
     CheckpointNotFound,
     RollkeepError,
     UserInputError,
 )
-from rollkeep.core.keys import group_id
-from rollkeep.core.ledger import GroupState, LedgerState
-from rollkeep.core.manifest import RESERVED_KEYS
-from rollkeep.core.prefixes import finished_turns
-from rollkeep.core.restore import Restored, restore_chain
-from rollkeep.core.rows import Row
-from rollkeep.core.store import LATEST, MANIFEST, CheckpointStore
+from rollkeep.core.restore.chain import Restored, restore_chain
+from rollkeep.core.rollout.prefixes import finished_turns
+from rollkeep.core.rollout.rows import Row
 
 CHECKPOINTS = "checkpoints"  # RUN_DIR/checkpoints (docs/design.md §4)
 JOURNAL = "journal"  # RUN_DIR/journal (docs/design.md §5.1)
@@ -222,8 +222,8 @@ def report(target: Target, r: Restored) -> dict[str, Any]:
         "checkpoint": r.name,
         "path": str(r.checkpoint.path),
         "via": "path" if target.checkpoint is not None else "LATEST",
-        "step": m["step"],
-        "weight_version": m.get("weight_version"),
+        "step": r.meta.step,
+        "weight_version": r.meta.weight_version,
         "created": created,
         "created_utc": datetime.fromtimestamp(created, UTC).isoformat(timespec="seconds"),
         "bytes": sum(files.values()),
@@ -251,15 +251,15 @@ def journal_tail(target: Target, r: Restored, *, verify_rows: bool = False) -> d
     verify each row too, as `audit` does), replay it (in memory), and say what it adds; None
     when no tail would be replayed (a checkpoint given by path, written with the journal
     off, or not the newest). Raises what the restore would (exit 3)."""
-    from rollkeep.core.durable import journal_position, read_tail
     from rollkeep.core.errors import IllegalTransition
-    from rollkeep.core.journal import JournalError
-    from rollkeep.core.replay import Restart, replay
-    from rollkeep.core.restore import plan
-    from rollkeep.core.rowlog import ROWS_DIR, RowLogReader
-    from rollkeep.core.rows import RowId
+    from rollkeep.core.journal.durable import read_tail
+    from rollkeep.core.journal.replay import Restart, replay
+    from rollkeep.core.journal.segments import JournalError
+    from rollkeep.core.restore.chain import plan
+    from rollkeep.core.rollout.rows import RowId
+    from rollkeep.core.rowlog.segments import ROWS_DIR, RowLogReader
 
-    seq = journal_position(r.manifest, path=str(r.checkpoint.path / "MANIFEST.json"))
+    seq = r.meta.journal_seq
     if target.checkpoint is not None or seq is None:
         return None
     run_dir = target.store.root.parent
@@ -299,16 +299,16 @@ def journal_alone(target: Target, *, verify_rows: bool = False) -> dict[str, Any
     checkpoint, no journal, or one with restart markers only. Raises what `train` would:
     checkpoint directories without LATEST, a journal or row log that is not a directory, a
     damaged record, a replay that does not continue the ledger (exit 3). Reads only."""
-    from rollkeep.core.durable import read_tail
+    from rollkeep.core.custody.ledger import Ledger
     from rollkeep.core.errors import IllegalTransition
-    from rollkeep.core.fs import DEFAULT_FS, DIR
-    from rollkeep.core.journal import JournalError
-    from rollkeep.core.ledger import Ledger
-    from rollkeep.core.replay import Restart, replay
-    from rollkeep.core.restore import plan
-    from rollkeep.core.rowlog import ROWS_DIR, RowLogReader
-    from rollkeep.core.rows import RowId
-    from rollkeep.core.start import start_point
+    from rollkeep.core.io.fs import DEFAULT_FS, DIR
+    from rollkeep.core.journal.durable import read_tail
+    from rollkeep.core.journal.replay import Restart, replay
+    from rollkeep.core.journal.segments import JournalError
+    from rollkeep.core.restore.chain import plan
+    from rollkeep.core.restore.start import start_point
+    from rollkeep.core.rollout.rows import RowId
+    from rollkeep.core.rowlog.segments import ROWS_DIR, RowLogReader
     from rollkeep.trace import published_in_trace
 
     store, fs = target.store, DEFAULT_FS

@@ -24,8 +24,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..core.generation import Completion, DataError, GenRequest, InfraError
-from ..core.trace_schema import EngineReplicaDied, EngineReplicaStarted, RunEvent
+from ..core.custody.trace_schema import EngineReplicaDied, EngineReplicaStarted, RunEvent
+from ..core.rollout.generation import Completion, DataError, GenRequest, InfraError
 from ..engines.base import Capabilities
 from .replicas import ReplicaGone, ReplicaHandle, ReplicaInfo, ReplicaLost, ReplicaSet
 

@@ -25,7 +25,7 @@ import socket
 from typing import Any
 
 from ..core.errors import ConfigError
-from ..core.generation import Chunk, Completion, DataError, GenRequest, InfraError
+from ..core.rollout.generation import Chunk, Completion, DataError, GenRequest, InfraError
 from ..engines import EngineRecipe
 from ..engines.base import capabilities_of
 from .local_ray import LocalRay

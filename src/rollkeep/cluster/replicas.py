@@ -22,7 +22,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ..core.generation import Completion, GenRequest
+from ..core.rollout.generation import Completion, GenRequest
 from ..engines.base import Capabilities
 
 

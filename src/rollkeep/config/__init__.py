@@ -16,7 +16,7 @@ overrides, cross-field rules -- is collected and raised as ONE `ConfigError` tha
 each as a dotted path with what was expected and what was found, before anything runs.
 
 Sampler size limits (buffer capacity vs `max_inflight_prompts` / `max_buffered_rollouts`)
-are checked by `rollkeep.core.samplers.check_limits`, not here.
+are checked by `rollkeep.core.rollout.samplers.check_limits`, not here.
 
     sections   the models, one per section
     loading    YAML, dotted overrides, backend switches by override, validation

@@ -17,7 +17,7 @@ from pydantic import (
     model_validator,
 )
 
-from ..core.samplers import SAMPLERS
+from ..core.rollout.samplers import SAMPLERS
 from .problems import _DEFER_CROSS_FIELD, _config_error, _cross_field_problems, _model_getter
 
 
@@ -194,7 +194,7 @@ EngineConfig = Annotated[
 
 class _TrainerSection(_Section):
     """What every trainer section has: how advantages are computed at finalize (they are
-    stored in the ledger, so this is a semantic key; `rollkeep.core.advantages` has the formulas)."""
+    stored in the ledger, so this is a semantic key; `rollkeep.core.rollout.advantages` has the formulas)."""
 
     scale_rewards: Literal["group_population", "group", "batch", "none"] = "group_population"
     """What a group's centred rewards r - mean(group) are divided by: `group_population` the

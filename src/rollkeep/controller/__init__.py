@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Config, check_allowed_changes
+from ..core.checkpoint.store import CheckpointStore
 from ..core.errors import FilesystemError, RollkeepError
-from ..core.start import start_point
-from ..core.store import CheckpointStore
+from ..core.restore.start import start_point
 from ..progress import duration
 from ..tasks import use_rewards
 from ..trace import new_run_id, published_in_trace

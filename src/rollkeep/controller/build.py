@@ -14,9 +14,9 @@ from typing import Any
 
 from ..cluster import EnginePool, ReplicaGone, open_engine
 from ..config import Config
-from ..core.datasets import Dataset, SequenceDataset, load_dataset
 from ..core.errors import ConfigError, ExternalError
-from ..core.source import PromptSource
+from ..core.rollout.datasets import Dataset, SequenceDataset, load_dataset
+from ..core.rollout.source import PromptSource
 from ..engines import Engine, EngineRecipe
 from ..envs import EnvSpec, resolve
 from ..tasks import arith, calc, check_tasks, use_rewards

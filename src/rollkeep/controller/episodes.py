@@ -8,10 +8,11 @@ restored from the snapshot), then alternates an engine call for the model's turn
 environment step for its response, reporting every finished turn (`on_turn`, which the
 scheduler records as a `turn_sealed` event) before the next model call. Any engine works: a turn is a generation
 that continues the trajectory so far (`GenRequest.prefix`), so an engine needs nothing but
-prefix continuation (`continues`) and its tokenizer (`engine.episode_tokenizer`:
-`encode(text, bos=False)`, `decode(ids)`).
+prefix continuation and its tokenizer (`capabilities_of(engine)`: `continues`,
+`episode_tokenizer` with `encode(text, bos=False)` and `decode(ids)`).
 
-The trajectory's budget is the engine's (`engine.completion_limit(prompt_tokens)`: its
+The trajectory's budget is the engine's (`completion_limit(prompt_tokens)` of its
+capabilities: its
 `max_new_tokens` within its context; the toy engine's `TRAJECTORY_TOKENS`; unbounded for
 an engine without one): an environment response is cut to what is left of it, and the
 episode ends when it is spent, when a turn generates nothing, when the environment says
@@ -38,8 +39,8 @@ from typing import Any
 import numpy as np
 
 from ..core.errors import RowsMismatch
-from ..core.generation import Completion, DataError, GenRequest, Tokens
-from ..core.prefixes import PrefixStore
+from ..core.rollout.generation import Completion, DataError, GenRequest, Tokens
+from ..core.rollout.prefixes import PrefixStore
 from ..core.schedule.episode import (
     Done,
     EnvBuild,
@@ -52,6 +53,7 @@ from ..core.schedule.episode import (
     Generate,
     Turn,
 )
+from ..engines.base import capabilities_of
 from ..envs import SNAPSHOT, EnvSpec, Step
 from .usercode import Overdue, UserCode, UserStop, call_sync
 
@@ -64,10 +66,10 @@ async def run_episode(engine: Any, spec: EnvSpec, req: GenRequest, progress: Any
     and its reward, the last step's (an environment that scores turns adds them in). The
     environment's calls run on `code`'s threads; every decision is the episode machine's
     (`core.schedule.episode`), this only carries out its commands."""
-    machine = Episode(req, tokenizer=engine.episode_tokenizer, max_turns=spec.max_turns, label=spec.label,
+    caps = capabilities_of(engine)
+    machine = Episode(req, tokenizer=caps.episode_tokenizer, max_turns=spec.max_turns, label=spec.label,
                       recovery=spec.recovery, max_turn_tokens=spec.max_turn_tokens,
-                      max_snapshot_bytes=spec.max_snapshot_bytes,
-                      completion_limit=getattr(engine, "completion_limit", None))  # (None: an engine without a budget)
+                      max_snapshot_bytes=spec.max_snapshot_bytes, completion_limit=caps.completion_limit)
 
     async def call(what: str, fn: Callable[..., Any], *args: Any) -> Any:
         return await _call(spec, code, what, fn, *args)

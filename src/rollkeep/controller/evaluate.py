@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.generation import DataError
+from ..core.rollout.generation import DataError
 from ..tasks import reward_fn
 
 GreedyIds = Callable[..., list[list[int]]]  # (model, contexts, max_new_tokens=...) -> new ids each

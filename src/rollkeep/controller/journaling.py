@@ -1,4 +1,4 @@
-"""The journal thread: the group commit of `rollkeep.core.groupcommit` on a thread of its
+"""The journal thread: the group commit of `rollkeep.core.journal.groupcommit` on a thread of its
 own, so the loop never waits on the disk (docs/design.md §5.1). It runs a cycle every
 `journal.flush_ms`, or at once when `flush_events` records were released; everything else
 (the sinks, the checkpoint's covering sync, the faults) is the core's, which `rollkeep
@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ..core.groupcommit import GroupCommit, check_writable
+from ..core.journal.groupcommit import GroupCommit, check_writable
 
 __all__ = ["JournalThread", "check_writable"]
 

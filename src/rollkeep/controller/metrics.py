@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from ..core.errors import ConfigError, ExternalError, UserInputError
-from ..core.untrusted import end_torn_line, open_append, read_prefix
+from ..core.io.untrusted import end_torn_line, open_append, read_prefix
 
 WANDB_ID_FILE = "wandb_run_id"
 SAMPLES_FILE = "samples.jsonl"

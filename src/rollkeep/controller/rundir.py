@@ -2,7 +2,7 @@
 
 `RunDir` takes the directory's lock before anything is written (the warm start included)
 and releases it however the run ends. Which checkpoint a run restores is the core's
-(`rollkeep.core.start.start_point`).
+(`rollkeep.core.restore.start.start_point`).
 """
 
 from __future__ import annotations

@@ -21,8 +21,10 @@ from typing import Any
 
 from ..cluster import EnginePool
 from ..config import Config, semantic
-from ..core import cutting
+from ..core.checkpoint.store import CheckpointStore
+from ..core.custody.trace_schema import Eval, RunFailed, RunFinished
 from ..core.errors import FilesystemError
+from ..core.rollout.source import PromptSource
 from ..core.schedule import (
     Cancel,
     Cut,
@@ -38,10 +40,8 @@ from ..core.schedule import (
     WakeAt,
     classify,
     crash_point,
+    cutting,
 )
-from ..core.source import PromptSource
-from ..core.store import CheckpointStore
-from ..core.trace_schema import Eval, RunFailed, RunFinished
 from ..engines import Engine
 from ..engines.base import capabilities_of
 from ..envs import EnvSpec

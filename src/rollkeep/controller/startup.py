@@ -1,6 +1,6 @@
 """Starting a run: restore the checkpoint `train` chose (or start fresh), then open what
 the run writes. Nothing on disk changes before the restore chain has passed. Where the
-run starts from is the core's (`rollkeep.core.start`, which `rollkeep simulate` runs too);
+run starts from is the core's (`rollkeep.core.restore.start`, which `rollkeep simulate` runs too);
 this module adds what only `rollkeep train` has: the config, the trainer, the environment,
 the metrics and the progress line.
 
@@ -26,15 +26,16 @@ from typing import Any
 
 from ..config import ADDED_KEYS, Config, dump_yaml, load_config
 from ..config import semantic as semantic_of
-from ..core import restore, start
-from ..core.configdiff import check_compatible, fingerprint, is_allowed
+from ..core.checkpoint.store import CheckpointStore
+from ..core.custody.trace_schema import Restored, RunStarted
 from ..core.errors import UserInputError
-from ..core.restore import restore_chain
-from ..core.samplers import Limits, check_limits, make_sampler
+from ..core.restore import chain as restore
+from ..core.restore import start
+from ..core.restore.chain import restore_chain
+from ..core.restore.configdiff import check_compatible, fingerprint, is_allowed
+from ..core.rollout.samplers import Limits, check_limits, make_sampler
+from ..core.rollout.source import PromptSource
 from ..core.schedule import RetryPolicy, Scheduler, Settings, Sinks
-from ..core.source import PromptSource
-from ..core.store import CheckpointStore
-from ..core.trace_schema import Restored, RunStarted
 from ..envs import EnvSpec
 from ..progress import RunProgress
 from ..trace import Trace, last_committed_in_trace
@@ -146,7 +147,7 @@ def open_run(
         progress.note(f"resuming from {restored.name}: moved the newer checkpoint(s) "
                       f"{', '.join(abandoned['names'])} aside into {abandoned['into']}/")
     if begun.resumed:
-        cut_time = restored.manifest.get("cut_time") if restored is not None else 0.0
+        cut_time = restored.meta.cut_time if restored is not None else 0.0
         trace.emit(Restored(checkpoint=None if restored is None else restored.name, step=ledger.version,
                             cut_time=cut_time, **counts, steps_redone=redone, **begun.restored_fields(),
                             config_changes=[] if restored is None else [list(c) for c in restored.config_changes]))

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..core.trace_schema import RESTORED, RUN_STARTED, CheckpointPublished
-from ..core.untrusted import loads_json
+from ..core.custody.trace_schema import RESTORED, RUN_STARTED, CheckpointPublished
+from ..core.io.untrusted import loads_json
 from ..progress import duration
 from ..trace import event_lines, scan_trace
 

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.errors import RollkeepError, UserInputError
-from ..core.generation import DataError
+from ..core.rollout.generation import DataError
 
 __all__ = ["MAX_HUNG", "Overdue", "Stopped", "UserCode", "UserCodeError", "UserStop", "call_sync",
            "guarded_save", "guarded_step", "score", "shown"]

@@ -33,12 +33,12 @@ from typing import Any
 import numpy as np
 
 from ..config import ADDED_KEYS, Config, semantic
-from ..core.checkpoint import TRAINER_DIR
-from ..core.configdiff import check_compatible
-from ..core.datasets import Dataset
+from ..core.checkpoint.cut import TRAINER_DIR
+from ..core.checkpoint.store import CheckpointStore
 from ..core.errors import CheckpointError, ConfigError, DatasetError
-from ..core.generation import DataError
-from ..core.store import CheckpointStore
+from ..core.restore.configdiff import check_compatible
+from ..core.rollout.datasets import Dataset
+from ..core.rollout.generation import DataError
 from .metrics import MetricsLog
 from .usercode import UserCodeError
 
@@ -104,10 +104,10 @@ def run_warmup(cfg: Config, *, dataset: Dataset, trainer: Any, tokenizer: Any, l
     done = 0
     if store.latest() is not None:
         ck = store.open()
-        check_compatible(ck.manifest.get("config", {}), semantic(cfg), path=str(ck.path / "MANIFEST.json"),
+        check_compatible(ck.meta.config, semantic(cfg), path=str(ck.path / "MANIFEST.json"),
                          added=ADDED_KEYS)
         trainer.load(ck.path / TRAINER_DIR, step=0)  # verified by `open`; the warm start takes no RL step
-        done = int(ck.manifest["step"])
+        done = ck.meta.step
         if getattr(trainer, "sft_steps", done) != done:  # the trainer file is of another step
             raise CheckpointError(
                 f"warm-start checkpoint {ck.name} holds trainer state of another step",

@@ -94,7 +94,7 @@ def hit(name: str) -> None:
         os.kill(os.getpid(), _signal)
 
 
-# The checkpoint publication protocol (rollkeep.core.store), in the order they are hit.
+# The checkpoint publication protocol (rollkeep.core.checkpoint.store), in the order they are hit.
 PUBLISH_FILE_WRITTEN = register("publish.file_written")
 PUBLISH_MANIFEST_WRITTEN = register("publish.manifest_written")
 PUBLISH_DIR_RENAMED = register("publish.dir_renamed")

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..core.generation import (
+from ..core.rollout.generation import (
     Chunk,
     Completion,
     DataError,

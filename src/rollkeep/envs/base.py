@@ -44,7 +44,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
-from ..core.rows import ENV_VERSION
+from ..core.rollout.rows import ENV_VERSION
 
 __all__ = ["ENV_VERSION", "RECOVERY_MODES", "REPLAY", "SNAPSHOT", "Environment", "EnvFactory", "Step"]
 

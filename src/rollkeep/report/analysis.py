@@ -7,10 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..core.errors import UserInputError
-from ..core.events import Reason
-from ..core.keys import group_id
-from ..core.trace_schema import (
+from ..core.custody.events import Reason
+from ..core.custody.keys import group_id
+from ..core.custody.trace_schema import (
     ABANDONED,
     CHECKPOINT_PUBLISHED,
     DISPATCHED,
@@ -28,7 +27,8 @@ from ..core.trace_schema import (
     TAKEN,
     TURN_SEALED,
 )
-from ..core.untrusted import loads_json, read_regular
+from ..core.errors import UserInputError
+from ..core.io.untrusted import loads_json, read_regular
 from ..lineage import lineage
 from ..trace import read_trace
 from .model import (

@@ -44,7 +44,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..core.ledger import COUNT_KEYS
+from ..core.custody.ledger import COUNT_KEYS
 
 TRACE = "trace.jsonl"
 METRICS = "metrics.jsonl"

@@ -1,6 +1,6 @@
 """An in-memory filesystem for the simulation: what the store sees, what survives a crash.
 
-It implements the store's filesystem seam (`rollkeep.core.fs.FS`) over inodes, keeping
+It implements the store's filesystem seam (`rollkeep.core.io.fs.FS`) over inodes, keeping
 for each file the bytes last made durable by an fsync and for each directory the entries
 last made durable by an fsync of it, beside what the page cache holds now:
 
@@ -25,7 +25,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..core.fs import DIR, FILE, FS, AppendFile
+from ..core.io.fs import DIR, FILE, FS, AppendFile
 
 
 class SimCrash(BaseException):

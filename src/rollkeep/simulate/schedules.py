@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import xxhash
 
 from ..core import crashpoints
-from ..core.samplers import check_limits
+from ..core.rollout.samplers import check_limits
 from ..core.schedule import RetryPolicy, Settings
 from .world import Crash, Outcome, Plan, Script, World
 

@@ -51,15 +51,19 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from ..core import crashpoints, cutting, start
-from ..core.checkpoint import save_files
-from ..core.datasets import SequenceDataset
+from ..core import crashpoints
+from ..core.checkpoint.cut import save_files
+from ..core.checkpoint.store import CheckpointStore
+from ..core.custody.events import DATA, INFRA, Event
+from ..core.custody.trace_schema import Restored, RunFailed, RunFinished, RunStarted
 from ..core.errors import ExternalError, FilesystemError
-from ..core.events import DATA, INFRA, Event
-from ..core.generation import TOKEN_FIELDS, Chunk, Completion, GenRequest
-from ..core.groupcommit import GroupCommit
-from ..core.restore import restore_chain
-from ..core.samplers import Limits, make_sampler
+from ..core.journal.groupcommit import GroupCommit
+from ..core.restore import start
+from ..core.restore.chain import restore_chain
+from ..core.rollout.datasets import SequenceDataset
+from ..core.rollout.generation import TOKEN_FIELDS, Chunk, Completion, GenRequest
+from ..core.rollout.samplers import Limits, make_sampler
+from ..core.rollout.source import PromptSource
 from ..core.schedule import (
     Cancel,
     Cut,
@@ -75,6 +79,7 @@ from ..core.schedule import (
     Train,
     WakeAt,
     crash_point,
+    cutting,
 )
 from ..core.schedule.episode import (
     Done,
@@ -89,9 +94,6 @@ from ..core.schedule.episode import (
     Generate,
     Turn,
 )
-from ..core.source import PromptSource
-from ..core.store import CheckpointStore
-from ..core.trace_schema import Restored, RunFailed, RunFinished, RunStarted
 from ..envs.base import REPLAY, SNAPSHOT
 from ..lineage import EVENTS, exactly_once, lineage
 from ..trace import Trace, parse_trace, published_in_trace
@@ -335,7 +337,7 @@ class World:
                              lost=None if begun.tail is None else begun.tail.lost)
         if begun.resumed:
             self.trace.emit(Restored(checkpoint=None if restored is None else restored.name, step=ledger.version,
-                                     cut_time=restored.manifest.get("cut_time") if restored is not None else 0.0,
+                                     cut_time=restored.meta.cut_time if restored is not None else 0.0,
                                      **counts, **begun.restored_fields()))
         return _Process(self, sched, trainer).drive()
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..core.batch import Batch, TrainGroup
 from ..core.errors import CheckpointError
+from ..core.rollout.batch import Batch, TrainGroup
 
 __all__ = ["Batch", "TrainGroup", "Trainer", "TrainerSnapshot", "check_step"]
 

@@ -51,7 +51,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from ..config import TorchTrainerConfig
-from ..core.advantages import SCALE_REWARDS, ScaleRewards, batch_scaled
+from ..core.rollout.advantages import SCALE_REWARDS, ScaleRewards, batch_scaled
 from ..models.gpt import GPT
 from ..models.tokenizer import PAD
 from .adamw import make_adamw

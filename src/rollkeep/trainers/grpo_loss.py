@@ -5,7 +5,7 @@ clip, KL term and the four `loss_type` aggregations). `GRPOTrainer` (`grpo`) cal
 The objective
 -------------
 A batch holds groups of sibling completions of one prompt. Their advantages were computed
-upstream (`rollkeep.core.advantages`, chosen by `trainer.scale_rewards`: reward minus group mean,
+upstream (`rollkeep.core.rollout.advantages`, chosen by `trainer.scale_rewards`: reward minus group mean,
 over a std or not) and arrive in `TrainGroup.advantages[generation]`; under
 `scale_rewards: batch` they arrive group-centred and `GRPOTrainer.train_step` divides
 them by the sample std of the batch's rewards first. Every completion token of a sibling

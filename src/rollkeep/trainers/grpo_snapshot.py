@@ -45,9 +45,9 @@ from safetensors.torch import load_file as st_load_file
 from safetensors.torch import save_file as st_save_file
 from torch import Tensor
 
-from ..core.checkpoint import STEP_KEY, declared_step_of, step_metadata
+from ..core.checkpoint.cut import STEP_KEY, declared_step_of, step_metadata
 from ..core.errors import CheckpointError
-from ..core.untrusted import loads_json, read_regular
+from ..core.io.untrusted import loads_json, read_regular
 from .base import check_step
 
 __all__ = ["GRPOSnapshot", "OptimizerState", "TrainerFiles"]

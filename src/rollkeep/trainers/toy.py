@@ -13,9 +13,9 @@ from pathlib import Path
 
 import msgspec
 
-from ..core.checkpoint import STEP_KEY, save_files
+from ..core.checkpoint.cut import STEP_KEY, save_files
 from ..core.errors import CheckpointError
-from ..core.untrusted import loads_json, read_regular
+from ..core.io.untrusted import loads_json, read_regular
 from .base import Batch, check_step
 
 STATE_FILE = "toy_trainer.json"

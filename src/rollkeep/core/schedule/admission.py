@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..events import Admitted, Event
-from ..keys import group_id
-from ..ledger import Ledger
-from ..samplers import Sampler
-from ..source import PromptSource
-from ..take import spare_event, take_event
+from ..custody.events import Admitted, Event
+from ..custody.keys import group_id
+from ..custody.ledger import Ledger
+from ..rollout.samplers import Sampler
+from ..rollout.source import PromptSource
+from ..rollout.take import spare_event, take_event
 
 
 def top_up_spare(ledger: Ledger, spare_prompts: int, apply: Callable[[Event], object]) -> None:

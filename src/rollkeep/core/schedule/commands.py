@@ -12,13 +12,13 @@ are frozen records; carrying them out never changes custody by itself.
     Cut(step, final,       custody captured at the end of the poll: take the journal's
         custody)           position and snapshot the trainer before any other scheduler
                            call, then write all in the
-                           background (`rollkeep.core.cutting`)   -> on_cut_written(step)
+                           background (`rollkeep.core.schedule.cutting`)   -> on_cut_written(step)
     Refit(version)         load the trainer's weights into the
                            engine                                 -> on_refit(version)
     Evaluate(version)      the held-out evaluation of the weights
                            of `version` (eval.every_steps); the
                            train side waits for it                -> on_evaluated(version)
-    Note(event)            record this trace event (`rollkeep.core.trace_schema`)
+    Note(event)            record this trace event (`rollkeep.core.custody.trace_schema`)
     WakeAt(time)           poll again at `time` even if nothing reports before
     Stop(reason)           the run is over: nothing is in flight, the final cut is written
 """
@@ -27,15 +27,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..batch import Batch
-from ..checkpoint import Cut as Custody
-from ..events import (
+from ..checkpoint.cut import Cut as Custody
+from ..custody.events import (
     DATA,
     INFRA,
     Reason,  # kept in this namespace: `rollkeep.core.schedule.Reason`
 )
-from ..generation import Completion, DataError, GenRequest, InfraError
-from ..trace_schema import RunEvent
+from ..custody.trace_schema import RunEvent
+from ..rollout.batch import Batch
+from ..rollout.generation import Completion, DataError, GenRequest, InfraError
 
 AttemptKey = tuple[str, int, int]  # (group id, generation index, attempt)
 

@@ -48,8 +48,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import CustodyError
-from ..generation import Completion, DataError, GenRequest, Tokens
-from ..rows import ENV_VERSION
+from ..rollout.generation import Completion, DataError, GenRequest, Tokens
+from ..rollout.rows import ENV_VERSION
 
 __all__ = ["EPISODE_TABLE", "SNAPSHOT", "WAITS_FOR", "Done", "EnvBuild", "EnvReplay", "EnvReset", "EnvRestore",
            "EnvSnapshot", "EnvStep", "Episode", "EpisodeCommand", "EpisodeState", "Generate", "Turn"]

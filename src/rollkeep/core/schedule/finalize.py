@@ -1,18 +1,18 @@
 """Finalize: a group whose siblings are all sealed gets its advantages (docs/design.md §1).
 
 Rewards → group-relative advantages (`trainer.scale_rewards`, formulas in
-`rollkeep.core.advantages`). Pure computation, so it runs inside one synchronous section:
+`rollkeep.core.rollout.advantages`). Pure computation, so it runs inside one synchronous section:
 FINALIZING is never left half done by a live run (a restore finalizes again)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..advantages import ScaleRewards, stored_advantages
-from ..events import Event, Finalizing, Ready
-from ..ledger import Ledger
-from ..rows import RowId
-from ..rowstore import RowStore
+from ..custody.events import Event, Finalizing, Ready
+from ..custody.ledger import Ledger
+from ..rollout.advantages import ScaleRewards, stored_advantages
+from ..rollout.rows import RowId
+from ..rollout.rowstore import RowStore
 
 
 def finalize(

@@ -31,9 +31,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..events import Event, Progressed, TurnSealed
-from ..generation import TOKEN_FIELDS, Chunk, Prefix, Tokens
-from ..prefixes import PrefixStore
+from ..custody.events import Event, Progressed, TurnSealed
+from ..rollout.generation import TOKEN_FIELDS, Chunk, Prefix, Tokens
+from ..rollout.prefixes import PrefixStore
 from .commands import AttemptKey
 
 Apply = Callable[[Event], None]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..ledger import GroupState, Ledger
+from ..custody.ledger import GroupState, Ledger
 
 
 @dataclass(frozen=True)

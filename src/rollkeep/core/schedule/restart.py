@@ -13,11 +13,11 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from ..events import LOST_VERSION, Abandoned, Event
-from ..ledger import PROMPT_GROUP_CODE, AttemptStatus, GroupState, Ledger
-from ..prefixes import PrefixStore
-from ..replay import LostWork
-from ..restore import RestorePlan
+from ..custody.events import LOST_VERSION, Abandoned, Event
+from ..custody.ledger import PROMPT_GROUP_CODE, AttemptStatus, GroupState, Ledger
+from ..journal.replay import LostWork
+from ..restore.chain import RestorePlan
+from ..rollout.prefixes import PrefixStore
 
 
 def normalize(ledger: Ledger, apply: Callable[[Event], object]) -> None:

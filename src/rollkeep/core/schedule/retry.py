@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..events import INFRA
-from ..ledger import GroupRecord
+from ..custody.events import INFRA
+from ..custody.ledger import GroupRecord
 
 
 @dataclass(frozen=True)

@@ -41,11 +41,8 @@ from typing import Any
 import msgspec
 
 from .. import crashpoints
-from ..advantages import MAX_REWARD, ScaleRewards
-from ..batch import Batch, TrainGroup
-from ..checkpoint import cut
-from ..errors import CustodyError, DatasetMismatch
-from ..events import (
+from ..checkpoint.cut import cut
+from ..custody.events import (
     ALL_EVENTS,
     DATA,
     INFRA,
@@ -61,17 +58,20 @@ from ..events import (
     Sealed,
     event_name,
 )
-from ..generation import Chunk, GenRequest, sampling_seed
-from ..ledger import AttemptStatus, GroupState, Ledger
-from ..prefixes import PrefixStore
-from ..replay import LostWork
-from ..restore import Restored, RestorePlan
-from ..rows import Row, RowId
-from ..rowstore import RowStore
-from ..samplers import Sampler
-from ..source import PromptSource
-from ..take import check_step_size, drop_event
-from ..trace_schema import CheckpointSkipped
+from ..custody.ledger import AttemptStatus, GroupState, Ledger
+from ..custody.trace_schema import CheckpointSkipped
+from ..errors import CustodyError, DatasetMismatch
+from ..journal.replay import LostWork
+from ..restore.chain import Restored, RestorePlan
+from ..rollout.advantages import MAX_REWARD, ScaleRewards
+from ..rollout.batch import Batch, TrainGroup
+from ..rollout.generation import Chunk, GenRequest, sampling_seed
+from ..rollout.prefixes import PrefixStore
+from ..rollout.rows import Row, RowId
+from ..rollout.rowstore import RowStore
+from ..rollout.samplers import Sampler
+from ..rollout.source import PromptSource
+from ..rollout.take import check_step_size, drop_event
 from . import admission, restart
 from .commands import (
     AttemptKey,

@@ -1,0 +1,281 @@
+"""The atomic cut and what a checkpoint holds (docs/design.md §3, §4).
+
+`cut()` runs synchronously on the loop thread between two transitions: it captures the
+ledger (O(1), copy-on-write) and pins the row store (O(1)), and measures how long it held
+the loop. Everything slow — auditing, encoding, writing, fsyncing — happens afterwards in
+`write_checkpoint`, which may run on a background thread while the pumps keep going.
+
+Files of a checkpoint directory:
+
+    ledger.msgpack      custody state (codec.py)
+    rows.index          the rows it references that are in the row log, by location (rowindex.py)
+    rows.safetensors    the rows it references that are not (a copy)
+    trainer/...         the trainer's own files, written by its snapshot's `save(dir)` into
+                        the directory the store gives it (any depth); the core hashes them
+                        and reads only their step binding
+    MANIFEST.json       written last by the store, with the meta below
+
+The parts are bound to one step (restore step 5): the manifest's `weight_version` and
+`trainer_step` equal the ledger's version, and so does the `rollkeep_step` every trainer
+file declares (a top-level key of a JSON file, an entry of a safetensors file's
+`__metadata__`). A trainer file copied in from another checkpoint is refused even when the
+manifest's hashes were recomputed to match it. Files in other formats (a
+torch.distributed.checkpoint shard) are opaque to the core: a trainer writing them also
+writes a JSON file declaring the step, and checks in its `load` that the rest belong to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..custody import codec
+from ..custody.audit import audit
+from ..custody.ledger import AttemptStatus, Ledger, LedgerState
+from ..errors import AuditFailure, CheckpointError
+from ..io.fs import DEFAULT_FS, FS
+from ..io.untrusted import (
+    SAFETENSORS_MAX_HEADER,
+    loads_json,
+    read_prefix,
+    read_regular,
+    safetensors_header,
+)
+from ..rollout.prefixes import Link, PrefixStore, finished_turns
+from ..rollout.rows import RowId
+from ..rollout.rowstore import RowPin, RowStore
+from .manifest import OpenedCheckpoint
+from .meta import RunMeta, to_manifest
+from .rowcodec import encode_rows
+from .rowindex import ROWS_INDEX, encode_index, extents
+from .store import CheckpointStore, Published
+
+LEDGER_FILE = "ledger.msgpack"
+ROWS_FILE = "rows.safetensors"
+TRAINER_DIR = "trainer"
+#: 1: every row copied into rows.safetensors; 2: rows with a place in the row log named in
+#: rows.index instead (`rowindex`), the others copied.
+ROWS_SCHEMA = 2
+SUPPORTED_SCHEMAS = {"ledger": set(codec.SUPPORTED_LEDGER_SCHEMAS), "rows": {1, 2}}
+#: The key by which a trainer file declares the step (= weight version) its state is of.
+STEP_KEY = "rollkeep_step"
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection while a restore or a checkpoint builds O(groups + rows)
+    small objects: the collector would walk the growing containers again and again (a third
+    of a restore's time at 10 k groups). Nothing they build is cyclic garbage. The switch is
+    process-wide; overlapping pauses (the writer's thread and the loop's) leave it as found."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def step_metadata(step: int) -> dict[str, str]:
+    """The safetensors `__metadata__` entry binding a trainer file to `step`."""
+    return {STEP_KEY: str(step)}
+
+
+def _parse_step(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    raise ValueError(f"{STEP_KEY} is {value!r}, not a step number")
+
+
+def declared_step(name: str, data: bytes | memoryview) -> int | None:
+    """The step a trainer file (its bytes) declares, or None if it declares none: JSON
+    files carry `rollkeep_step` at the top level, safetensors files in `__metadata__`;
+    other files are opaque. ValueError if the file is malformed or the value is not a
+    step number."""
+    if name.endswith(".safetensors"):
+        meta = safetensors_header(data).get("__metadata__") or {}
+        return _parse_step(meta.get(STEP_KEY) if isinstance(meta, dict) else None)
+    if name.endswith(".json"):
+        doc = loads_json(data)
+        return _parse_step(doc.get(STEP_KEY) if isinstance(doc, dict) else None)
+    return None
+
+
+def declared_step_of(path: Path) -> int | None:
+    """`declared_step` of a trainer file on disk, reading only a safetensors file's header
+    (for a trainer's `load`, which may face gigabytes of weights)."""
+    return _declared_step(path.name, lambda n: read_prefix(path, n), lambda: path.stat().st_size,
+                          lambda: read_regular(path))
+
+
+def _declared_step(name: str, prefix: Callable[[int], bytes], size: Callable[[], int],
+                   whole: Callable[[], bytes]) -> int | None:
+    """`declared_step`, reading a safetensors file's header only (`prefix(n)`: its first n
+    bytes) and a JSON file whole."""
+    if name.endswith(".safetensors"):
+        head = prefix(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else 0
+        head = prefix(8 + min(max(n, 0), SAFETENSORS_MAX_HEADER))
+        meta = safetensors_header(head, size()).get("__metadata__") or {}
+        return _parse_step(meta.get(STEP_KEY) if isinstance(meta, dict) else None)
+    if name.endswith(".json"):
+        return declared_step(name, whole())
+    return None
+
+
+def save_files(files: Mapping[str, bytes], fs: FS = DEFAULT_FS) -> Callable[[Path], None]:
+    """A `trainer_save` that writes `files` (relative path -> bytes) into the directory it
+    is given, through `fs`: for state that is a few bytes (the toy trainer's), and for the
+    simulated disk, which only its `fs` can write."""
+
+    def save(dir: Path) -> None:
+        for rel, data in files.items():
+            for d in list(reversed(Path(rel).parents))[1:]:
+                fs.makedirs(dir / d)
+            fs.write(dir / rel, data)
+
+    return save
+
+
+def declared_step_in(ck: OpenedCheckpoint, rel: str) -> int | None:
+    """`declared_step` of a listed file of an opened checkpoint, reading only a
+    safetensors file's header (the weights were hashed by `open` already)."""
+    return _declared_step(rel, lambda n: ck.read_prefix(rel, n), lambda: ck.size(rel), lambda: ck.read(rel))
+
+
+@dataclass(frozen=True)
+class Cut:
+    """One consistent capture of custody state, with the rows it references pinned."""
+
+    ledger: LedgerState
+    rows: RowPin
+    time: float  # unix time of the cut (the trace measures thrown-away work against it)
+    hold_seconds: float  # how long the loop was held
+    prefixes: Mapping[tuple[str, int], tuple[Link, ...]] = field(default_factory=dict)  # partial generations
+
+
+def cut(ledger: Ledger, rows: RowStore, *, now: float | None = None, prefixes: PrefixStore | None = None) -> Cut:
+    """The atomic cut. Synchronous; call on the loop thread with no await in between.
+    `now` is the unix time to record (a simulated clock passes its own)."""
+    t0 = time.perf_counter()
+    state = ledger.capture()
+    pin = rows.pin()
+    chains = {} if prefixes is None else prefixes.capture()
+    hold = time.perf_counter() - t0
+    return Cut(ledger=state, rows=pin, time=time.time() if now is None else now, hold_seconds=hold,
+               prefixes=chains)
+
+
+def _sealed(groups) -> Iterator[RowId]:
+    """The row of every sealed current attempt of `groups` ((id, record) pairs), in order."""
+    sealed, new = AttemptStatus.SEALED, tuple.__new__  # (a NamedTuple's own __new__ is Python)
+    return (new(RowId, (gid, g, rec.attempts[g])) for gid, rec in groups
+            for g, s in enumerate(rec.status) if s == sealed)
+
+
+def referenced_rows(state: LedgerState) -> list[RowId]:
+    """Rows a restore needs: every sealed current attempt, in key order."""
+    return list(_sealed(sorted(state.groups.items(), key=lambda kv: (kv[1].epoch, kv[1].ordinal))))  # = .key
+
+
+def referenced_set(state: LedgerState) -> set[RowId]:
+    """`referenced_rows` as a set, without sorting: what a restore compares against."""
+    return set(_sealed(state.groups.items()))
+
+
+def checkpoint_files(c: Cut) -> tuple[dict[str, bytes], dict[str, Any]]:
+    """Encode a cut: its files (the trainer's are written by its `save`), and the
+    manifest's `rows` entry. A row with a place in the
+    row log is named by it in `rows.index` (no row byte is rewritten); one without is copied
+    into `rows.safetensors`. Refuses (AuditFailure) to write a ledger that fails its audit."""
+    report = audit(c.ledger)
+    report.raise_if_failed(AuditFailure, remedy="this is a bug; the checkpoint was not written")
+    by_ref, copied = [], []
+    location = c.rows.locations
+    for rid in referenced_rows(c.ledger):
+        loc = location(rid)
+        if loc is None:
+            copied.append(rid)
+        else:
+            by_ref.append((rid, loc))
+    # Partial generations whose every chunk is in the row log (with the journal: all).
+    chains = {sib: chain for sib, chain in c.prefixes.items() if all(ch.at is not None for ch in chain)}
+    files = {
+        LEDGER_FILE: codec.encode(c.ledger),
+        ROWS_FILE: encode_rows((rid, c.rows.get(rid)) for rid in copied),
+        ROWS_INDEX: encode_index(by_ref, chains),
+    }
+    locations = [loc for _, loc in by_ref] + [ch.at for chain in chains.values() for ch in chain]
+    rows = {"by_reference": len(by_ref), "copied": len(copied), "segments": extents(locations),
+            "partial": len(chains), "partial_tokens": sum(chain[-1].end for chain in chains.values()),
+            "turns": finished_turns(chains)}
+    return files, rows
+
+
+def write_checkpoint(
+    store: CheckpointStore,
+    c: Cut,
+    *,
+    trainer_save: Callable[[Path], None],
+    meta: RunMeta | Mapping[str, Any],
+    keep_last: int | None,
+    trainer_step: int | None = None,
+) -> Published:
+    """Encode and publish a cut; always releases the cut's row pin. `trainer_save(dir)`
+    (a snapshot's `save`) writes the trainer's files into `dir`, the checkpoint's
+    `trainer/` while it is still a temporary directory, on this (the writer's) thread; the
+    store hashes and lists what it finds (`CheckpointStore.publish`, P3). `trainer_step`
+    is the step the trainer's snapshot says it is of; it must be the cut's version (a
+    snapshot from another step would be a bug) and is recorded in the manifest for
+    restore step 5."""
+    try:
+        if trainer_step is not None and trainer_step != c.ledger.version:
+            raise AuditFailure(
+                f"the trainer snapshot is of step {trainer_step}, the cut of step {c.ledger.version}",
+                expected="a snapshot taken at the cut's step boundary",
+                found=f"trainer step {trainer_step}",
+                remedy="this is a bug; the checkpoint was not written",
+            )
+        with gc_paused():  # O(rows) small objects (see `gc_paused`)
+            files, rows = checkpoint_files(c)
+    finally:
+        c.rows.release()
+    full_meta = {
+        **({} if trainer_step is None else {"trainer_step": trainer_step}),
+        "weight_version": c.ledger.version,
+        "cut_time": c.time,
+        "cut_hold_seconds": c.hold_seconds,
+        "schemas": {"ledger": codec.LEDGER_SCHEMA, "rows": ROWS_SCHEMA},
+        "rows": rows,
+        **to_manifest(meta),
+    }
+    version = c.ledger.version
+
+    def check_step(rel: str, size: int, prefix: Callable[[int], bytes], whole: Callable[[], bytes]) -> None:
+        """What restore step 5 checks, before the commit point: a file the trainer wrote
+        that declares another step would make the checkpoint unrestorable."""
+        try:
+            step = _declared_step(rel, prefix, lambda: size, whole)
+        except ValueError as e:
+            step, problem = None, f"does not declare its step readably: {e}"
+        else:
+            problem = None if step is None or step == version else f"declares step {step}"
+        if problem is not None:
+            raise CheckpointError(
+                f"the trainer's save wrote {rel}, which {problem}; nothing was published",
+                path=rel, field=STEP_KEY, expected=f"step {version}, the cut's (or no declared step)",
+                found=f"step {step}" if step is not None else problem,
+                remedy="make the trainer's save(dir) record the step it is given (the snapshot's step) "
+                f"in `{STEP_KEY}`; the previous checkpoint stands")
+
+    return store.publish(version, files, full_meta, keep_last=keep_last, saved={TRAINER_DIR: trainer_save},
+                         check_saved=check_step)

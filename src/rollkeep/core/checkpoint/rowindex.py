@@ -1,0 +1,239 @@
+"""`rows.index`: the rows a checkpoint names by reference instead of copying (docs/design.md §5.2).
+
+A row the journal appended to the row log (`rollkeep.core.rowlog.segments`) is immutable at its
+`RowLocation`, so a checkpoint records where it is: one entry per row, and in the manifest
+the extent of every segment it names. Rows without a location (a run with the journal off,
+or rows restored from a checkpoint that copied them) are still copied into
+`rows.safetensors`; a row is in exactly one of the two files.
+
+Format: msgpack `[2 (schema), rows, chunks, turns]`, each a table `[group_ids, generation, attempt,
+end, segment, offset, length, checksum]`: a list of str and then one column per field as raw
+little-endian arrays (int32 x 4, uint64, uint32, uint64 = xxh3_64 of the frame's payload),
+entry i across them. `rows` are the rows named by reference, in the order the checkpoint
+lists them (`end` 0); `chunks` the partial generations' chains (`core/rollout/prefixes.py`), each
+sibling's chunks in order, `end` the completion's tokens through the chunk; `turns` lists
+the chunks that end a turn of a multi-turn episode (docs/design.md §5.4) as `[chunk's
+position in chunks, turn, the environment's snapshot bytes or nil]`. (Schema 1, written
+before episodes existed, has no `turns` and is still read.) Columns, not one array per row: 100 k rows
+decode in a few msgspec and numpy calls. The file is bound by its
+sha256 in the manifest like every other file; the manifest's `rows.segments` lists, for each
+segment the index names, `[segment, end]` where `end` is the end of the last frame it names
+there (a restore checks each segment reaches that far, and retention keeps every segment a
+retained checkpoint lists).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from itertools import repeat
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+import numpy as np
+
+from ..errors import RowsMismatch
+from ..rollout.prefixes import Link
+from ..rollout.rows import RowId
+from ..rowlog.segments import FRAME_HEADER, MAX_OFFSET, ROWS_DIR, RowLocation
+from .store import CheckpointStore
+
+__all__ = ["INDEX_SCHEMA", "ROWS_INDEX", "decode_index", "encode_index", "extents", "referenced_segments",
+           "rows_dir_for", "segments_listed"]
+
+ROWS_INDEX = "rows.index"
+INDEX_SCHEMA = 2
+_SCHEMAS_READ = (1, 2)
+_REMEDY = (
+    "the rows index of this checkpoint is corrupt or was not written by this rollkeep; "
+    "restore from an older checkpoint, or start the run fresh."
+)
+
+
+class _Table(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    group_ids: list[Annotated[str, msgspec.Meta(min_length=1)]]
+    generation: bytes  # int32 LE, one per entry; likewise below
+    attempt: bytes
+    end: bytes  # int32: a chunk's end (tokens of the completion through it); 0 for a row
+    segment: bytes
+    offset: bytes  # uint64
+    length: bytes  # uint32
+    checksum: bytes  # uint64
+
+
+class _Index(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    schema: int
+    rows: _Table
+    chunks: _Table  # partial generations: each sibling's chain, in order
+    turns: list[tuple[Annotated[int, msgspec.Meta(ge=0)], Annotated[int, msgspec.Meta(ge=0)], bytes | None]] = []
+
+
+_COLUMNS = {"generation": "<i4", "attempt": "<i4", "end": "<i4", "segment": "<i4", "offset": "<u8",
+            "length": "<u4", "checksum": "<u8"}
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder(_Index).decode
+
+
+def _table(entries: list[tuple[str, int, int, int, RowLocation]]) -> _Table:
+    cols = {"generation": [e[1] for e in entries], "attempt": [e[2] for e in entries],
+            "end": [e[3] for e in entries], "segment": [e[4].segment for e in entries],
+            "offset": [e[4].offset for e in entries], "length": [e[4].length for e in entries],
+            "checksum": [e[4].checksum for e in entries]}
+    return _Table([e[0] for e in entries], **{k: np.array(v, _COLUMNS[k]).tobytes() for k, v in cols.items()})
+
+
+def encode_index(entries: Iterable[tuple[RowId, RowLocation]],
+                 chains: Mapping[tuple[str, int], Iterable[Link]] | None = None) -> bytes:
+    """`entries`: the rows named by reference; `chains`: the partial generations, every
+    chunk with its place (`Link.at`)."""
+    rows = [(gid, gen, att, 0, loc) for (gid, gen, att), loc in entries]  # ids: the ledger's, checked
+    links = [(gid, gen, ch) for (gid, gen), chain in (chains or {}).items() for ch in chain]
+    chunks = [(gid, gen, ch.attempt, ch.end, ch.at) for gid, gen, ch in links]
+    turns = [(i, ch.turn, ch.snapshot) for i, (_, _, ch) in enumerate(links) if ch.turn >= 0]
+    return _encode(_Index(INDEX_SCHEMA, _table(rows), _table(chunks), turns))
+
+
+@dataclass(frozen=True)
+class Index:
+    """A decoded `rows.index`: the rows named by reference, the chains of partial
+    generations, and `[segment, end]` of every segment either names."""
+
+    rows: dict[RowId, RowLocation]
+    chains: dict[tuple[str, int], tuple[Link, ...]]
+    extents: list[list[int]]
+
+
+def decode_index(data: bytes, *, path: str = ROWS_INDEX) -> Index:
+    """Decode strictly: RowsMismatch naming `path` for anything malformed or out of range,
+    an unknown schema, a row named twice, or a chain whose chunks do not grow. Checked in
+    bulk (numpy), then built without per-entry validation: a restore at 100 k groups
+    decodes it in tens of ms."""
+    def bad(what: str, expected: str, found: str, field: str = "rows") -> RowsMismatch:
+        return RowsMismatch(what, path=path, field=field, expected=expected, found=found, remedy=_REMEDY)
+
+    try:
+        index = _decode(data)
+    except msgspec.DecodeError as e:
+        raise bad("The rows index does not decode", "msgpack [schema, rows, chunks, turns], the first two "
+                  "tables of group_ids, generation, attempt, end, segment, offset, length, checksum",
+                  str(e)) from None
+    if index.schema not in _SCHEMAS_READ:
+        raise bad("Unsupported rows index schema", f"one of {list(_SCHEMAS_READ)}", str(index.schema), "schema")
+    rows, ends = _columns(index.rows, bad, "rows")
+    chunks, chunk_ends = _columns(index.chunks, bad, "chunks")
+    # tuple.__new__ in C: a NamedTuple's own __new__ is Python, ~5x slower per row.
+    ids = list(map(tuple.__new__, repeat(RowId), zip(index.rows.group_ids, rows["generation"].tolist(),
+                                                       rows["attempt"].tolist(), strict=True)))
+    out = dict(zip(ids, _locations(rows), strict=True))
+    if len(out) != len(ids):
+        dup = next(rid for rid, c in Counter(ids).items() if c > 1)
+        raise bad("The rows index names a row twice", "each (group_id, generation, attempt) once",
+                  f"{tuple(dup)} more than once")
+    turns = _turns(index.turns, len(index.chunks.group_ids), bad)
+    chains: dict[tuple[str, int], tuple[Link, ...]] = {}
+    for i, (gid, gen, att, end, loc) in enumerate(zip(index.chunks.group_ids, chunks["generation"].tolist(),
+                                                      chunks["attempt"].tolist(), chunks["end"].tolist(),
+                                                      _locations(chunks), strict=True)):
+        chain = chains.get((gid, gen), ())
+        turn, snapshot = turns.get(i, (-1, None))
+        before = chain[-1].end if chain else 0
+        # A turn's chunk may be empty (its tokens were all recorded by progress, and the
+        # environment answered nothing); any other chunk adds tokens.
+        if end < before or (end == before and turn < 0) or (chain and att < chain[-1].attempt):
+            raise bad(f"The chain of partial generation {gid}/{gen} does not grow", "chunks in order: ends "
+                      "increasing, attempts not decreasing", f"attempt {att} ending at token {end}", "chunks")
+        finished = sum(link.turn >= 0 for link in chain)
+        if turn >= 0 and turn != finished:
+            raise bad(f"The episode of sibling {gid}/{gen} skips a turn", "turns 0, 1, 2, ... in order",
+                      f"turn {turn} after {finished} finished turn(s)", "turns")
+        chains[(gid, gen)] = (*chain, Link(att, end, None, loc, turn, snapshot))
+    return Index(out, chains, _extents(np.concatenate([rows["segment"], chunks["segment"]]),
+                                       np.concatenate([ends, chunk_ends])))
+
+
+def _turns(entries: list[tuple[int, int, bytes | None]], n_chunks: int, bad) -> dict[int, tuple[int, bytes | None]]:
+    """chunk position -> (turn, snapshot), each position in range and listed once."""
+    out = {i: (turn, snapshot) for i, turn, snapshot in entries}
+    if len(out) != len(entries) or any(i >= n_chunks for i in out):
+        raise bad("The rows index lists a turn of no chunk, or one chunk twice",
+                  f"distinct chunk positions below {n_chunks}", str(sorted(i for i, _, _ in entries)[-3:]), "turns")
+    return out
+
+
+def _columns(t: _Table, bad, name: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    n = len(t.group_ids)
+    cols = {}
+    for col, dtype in _COLUMNS.items():
+        raw = getattr(t, col)
+        width = np.dtype(dtype).itemsize
+        if len(raw) != n * width:
+            raise bad(f"The rows index column {name}.{col} has the wrong length",
+                      f"{n} x {width} bytes (one per entry)", f"{len(raw)} bytes", name)
+        cols[col] = np.frombuffer(raw, dtype)
+    for col, low in (("generation", 0), ("attempt", 0), ("end", 0), ("segment", 0), ("length", FRAME_HEADER.size)):
+        if n and int(cols[col].min()) < low:
+            raise bad(f"The rows index column {name}.{col} is out of range", f">= {low}",
+                      str(int(cols[col].min())), name)
+    if n and int(cols["offset"].max()) > MAX_OFFSET:  # offset + length must not wrap
+        raise bad(f"The rows index column {name}.offset is out of range", f"<= {MAX_OFFSET}",
+                  str(int(cols["offset"].max())), name)
+    return cols, cols["offset"] + cols["length"]
+
+
+def _locations(cols: dict[str, np.ndarray]):
+    return map(RowLocation, cols["segment"].tolist(), cols["offset"].tolist(), cols["length"].tolist(),
+               cols["checksum"].tolist())
+
+
+def extents(locations: Iterable[RowLocation]) -> list[list[int]]:
+    """`[segment, end]` for each segment the locations name, in order: `end` is the end of
+    the last frame named there."""
+    locs = list(locations)
+    return _extents(np.array([x.segment for x in locs], np.int64),
+                    np.array([x.offset + x.length for x in locs], np.uint64))
+
+
+def _extents(segments: np.ndarray, ends: np.ndarray) -> list[list[int]]:
+    uniq = np.unique(segments)
+    last = np.zeros(len(uniq), np.uint64)
+    np.maximum.at(last, np.searchsorted(uniq, segments), ends)
+    return [[s, e] for s, e in zip(uniq.tolist(), last.tolist(), strict=True)]
+
+
+def segments_listed(manifest: Mapping[str, Any]) -> list[list[int]] | None:
+    """The manifest's `rows.segments`, or None when it has none (a checkpoint that copied its
+    rows) or it is malformed."""
+    rows = manifest.get("rows")
+    segs = rows.get("segments") if isinstance(rows, dict) else None
+    if not isinstance(segs, list) or not all(
+        isinstance(s, list) and len(s) == 2 and all(type(x) is int and x >= 0 for x in s) for s in segs
+    ):
+        return None
+    return segs
+
+
+def referenced_segments(store: CheckpointStore) -> set[int] | None:
+    """Every row segment a checkpoint of `store` names (published, kept by retention, or set
+    aside), or None if some manifest cannot be read or trusted: then nothing may be deleted."""
+    out: set[int] = set()
+    for _, manifest in store.manifests():
+        if manifest is None:
+            return None
+        if manifest.get("schemas", {}).get("rows", 1) < 2:
+            continue  # its rows are copies
+        segs = segments_listed(manifest)
+        if segs is None:
+            return None
+        out.update(seg for seg, _ in segs)
+    return out
+
+
+def rows_dir_for(checkpoint_dir: Path) -> Path:
+    """The row log a checkpoint's index points into: `RUN_DIR/rows` for a checkpoint in
+    `RUN_DIR/checkpoints/` or in one of its `abandoned-*/` directories."""
+    parent = Path(checkpoint_dir).parent
+    if parent.name.startswith("abandoned-"):
+        parent = parent.parent
+    return parent.parent / ROWS_DIR

@@ -1,0 +1,198 @@
+"""The finished-generation record: the immutable `Row` and the `RowId` that names it.
+
+A row is everything one finished generation produced: prompt and completion token ids,
+behaviour log-probabilities, the weight version of every token, the reward and the finish
+reason. A sealed attempt's row is named by the attempt itself, `RowId(group_id, generation,
+attempt)`, so the ledger needs no separate reference (docs/design.md §1).
+
+Rows are immutable: their arrays are read-only, and `RowStore.put` refuses a different row
+under an id it already holds. That is what lets the checkpoint cut (docs/design.md §3) hold
+references instead of copies.
+
+The store of a run's rows is `rollkeep.core.rollout.rowstore`; their checkpoint file,
+`rows.safetensors`, is `rollkeep.core.checkpoint.rowcodec`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+__all__ = [
+    "ENV_VERSION",
+    "FINISH_REASONS",
+    "Row",
+    "RowId",
+    "check_row_id",
+]
+
+ENV_VERSION = -1  # the `versions` entry of a token an environment wrote (rollkeep.envs.base)
+FINISH_REASONS: tuple[str, ...] = ("stop", "length")  # index = code in the file
+FINISH_CODE = {name: code for code, name in enumerate(FINISH_REASONS)}
+_INT32_MAX = 2**31 - 1
+
+
+class RowId(NamedTuple):
+    """A sealed attempt, which names its row: `(group_id, generation index, attempt)`."""
+
+    group_id: str
+    generation: int
+    attempt: int
+
+
+def check_row_id(row_id: object) -> RowId:
+    """Return `row_id` as a RowId, or raise ValueError saying what is wrong."""
+    if type(row_id) is RowId:  # fast path: the common, already well-formed case
+        gid, gen, att = row_id
+        if (
+            type(gid) is str
+            and gid
+            and type(gen) is int
+            and type(att) is int
+            and 0 <= gen <= _INT32_MAX
+            and 0 <= att <= _INT32_MAX
+        ):
+            return row_id
+    if not isinstance(row_id, tuple) or len(row_id) != 3:
+        raise ValueError(f"row id must be a RowId(group_id, generation, attempt), got {row_id!r}")
+    gid, gen, att = row_id
+    if not isinstance(gid, str) or not gid:
+        raise ValueError(f"row id group_id must be a non-empty str, got {gid!r}")
+    for name, value in (("generation", gen), ("attempt", att)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise ValueError(f"row id {name} must be an int, got {value!r}")
+        if not 0 <= int(value) <= _INT32_MAX:
+            raise ValueError(f"row id {name} must be in [0, 2**31), got {value}")
+    return RowId(gid, int(gen), int(att))
+
+
+# ---------------------------------------------------------------------------------------
+# Row
+# ---------------------------------------------------------------------------------------
+
+_ARRAY_DTYPES: dict[str, np.dtype] = {
+    "prompt_ids": np.dtype(np.int32),
+    "completion_ids": np.dtype(np.int32),
+    "logprobs": np.dtype(np.float32),
+    "versions": np.dtype(np.int32),
+}
+
+
+def _frozen(arr: np.ndarray) -> np.ndarray:
+    """`arr` if nothing can write to its memory, else a read-only copy."""
+    if arr.flags.writeable:  # the common case (an engine's fresh array): copy at once
+        out = arr.copy()
+        out.flags.writeable = False
+        return out
+    base: Any = arr
+    while True:
+        if isinstance(base, np.ndarray):
+            if base.flags.writeable:
+                break
+            if base.base is None:
+                return arr
+            base = base.base
+        elif isinstance(base, bytes):
+            return arr
+        else:  # bytearray, mmap, a writable buffer: someone could still change it
+            break
+    out = np.array(arr, copy=True, order="C")
+    out.flags.writeable = False
+    return out
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Row:
+    """One finished generation. Immutable: its arrays are read-only.
+
+    prompt_ids      int32 [P]   prompt token ids
+    completion_ids  int32 [C]   generated token ids (C may be 0)
+    logprobs        float32 [C] behaviour log-probability of each completion token
+    versions        int32 [C]   weight version each completion token was generated under, or
+                                ENV_VERSION (-1) for a token an environment wrote (a multi-turn
+                                trajectory: masked out of the loss, log-prob 0)
+    reward          float       the reward of the whole completion
+    finish_reason   "stop" | "length"
+    """
+
+    prompt_ids: np.ndarray
+    completion_ids: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    reward: float
+    finish_reason: str
+
+    def __post_init__(self) -> None:
+        # Runs once per generation, so it is written for speed: one pass over the four
+        # arrays, and a message only once something is wrong.
+        arrays = (self.prompt_ids, self.completion_ids, self.logprobs, self.versions)
+        for (name, dtype), arr in zip(_ARRAY_DTYPES.items(), arrays, strict=True):
+            if type(arr) is not np.ndarray or arr.dtype != dtype or arr.ndim != 1:
+                if not isinstance(arr, np.ndarray):
+                    raise ValueError(
+                        f"Row.{name} must be a numpy array of {dtype}, got {type(arr).__name__}"
+                    )
+                if arr.dtype != dtype:
+                    raise ValueError(f"Row.{name} must have dtype {dtype}, got {arr.dtype}")
+                if arr.ndim != 1:
+                    raise ValueError(f"Row.{name} must be 1-D, got shape {arr.shape}")
+        n = len(self.completion_ids)
+        if len(self.logprobs) != n or len(self.versions) != n:
+            name = "logprobs" if len(self.logprobs) != n else "versions"
+            raise ValueError(
+                f"Row.{name} has length {len(getattr(self, name))}, "
+                f"but completion_ids has length {n}: one value per completion token"
+            )
+        for name, arr in (("prompt_ids", arrays[0]), ("completion_ids", arrays[1])):
+            if arr.size and arr.min() < 0:
+                raise ValueError(f"Row.{name} must be non-negative, found {int(arr.min())}")
+        if arrays[3].size and arrays[3].min() < ENV_VERSION:
+            raise ValueError(f"Row.versions must be >= 0 (or {ENV_VERSION}, an environment's token), "
+                             f"found {int(arrays[3].min())}")
+        reward = self.reward
+        if isinstance(reward, bool) or not isinstance(
+            reward, (int, float, np.integer, np.floating)
+        ):
+            raise ValueError(f"Row.reward must be a float, got {type(reward).__name__}")
+        if not isinstance(self.finish_reason, str) or self.finish_reason not in FINISH_CODE:
+            raise ValueError(
+                f"Row.finish_reason must be one of {list(FINISH_REASONS)}, "
+                f"got {self.finish_reason!r}"
+            )
+        object.__setattr__(self, "reward", float(reward))
+        for name, arr in zip(_ARRAY_DTYPES, arrays, strict=True):
+            object.__setattr__(self, name, _frozen(arr))
+
+    @property
+    def tokens(self) -> int:
+        """Number of completion tokens."""
+        return len(self.completion_ids)
+
+    def equal(self, other: Row) -> bool:
+        """Same content, bit for bit (a NaN equals the same NaN; 0.0 differs from -0.0)."""
+        if self is other:
+            return True
+        return (
+            self.finish_reason == other.finish_reason
+            and np.float64(self.reward).tobytes() == np.float64(other.reward).tobytes()
+            and all(
+                getattr(self, name).shape == getattr(other, name).shape
+                and getattr(self, name).tobytes() == getattr(other, name).tobytes()
+                for name in _ARRAY_DTYPES
+            )
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Row):
+            return NotImplemented
+        return self.equal(other)
+
+    __hash__ = None  # type: ignore[assignment]  # arrays are not hashable
+
+    def __repr__(self) -> str:
+        return (
+            f"Row(prompt={len(self.prompt_ids)} tokens, completion={self.tokens} tokens, "
+            f"reward={self.reward!r}, finish_reason={self.finish_reason!r})"
+        )

@@ -1,0 +1,224 @@
+"""The embedded `RowStore` of a run: its finished sibling rows, in memory or by reference.
+
+Threading (docs/design.md §2, §3)
+----------------------------
+`put`, `put_ref`, `locate`, `delete`, `pin`, `ids`, `len` and `in` run on the controller's
+loop thread. A checkpoint writer on a background thread holds a `RowPin` taken during the
+cut and calls only `location` and `get` (or the pin's) with ids it knows were present when
+the pin was taken (`RowPin.locations`, `RowPin.get`), and `get` only for rows without a location, which are in memory. While
+any pin is held, `delete` is deferred: the row leaves the store's logical view at once but
+stays readable by `get` and `location`, and is removed when the last pin is released.
+
+Why the writer's reads are safe: in CPython a plain `d[key]` lookup runs under the GIL as
+one C call, and a dict resize caused by the loop thread inserting other keys happens inside
+another such call, so the lookup never sees a half-resized table. (Free-threaded CPython
+locks each dict for the same effect.) Only *iterating* a dict that another thread mutates
+can fail ("dictionary changed size during iteration"), so the writer never iterates the
+live dict: `ids()` returns a snapshot and is for the loop thread. The pin count and the set
+of deferred deletes are guarded by a lock, so `RowPin.release()` may also be called from the
+writer thread when it finishes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from rollkeep.core.errors import CustodyError
+from rollkeep.core.rollout.rows import Row, RowId, check_row_id
+
+__all__ = ["RowPin", "RowStore"]
+
+
+class RowPin:
+    """Holds deletions back while a checkpoint writer reads rows. Release exactly once
+    (further calls are no-ops); use it as a context manager."""
+
+    __slots__ = ("_store", "_released")
+
+    def __init__(self, store: RowStore) -> None:
+        self._store = store
+        self._released = False
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def get(self, row_id: RowId) -> Row:
+        """`store.get(row_id)`, refused once this pin is released."""
+        if self._released:
+            raise CustodyError(
+                "A row was read through a RowPin after the pin was released",
+                expected="reads only while the pin is held",
+                found=f"get({row_id!r}) after release()",
+                remedy="release the pin after the checkpoint writer has read every row.",
+            )
+        return self._store.get(row_id)
+
+    @property
+    def locations(self) -> Callable[[RowId], Any]:
+        """`store.location`, for a checkpoint naming 100 k rows without two calls per row:
+        the row log's map's own `get` (plain lookups: safe from the writer's thread)."""
+        return self._store._where.get
+
+    def release(self) -> None:
+        """Drop this pin; the last one out applies the deferred deletes. Idempotent, and
+        callable from the checkpoint writer thread."""
+        self._store._unpin(self)
+
+    def __enter__(self) -> RowPin:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class RowStore:
+    """The row store of a run. See the module docstring for the threading rules.
+
+    A row is held in memory, or by reference: its `RowLocation` in the row log
+    (`rollkeep.core.rowlog.segments`), read on its first `get` by the `reader` the store was made
+    with, verified, and kept in memory from then on. A row the journal appended to the row
+    log has both (`locate`); a checkpoint then names it by its location instead of copying
+    it (docs/design.md §5.2).
+
+    The logical view (`in`, `len`, `ids`) drops a row as soon as it is deleted; `get` and
+    `location` keep serving a deleted row while a pin defers its removal.
+    """
+
+    def __init__(self, reader: Callable[[RowId, Any], Row] | None = None) -> None:
+        self._rows: dict[RowId, Row] = {}  # rows in memory
+        self._where: dict[RowId, Any] = {}  # RowLocation of rows in the row log
+        self._deferred: set[RowId] = set()  # deleted while pinned; still held
+        self._pins = 0
+        self._n = 0  # rows of the logical view
+        self._reader = reader
+        self._lock = threading.Lock()
+
+    def _held(self, rid: RowId) -> bool:
+        return rid in self._rows or rid in self._where
+
+    def put(self, row_id: RowId, row: Row) -> None:
+        """Store `row` under `row_id`. The same content again is a no-op; a different row
+        under a held id raises CustodyError and changes nothing."""
+        rid = check_row_id(row_id)
+        if not isinstance(row, Row):
+            raise ValueError(f"RowStore.put needs a Row, got {type(row).__name__}")
+        if not self._held(rid):
+            with self._lock:
+                self._rows[rid] = row
+                self._n += 1
+            return
+        existing = self.get(rid)
+        if not existing.equal(row):
+            raise CustodyError(
+                f"Conflicting seal: row {tuple(rid)} is already stored with different content",
+                expected=f"the stored {existing!r} again (a duplicate seal is a no-op)",
+                found=repr(row),
+                remedy="an attempt is sealed once; a new rollout needs a new attempt.",
+            )
+        with self._lock:
+            if rid in self._deferred:  # deleted while pinned, now stored again
+                self._deferred.remove(rid)
+                self._n += 1
+
+    def put_ref(self, row_id: RowId, location: Any) -> None:
+        """Hold the row under `row_id` by reference: read at `location` on its first `get`.
+        The id must be new (a restore puts each row once)."""
+        rid = check_row_id(row_id)
+        if self._reader is None:
+            raise ValueError("RowStore.put_ref needs a store made with a reader")
+        if self._held(rid):
+            raise ValueError(f"row {tuple(rid)} is already held")
+        with self._lock:
+            self._where[rid] = location
+            self._n += 1
+
+    def locate(self, row_id: RowId, location: Any) -> None:
+        """Record where a held row was appended in the row log (the journal, at its seal)."""
+        if row_id not in self._rows:
+            raise KeyError(row_id)
+        self._where[row_id] = location
+
+    def location(self, row_id: RowId) -> Any:
+        """The row's `RowLocation` in the row log, or None if it is held in memory only.
+        Safe from the checkpoint writer thread, as `get`."""
+        return self._where.get(row_id)
+
+    def get(self, row_id: RowId) -> Row:
+        """The row under `row_id` (KeyError if absent); a row held by reference is read and
+        verified now (the reader's errors: `RowSegmentCorrupt`, exit 3). Safe from the
+        checkpoint writer thread for ids present when its pin was taken."""
+        row = self._rows.get(row_id)
+        if row is not None:
+            return row
+        row = self._reader(row_id, self._where[row_id])  # type: ignore[misc]  # KeyError if absent
+        self._rows[row_id] = row  # one dict store: atomic under the GIL
+        return row
+
+    def delete(self, row_id: RowId) -> None:
+        """Remove a row (KeyError if absent). Deferred while any pin is held."""
+        with self._lock:
+            if not self._held(row_id) or row_id in self._deferred:
+                raise KeyError(row_id)
+            self._n -= 1
+            if self._pins:
+                self._deferred.add(check_row_id(row_id))
+            else:
+                self._rows.pop(row_id, None)
+                self._where.pop(row_id, None)
+
+    def pin(self) -> RowPin:
+        """O(1). Until the returned pin is released, deletes are deferred."""
+        with self._lock:
+            self._pins += 1
+        return RowPin(self)
+
+    def _unpin(self, pin: RowPin) -> None:
+        with self._lock:
+            if pin._released:
+                return
+            pin._released = True
+            self._pins -= 1
+            if self._pins == 0 and self._deferred:
+                for rid in self._deferred:
+                    self._rows.pop(rid, None)
+                    self._where.pop(rid, None)
+                self._deferred.clear()
+
+    @property
+    def pins(self) -> int:
+        """Pins currently held."""
+        return self._pins
+
+    def __contains__(self, row_id: object) -> bool:
+        return self._held(row_id) and row_id not in self._deferred  # type: ignore[arg-type]
+
+    def __len__(self) -> int:
+        return self._n
+
+    def ids(self) -> Iterator[RowId]:
+        """A snapshot of the stored ids (in memory first, then by reference). Loop thread only."""
+        with self._lock:
+            snapshot = [rid for rid in self._rows if rid not in self._deferred]
+            snapshot += [rid for rid in self._where if rid not in self._rows and rid not in self._deferred]
+        return iter(snapshot)
+
+    def restore(self, rows: Mapping[RowId, Any]) -> None:
+        """Fill an empty store with what a restore produced (`Restored.rows`, a replay's rows:
+        ids already checked by their decoders): a `Row` in memory, anything else (a
+        `RowLocation`) by reference. O(rows) dict updates, no read."""
+        if self._rows or self._where:
+            raise ValueError("RowStore.restore fills an empty store")
+        refs = {rid: row for rid, row in rows.items() if not isinstance(row, Row)}
+        if refs and self._reader is None:
+            raise ValueError("RowStore.restore of rows by reference needs a store made with a reader")
+        with self._lock:
+            self._where.update(refs)
+            self._rows.update((rid, row) for rid, row in rows.items() if rid not in refs)
+            self._n = len(rows)
+
+    def resident(self) -> int:
+        """Rows held in memory (the rest are read on their first `get`)."""
+        return len(self._rows)
