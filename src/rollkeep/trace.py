@@ -42,6 +42,7 @@ __all__ = ["FLUSH_NOW", "Trace", "event_lines", "last_committed_in_trace", "pars
 
 _json = msgspec.json.Encoder()
 _SPILL_LINES = 1024  # a writer that never flushes still hands its lines over in batches
+_RAN_ON = frozenset({"sealed", "failed"})  # ledger events that carry the `replica` that ran them
 
 
 def new_run_id() -> str:
@@ -77,13 +78,19 @@ class Trace:
         # durable is then never ahead of the trace, and ends between two whole transitions).
         # Not after the flushes the trace does by itself mid-transition (FLUSH_NOW, spills).
         self.on_flush: Callable[[], None] | None = None
+        # Server mode: each server's URL (JSON-encoded), by replica index; `sealed` and
+        # `failed` lines then name the server that ran the attempt (`server`).
+        self.servers: tuple[bytes, ...] | None = None
 
     def emit(self, ev: RunEvent | Event) -> None:
         """One event of the schema (`rollkeep.core.custody.trace_schema`) becomes a line. Also the
         ledger's sink: every ledger event is traced as it is applied (the hot path: one
         encode and one join; msgspec writes `t` exactly, as the shortest repr)."""
         # The event encodes as b'{...}': splice the common fields in front of its own.
-        self._lines.append(b"".join((b'{"t":', _json.encode(self._clock()), self._run, _json.encode(ev)[1:], b"\n")))
+        run = self._run
+        if self.servers is not None and ev.__struct_config__.tag in _RAN_ON:  # type: ignore[attr-defined]
+            run = self._run + b'"server":' + self.servers[ev.replica] + b","  # type: ignore[union-attr]
+        self._lines.append(b"".join((b'{"t":', _json.encode(self._clock()), run, _json.encode(ev)[1:], b"\n")))
         if ev.__struct_config__.tag in FLUSH_NOW or len(self._lines) >= _SPILL_LINES:  # type: ignore[attr-defined]
             self._write_lines()
 

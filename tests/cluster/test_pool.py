@@ -81,7 +81,7 @@ async def settle() -> None:
 def make_pool(n: int, *, timeout: float = 60.0, max_restarts: int = 3, **kw):
     replicas = [FakeReplica(i, **kw) for i in range(n)]
     published: list[object] = []
-    pool = EnginePool(replicas, publish=lambda w: published.append(w) or ("ref", len(published)),
+    pool = EnginePool(replicas, publish=lambda w, v: published.append(w) or ("ref", len(published)),
                       max_restarts=max_restarts, replica_timeout_s=timeout)
     trace: list[object] = []
     unavailable: list[str] = []
@@ -216,7 +216,7 @@ def test_no_replica_that_can_start_is_an_error_at_open() -> None:
             raise ReplicaGone("the engine failed to build: no such model")
 
     async def main():
-        pool = EnginePool([Broken(0), Broken(1)], publish=lambda w: w, max_restarts=1, replica_timeout_s=5)
+        pool = EnginePool([Broken(0), Broken(1)], publish=lambda w, v: w, max_restarts=1, replica_timeout_s=5)
         with pytest.raises(ReplicaGone, match="failed to start"):
             await pool.open()
         await pool.close()

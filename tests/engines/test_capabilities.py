@@ -64,7 +64,7 @@ def test_the_engine_pool_gives_its_replicas_capabilities():
     limit = CompletionLimit(8, None)
     info = ReplicaInfo(pid=1, node="n", streams=True, continues=True, completion_limit=limit)
     assert info.capabilities == Capabilities(streams=True, continues=True, completion_limit=limit)
-    pool = EnginePool([], publish=lambda w: w, max_restarts=0, replica_timeout_s=1.0)
+    pool = EnginePool([], publish=lambda w, v: w, max_restarts=0, replica_timeout_s=1.0)
     pool._info = [None, info]  # as after open(): the first started replica speaks for all
     assert capabilities_of(pool) == info.capabilities
     assert (pool.streams, pool.continues, pool.completion_limit) == (True, True, limit)  # the old attributes

@@ -1,6 +1,7 @@
 """Where generation runs (docs/design.md §10): `cluster.backend: local`, one engine inside
 the controller's process; `ray`, `engine.replicas` engine replicas as Ray actors behind
-one `EnginePool` the runner drives like any engine.
+one `EnginePool` the runner drives like any engine (server mode, `engine.name: remote`, puts
+its HTTP servers behind the same pool: `rollkeep.remote`).
 
   replicas.py    each replica's state machine and the routing rule (sans-IO)
   pool.py        the pool: routes attempts, publishes weights, survives replica deaths
@@ -23,6 +24,12 @@ __all__ = ["EnginePool", "ReplicaGone", "open_engine"]
 def open_engine(cfg: Any, recipe: EngineRecipe) -> Engine:
     """The run's engine: built here (`local`), or a pool of Ray actors that start when the
     runner opens it (`ray`; Ray is connected to, or started, now)."""
+    if cfg.engine.name == "remote":  # server mode: the servers run elsewhere
+        from pathlib import Path
+
+        from ..remote import remote_pool
+
+        return remote_pool(cfg.engine, run_dir=Path(cfg.run_dir), source_dir=cfg.trainer.model_path)
     if cfg.cluster.backend == "local":
         return recipe.make()
     from .ray_actors import ray_pool

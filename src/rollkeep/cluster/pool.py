@@ -20,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import inspect
+import json
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -30,13 +32,32 @@ from ..engines.base import Capabilities
 from .replicas import ReplicaGone, ReplicaHandle, ReplicaInfo, ReplicaLost, ReplicaSet
 
 
+class ReplicaEvents:
+    """What the pool traces when a replica is up or dies (`engine_replica_started` /
+    `engine_replica_died`; server mode traces its servers' own events instead)."""
+
+    def started(self, i: int, info: ReplicaInfo, restarts: int, down: float | None) -> RunEvent | None:
+        return EngineReplicaStarted(replica=i, pid=info.pid, node=info.node, restart=restarts, down_seconds=down)
+
+    def died(self, i: int, reason: str, attempts_failed: int, gone: bool) -> RunEvent:
+        return EngineReplicaDied(replica=i, reason=reason, attempts_failed=attempts_failed, gone=gone)
+
+    def unavailable(self, timeout: float, alive: bool) -> str:
+        """Why the run stops when no replica was READY for `timeout` seconds."""
+        return (f"no engine replica was alive for cluster.replica_timeout_s={timeout:g} s" if alive
+                else "every engine replica is gone (cluster.max_restarts spent)")
+
+
 class EnginePool:
     name = "pool"
 
-    def __init__(self, handles: Sequence[ReplicaHandle], *, publish: Callable[[Any], Any], max_restarts: int,
-                 replica_timeout_s: float, on_close: Callable[[], None] | None = None) -> None:
+    def __init__(self, handles: Sequence[ReplicaHandle], *, publish: Callable[[Any, int], Any], max_restarts: int,
+                 replica_timeout_s: float, on_close: Callable[[], None] | None = None,
+                 events: ReplicaEvents | None = None) -> None:
         self._handles = list(handles)
-        self._publish = publish
+        self._publish = publish  # (weights, version) -> what every replica refits from
+        self._events = events or ReplicaEvents()
+        self.servers: tuple[str, ...] | None = None  # server mode: each replica's URL
         self._timeout = replica_timeout_s
         self._on_close = on_close  # e.g. disconnect from Ray
         self.replicas = ReplicaSet(len(self._handles), max_restarts=max_restarts)
@@ -99,10 +120,14 @@ class EnginePool:
             raise ReplicaGone(f"no engine replica started within cluster.replica_timeout_s={self._timeout:g} s"
                               if self.replicas.alive() else "every engine replica failed to start")
 
-    def attach(self, emit: Callable[[RunEvent], None], on_unavailable: Callable[[str], None]) -> None:
+    def attach(self, emit: Callable[[RunEvent], None], on_unavailable: Callable[[str], None],
+               trace: Any = None) -> None:
         """Where the pool's trace events go (the run's trace, once it is open), and whom to
-        tell when no replica is left."""
+        tell when no replica is left. Server mode: `trace`'s `sealed`/`failed` lines then
+        name the server (`Trace.servers`)."""
         self._emit, self._on_unavailable = emit, on_unavailable
+        if trace is not None and self.servers is not None:
+            trace.servers = tuple(json.dumps(u).encode() for u in self.servers)
         for ev in self._held:
             emit(ev)
         self._held.clear()
@@ -126,8 +151,7 @@ class EnginePool:
             info = await handle.start()
         except ReplicaGone as e:
             self.replicas.gone(i)
-            self._trace(EngineReplicaDied(replica=i, reason=f"cannot start: {e}"[:500], attempts_failed=0,
-                                          gone=True))
+            self._trace(self._events.died(i, f"cannot start: {e}"[:500], 0, True))
             self._changed()
             return
         self._info[i] = info
@@ -142,8 +166,9 @@ class EnginePool:
             return
         self.replicas.refitted(i, None if self._weights is None else self._weights[1])
         restarts, down = self.replicas.back(i, time.monotonic())
-        self._trace(EngineReplicaStarted(replica=i, pid=info.pid, node=info.node, restart=restarts,
-                                         down_seconds=down))
+        ev = self._events.started(i, info, restarts, down)
+        if ev is not None:
+            self._trace(ev)
         self._changed()
 
     # ------------------------------------------------------------------ Engine
@@ -173,7 +198,9 @@ class EnginePool:
     async def update_weights(self, weights: Any, version: int) -> None:
         """Publish `weights` once and refit every READY replica from it; a replica coming
         back meanwhile refits to them before it takes work (`_bring_up`)."""
-        published = self._publish(weights)
+        published = self._publish(weights, version)
+        if inspect.isawaitable(published):  # (server mode writes a weight directory, off the loop)
+            published = await published
         self._weights = (published, version)
 
         async def refit(i: int, incarnation: int) -> None:
@@ -192,8 +219,7 @@ class EnginePool:
         death = self.replicas.died(i, incarnation, time.monotonic())
         if death is None:
             return  # reported by another of its attempts
-        self._trace(EngineReplicaDied(replica=i, reason=reason[:500], attempts_failed=death.attempts_failed,
-                                      gone=death.gone))
+        self._trace(self._events.died(i, reason[:500], death.attempts_failed, death.gone))
         if not death.gone and not self._closed:
             self._spawn(self._bring_up(i))
         self._changed()
@@ -216,9 +242,7 @@ class EnginePool:
             with contextlib.suppress(TimeoutError):
                 await self._until(lambda: self.replicas.live() or not self.replicas.alive(), self._timeout)
             if not self.replicas.live() and self._on_unavailable is not None:
-                self._on_unavailable(
-                    f"no engine replica was alive for cluster.replica_timeout_s={self._timeout:g} s"
-                    if self.replicas.alive() else "every engine replica is gone (cluster.max_restarts spent)")
+                self._on_unavailable(self._events.unavailable(self._timeout, self.replicas.alive()))
         finally:
             self._watch = None
 

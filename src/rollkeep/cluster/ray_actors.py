@@ -73,7 +73,7 @@ def ray_pool(cluster: Any, recipe: EngineRecipe, *, replicas: int, flush_s: floa
     actor_cls = ray.remote(num_cpus=cluster.replica_cpus, num_gpus=gpus, max_restarts=cluster.max_restarts,
                            max_task_retries=0, max_concurrency=1000)(ReplicaActor)
     handles = [RayReplica(ray, actor_cls, recipe, i, flush_s) for i in range(replicas)]
-    return EnginePool(handles, publish=ray.put, max_restarts=cluster.max_restarts,
+    return EnginePool(handles, publish=lambda weights, version: ray.put(weights), max_restarts=cluster.max_restarts,
                       replica_timeout_s=cluster.replica_timeout_s, on_close=on_close)
 
 

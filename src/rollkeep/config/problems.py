@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -68,7 +69,7 @@ def _cross_field_problems(get: Callable[[str], Any]) -> list[_Problem]:
             )
 
     engine, trainer = get("engine.name"), get("trainer.name")
-    pairs = {"toy": ("toy",), "torch": ("torch", "custom"), "hf": ("hf",), "vllm": ("hf",)}
+    pairs = {"toy": ("toy",), "torch": ("torch", "custom"), "hf": ("hf",), "vllm": ("hf",), "remote": ("hf",)}
     if isinstance(engine, str) and isinstance(trainer, str) and engine in pairs and trainer not in pairs[engine]:
         problems.append(
             _Problem(
@@ -78,8 +79,19 @@ def _cross_field_problems(get: Callable[[str], Any]) -> list[_Problem]:
             )
         )
 
+    key_env = get("engine.api_key_env")
+    if engine == "remote" and isinstance(key_env, str) and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key_env):
+        # (never echoed: a token pasted here by mistake must not reach a log)
+        problems.append(_Problem("engine.api_key_env", "the NAME of an environment variable holding the token "
+                                                       "([A-Za-z_][A-Za-z0-9_]*); found something else (not shown: "
+                                                       "it may be the token itself)"))
     replicas, backend = get("engine.replicas"), get("cluster.backend")
-    if isinstance(replicas, int) and replicas > 1 and backend == "local":
+    if engine == "remote" and (replicas != 1 or backend != "local"):
+        key = "engine.replicas" if replicas != 1 else "cluster.backend"
+        problems.append(_Problem(key, "`engine.name: remote` drives the servers of `engine.servers` from the "
+                                      f"controller: it needs `engine.replicas: 1` and `cluster.backend: local`; found "
+                                      f"`engine.replicas: {replicas}`, `cluster.backend: {backend}`"))
+    elif isinstance(replicas, int) and replicas > 1 and backend == "local":
         problems.append(_Problem("engine.replicas", f"`engine.replicas: {replicas}` needs `cluster.backend=ray` "
                                                     "(the local backend runs one engine inside the controller); "
                                                     "found `cluster.backend: local`"))

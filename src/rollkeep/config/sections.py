@@ -183,8 +183,61 @@ class VLLMEngineConfig(_SamplingSection):
         return v
 
 
+_URL = re.compile(r"https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+)(:[0-9]{1,5})?(/[A-Za-z0-9._~/-]*)?")
+
+
+class RemoteEngineConfig(_SamplingSection):
+    """A fleet of inference servers driven over HTTP (server mode, docs/server-mode.md): a
+    vLLM or SGLang the user runs, or `rollkeep serve`. Fenced on every start."""
+
+    name: Literal["remote"] = "remote"
+    """Engine backend."""
+    flavor: Literal["vllm", "sglang"] = "vllm"
+    """Which server's routes and fields: `vllm` (`/v1/completions` with token ids, the dev-mode
+    control routes) or `sglang` (`/generate` with `input_ids`)."""
+    servers: list[str] = Field(min_length=1, max_length=1024)
+    """Base URLs of the servers, `http://host:port` (not semantic: a resume may use other
+    servers, or another number of them)."""
+    model: str | None = None
+    """The served model name sent with every request (vLLM `model`); null: the first of the
+    server's `/v1/models` (SGLang serves one model and ignores it)."""
+    tokenizer_path: str
+    """Local directory of the servers' tokenizer (a Hugging Face tokenizer; it must be the
+    one the servers use): prompts are encoded, episodes and eval decoded with it (required)."""
+    chat_template: bool = False
+    """Wrap each prompt with the tokenizer's chat template."""
+    max_concurrent: int = Field(64, ge=1, le=100_000)
+    """Most requests in flight to one server at once (the others wait for a slot)."""
+    request_timeout_s: float = Field(300.0, gt=0.0, le=86_400.0)
+    """Longest one HTTP exchange may take, a streamed generation included, before it is an
+    infra failure of the attempt (the scheduler's `rollout.timeout_s` still applies)."""
+    api_key_env: str | None = None
+    """The NAME of an environment variable holding a bearer token for the servers (the token
+    itself is never in the config, the trace, the metrics or an error)."""
+    max_response_bytes: int = Field(16 << 20, ge=1024, le=1 << 31)
+    """Most bytes one response may make the controller read (a streamed one in all); past
+    it the attempt is an infra failure."""
+    unavailable_timeout_s: float = Field(120.0, gt=0.0, le=86_400.0)
+    """While no server is live this long, the run stops with a final checkpoint (exit 5)."""
+
+    @field_validator("servers")
+    @classmethod
+    def _urls(cls, v: list[str]) -> list[str]:
+        from pydantic_core import PydanticCustomError
+
+        out = [u.rstrip("/") for u in v]
+        for u in out:
+            if not _URL.fullmatch(u):
+                raise PydanticCustomError("server_url", "a list of http://host:port URLs (no query, no "
+                                          "credentials)")
+        if len(set(out)) != len(out):
+            raise PydanticCustomError("server_url", "distinct servers; found one listed twice")
+        return out
+
+
+
 EngineConfig = Annotated[
-    ToyEngineConfig | TorchEngineConfig | HFEngineConfig | VLLMEngineConfig,
+    ToyEngineConfig | TorchEngineConfig | HFEngineConfig | VLLMEngineConfig | RemoteEngineConfig,
     Field(discriminator="name"),
 ]
 

@@ -188,7 +188,7 @@ def _build_hf(cfg: Config, dataset: Dataset, source: PromptSource, eval_rows, en
         from .evaluate import Evaluator
 
         rows = eval_rows[: cfg.eval.n_rows] if cfg.eval.n_rows else eval_rows
-        chat = cfg.engine.name == "hf" and cfg.engine.chat_template
+        chat = cfg.engine.name in ("hf", "remote") and cfg.engine.chat_template
         evaluator = Evaluator(rows, model=trainer.model, tokenizer=trainer.tokenizer.tok,
                               max_new_tokens=cfg.engine.max_new_tokens, num_samples=cfg.eval.num_samples,
                               greedy=lambda m, t, p, max_new_tokens: greedy_texts(
@@ -203,6 +203,12 @@ async def start_replicas(engine: Engine, cfg: Config) -> None:
     try:
         await engine.open()
     except ReplicaGone as e:
+        if cfg.engine.name == "remote":
+            raise ExternalError(
+                "no server of engine.servers answered", field="engine.servers",
+                expected=f"a live {cfg.engine.flavor} server at one of {', '.join(cfg.engine.servers)}",
+                found=str(e), remedy="start the servers (docs/server-mode.md) or fix engine.servers; "
+                "nothing was changed") from None
         raise ExternalError(
             "the engine replicas did not start", field="engine.replicas",
             expected=f"{cfg.engine.replicas} replica(s) of engine {cfg.engine.name} on Ray",

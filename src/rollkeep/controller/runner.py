@@ -100,7 +100,7 @@ class Runner:
                           evaluates=self.evaluator is not None, crash=crash_point)
         self.sched, self.trace, self._metrics, self._progress, self._journal = opened
         if isinstance(self.engine, EnginePool):
-            self.engine.attach(self.trace.emit, self._on_no_replica)
+            self.engine.attach(self.trace.emit, self._on_no_replica, trace=self.trace)
         self._meter = StepMeter(time.perf_counter(), self.sched.tokens_generated)  # the RL loop starts now
 
     async def run(self, *, warmup_seconds: float = 0.0) -> RunResult:

@@ -116,6 +116,36 @@ class EngineReplicaDied(RunEvent, tag="engine_replica_died"):
     gone: bool = False  # its restarts (cluster.max_restarts) are spent: it does not come back
 
 
+class ServerFenced(RunEvent, tag="server_fenced"):
+    """Server mode (docs/server-mode.md): a server proved it is live and holds the weights
+    the run needs before it got work: at every start of the controller, and when it comes
+    back. `found` is the weight version label it reported, `set` the one it holds now
+    (equal when nothing was reloaded), `aborted` the requests it was still running."""
+
+    server: str  # its URL, as in engine.servers
+    found: str
+    set: str
+    aborted: int
+    seconds: float  # from the first probe until it was ready for work
+
+
+class ServerLost(RunEvent, tag="server_lost"):
+    """A server stopped answering (refused, reset, timed out, or a refit failed): its
+    attempts failed as infra failures, retried on the others; it is probed until it is
+    back and fenced again before it gets work."""
+
+    server: str
+    reason: str
+    attempts_failed: int = 0
+
+
+class ServerBack(RunEvent, tag="server_back"):
+    """A lost server answered again, was fenced, and gets work."""
+
+    server: str
+    down_seconds: float | None = None
+
+
 class RunFinished(RunEvent, tag="run_finished"):
     step: int
     weights_sha256: str
@@ -133,7 +163,7 @@ class RunFailed(RunEvent, tag="run_failed"):
 
 RUN_EVENTS: tuple[type[RunEvent], ...] = (
     RunStarted, Restored, CheckpointPublished, CheckpointSkipped, Eval, EngineReplicaStarted, EngineReplicaDied,
-    RunFinished, RunFailed,
+    RunFinished, RunFailed, ServerFenced, ServerLost, ServerBack,
 )
 
 
@@ -143,7 +173,7 @@ def name(event_type: type[Any]) -> str:
 
 
 (RUN_STARTED, RESTORED, CHECKPOINT_PUBLISHED, CHECKPOINT_SKIPPED, EVAL, ENGINE_REPLICA_STARTED,
- ENGINE_REPLICA_DIED, RUN_FINISHED, RUN_FAILED) = (name(t) for t in RUN_EVENTS)
+ ENGINE_REPLICA_DIED, RUN_FINISHED, RUN_FAILED, SERVER_FENCED, SERVER_LOST, SERVER_BACK) = (name(t) for t in RUN_EVENTS)
 (STEP_COMMITTED, DROPPED, SEALED, DISPATCHED, TAKEN, ADMITTED, FAILED, EVICTED, ABANDONED, PROGRESSED,
  TURN_SEALED) = (
     name(t) for t in (StepCommitted, Dropped, Sealed, Dispatched, Taken, Admitted, Failed, Evicted, Abandoned,
