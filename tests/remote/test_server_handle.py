@@ -15,8 +15,8 @@ from fake_server import FakeServer, token
 
 from rollkeep.cluster.replicas import ReplicaLost
 from rollkeep.config.sections import RemoteEngineConfig
-from rollkeep.core.custody.trace_schema import ServerFenced
 from rollkeep.core.custody.keys import Key
+from rollkeep.core.custody.trace_schema import ServerFenced
 from rollkeep.core.rollout.generation import GenRequest, InfraError, Prefix
 from rollkeep.core.rollout.source import Prompt
 from rollkeep.remote.server import ServerHandle
