@@ -189,7 +189,7 @@ class EnginePool:
             raise InfraError(f"engine replica {i} died under the attempt: {e}", replica=i) from None
         except (InfraError, DataError) as e:
             e.replica = i
-            tokens = 0
+            tokens = -1
             raise
         finally:
             self.replicas.end(i, key, tokens)
@@ -251,7 +251,8 @@ class EnginePool:
     def stats(self) -> dict[str, Any]:
         """Live replicas and, per replica, the attempts it finished and the tokens it
         generated (cumulative; the runner turns them into rates)."""
-        return {"live": self.replicas.live(), "replicas": len(self._handles), "per_replica": self.replicas.stats()}
+        return {"live": self.replicas.live(), "replicas": len(self._handles), "per_replica": self.replicas.stats(),
+                "failures": self.replicas.failures(), "servers": self.servers}
 
     async def close(self) -> None:
         self._closed = True

@@ -99,6 +99,7 @@ class _Replica:
     outstanding: set[Hashable] = field(default_factory=set)
     attempts: int = 0  # attempts it finished (sealed or failed by the engine)
     tokens: int = 0  # tokens it generated
+    failures: int = 0  # attempts that failed on it (its engine's errors, its deaths)
 
 
 @dataclass(frozen=True)
@@ -193,10 +194,13 @@ class ReplicaSet:
         return self._r[i].incarnation
 
     def end(self, i: int, key: Hashable, tokens: int | None) -> None:
-        """The attempt left replica i; `tokens` it generated, None if it did not finish there."""
+        """The attempt left replica i; `tokens` it generated, None if it died there, -1 if
+        its engine failed it."""
         r = self._r[i]
         r.outstanding.discard(key)
-        if tokens is not None:
+        if tokens is None or tokens < 0:
+            r.failures += 1
+        if tokens is not None and tokens >= 0:
             r.attempts += 1
             r.tokens += tokens
 
@@ -220,3 +224,7 @@ class ReplicaSet:
     def stats(self) -> list[tuple[int, int]]:
         """(attempts, tokens) per replica, cumulative."""
         return [(r.attempts, r.tokens) for r in self._r]
+
+    def failures(self) -> list[int]:
+        """Attempts that failed per replica, cumulative."""
+        return [r.failures for r in self._r]

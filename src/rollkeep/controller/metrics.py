@@ -305,15 +305,19 @@ class ReplicaRates:
     (`EnginePool.stats`). Pure, like `Throughput`: the caller passes the counts and the time."""
 
     def __init__(self) -> None:
-        self._marks: list[tuple[int, int]] | None = None  # (attempts, tokens) at the last step
+        self._marks: list[tuple[int, int, int]] | None = None  # (attempts, tokens, failures) at the last step
 
     def step(self, stats: dict[str, Any], seconds: float) -> dict[str, Any]:
-        per = stats["per_replica"]
-        marks = self._marks or [(0, 0)] * len(per)
-        out: dict[str, Any] = {"engine/replicas_live": stats["live"], "engine/replicas": stats["replicas"]}
-        for i, ((attempts, tokens), (a0, t0)) in enumerate(zip(per, marks, strict=True)):
-            out[f"replica/{i}/attempts"] = attempts - a0
-            out[f"replica/{i}/tokens_per_s"] = (tokens - t0) / seconds if seconds > 0 else 0.0
+        per = [(*at, f) for at, f in zip(stats["per_replica"], stats.get("failures") or [0] * len(stats["per_replica"]),
+                                         strict=True)]
+        marks = self._marks or [(0, 0, 0)] * len(per)
+        # server mode: the same per server, by its index in engine.servers
+        kind = "server" if stats.get("servers") else "replica"
+        out: dict[str, Any] = {f"engine/{kind}s_live": stats["live"], f"engine/{kind}s": stats["replicas"]}
+        for i, ((attempts, tokens, failures), (a0, t0, f0)) in enumerate(zip(per, marks, strict=True)):
+            out[f"{kind}/{i}/attempts"] = attempts - a0
+            out[f"{kind}/{i}/tokens_per_s"] = (tokens - t0) / seconds if seconds > 0 else 0.0
+            out[f"{kind}/{i}/failures"] = failures - f0
         self._marks = per
         return out
 
@@ -401,6 +405,6 @@ def progress_fields(record: dict[str, Any], last_eval: dict[str, float]) -> dict
         "ready": record["custody/ready"],
         "trained": record["custody/trained"],
         "dropped": record["custody/dropped"],
-        **({"replicas": f"{record['engine/replicas_live']}/{record['engine/replicas']}"}
-           if "engine/replicas_live" in record else {}),
+        **{kind: f"{record[f'engine/{kind}_live']}/{record[f'engine/{kind}']}"
+           for kind in ("replicas", "servers") if f"engine/{kind}_live" in record},
     }
