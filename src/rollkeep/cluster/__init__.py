@@ -8,6 +8,8 @@ its HTTP servers behind the same pool: `rollkeep.remote`).
   ray_actors.py  the Ray actor holding one engine, and the pool's handle of it
   local_ray.py   the run's own local Ray: started by the run, never outliving it
   reaper.py      its watchdog, a process of its own (standard library only)
+  weightdirs.py  RUN_DIR/weights/v<N>/: weights published atomically in the source model's
+                 layout, for servers to load (server mode); verify, load, retain
 """
 
 from __future__ import annotations
