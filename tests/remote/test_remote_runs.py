@@ -24,9 +24,10 @@ def model_dir(tmp_path_factory):
     return make_tiny_hf_model(tmp_path_factory.mktemp("tiny"))
 
 
-@pytest.fixture(params=["vllm", "sglang"])
+@pytest.fixture
 def fleet(request, model_dir, tmp_path):
-    servers = [Server(model_dir, tmp_path, flavor=request.param) for _ in range(2)]
+    flavor = getattr(request, "param", "vllm")
+    servers = [Server(model_dir, tmp_path, flavor=flavor) for _ in range(2)]
     try:
         yield servers
     finally:
@@ -51,6 +52,7 @@ def fences(cfg) -> list[dict]:
     return [x for x in trace_lines(cfg) if x["event"] == "server_fenced"]
 
 
+@pytest.mark.parametrize("fleet", ["vllm", "sglang"], indirect=True)
 def test_a_controller_killed_mid_run_resumes_exactly_once_on_the_running_servers(fleet, model_dir, tmp_path) -> None:
     cfg = config(tmp_path / "run", *overrides(model_dir, tmp_path, fleet))
     assert killed(run_child(cfg, "ledger.step_committed:3"))

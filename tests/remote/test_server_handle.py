@@ -142,7 +142,7 @@ def test_only_rollkeep_serve_is_sent_the_sampling_position_extension() -> None:
             fake, bodies = FakeServer(), []
             inner = fake.handle
 
-            async def spy(req, inner=inner, bodies=bodies):
+            async def spy(req, inner=inner, bodies=bodies, version=version):
                 if req.url.path == "/v1/completions":
                     bodies.append(json.loads(req.content))
                 if req.url.path == "/version":

@@ -69,6 +69,7 @@ class ServerHandle:
         self._epoch = 0  # refits so far: a request aborted by one continues under the new weights
         self._fence: tuple[float, str, int] | None = None  # (probe start, found, aborted) until refit
         self.limit = CompletionLimit(section.max_new_tokens, tokenizer.context)
+        self.bytes_read = 0  # of generation answers, cumulative (`rollkeep bench --suite remote`)
 
     # ------------------------------------------------------------------ fence
 
@@ -218,6 +219,7 @@ class ServerHandle:
                     streamed = resp.headers.get("content-type", "").startswith("text/event-stream")
                     async for data in resp.aiter_bytes():
                         read += len(data)
+                        self.bytes_read += len(data)
                         if read > limit:
                             raise InfraError(f"server {self.url}: the answer passed engine.max_response_bytes={limit}")
                         if not streamed:
