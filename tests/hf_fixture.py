@@ -18,9 +18,12 @@ CHAT_TEMPLATE = (
 )
 
 
-def make_tiny_hf_model(path: Path, *, n_embd: int = 32, n_head: int = 2, n_positions: int = 64) -> Path:
+def make_tiny_hf_model(
+    path: Path, *, n_embd: int = 32, n_head: int = 2, n_positions: int = 64, seed: int = 0
+) -> Path:
     """Write a tokenizer and a random tiny GPT-2 (safetensors) into `path`; return `path`.
-    (vLLM's attention kernels want a head size n_embd / n_head of at least 32.)"""
+    (vLLM's attention kernels want a head size n_embd / n_head of at least 32.) Another `seed`
+    gives the same architecture with other weights (a second checkpoint to reload)."""
     import torch
     from tokenizers import Tokenizer, decoders, models
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
@@ -51,6 +54,6 @@ def make_tiny_hf_model(path: Path, *, n_embd: int = 32, n_head: int = 2, n_posit
         eos_token_id=vocab["<eos>"],
         pad_token_id=vocab["<pad>"],
     )
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     GPT2LMHeadModel(config).save_pretrained(path, safe_serialization=True)
     return path
