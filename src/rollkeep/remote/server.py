@@ -61,6 +61,7 @@ class ServerHandle:
                                        follow_redirects=False, trust_env=False, transport=transport)
         self._slots = asyncio.Semaphore(section.max_concurrent)
         self._route = wire.SGLANG_GENERATE if section.flavor == "sglang" else wire.VLLM_COMPLETIONS
+        self._model: str | None = section.model
         self._rollkeep = False  # the server said it is `rollkeep serve` (it takes the position extension)
         self._label: str | None = None  # the weight version label it holds
         self._version: int | None = None  # the trainer version that label is of
@@ -89,6 +90,9 @@ class ServerHandle:
     async def _first_half(self) -> tuple[str, int]:
         ident = await self._call(self._control.identity(), check=False)
         self._rollkeep = wire.Control.is_rollkeep(ident)
+        models = self._control.models()
+        if self._model is None and models is not None:  # (vLLM wants the served name)
+            self._model = wire.Control.first_model(await self._call(models))
         answer = await self._call(self._control.abort_all())
         aborted = answer.get("aborted", 0) if isinstance(answer, dict) else 0
         await self._call(self._control.pause())
@@ -102,7 +106,7 @@ class ServerHandle:
         parser = wire.StreamParser(self.cfg.flavor, self._route, vocab=self.tok.vocab, max_tokens=1,
                                    version_label=label)
         body = wire.generate_request(self.cfg.flavor, self._route, [self.tok.probe_id], wire.Sampling(1, 1.0, 1.0, 0),
-                                     request_id=f"rk-probe-{secrets.token_hex(6)}", salt=label, model=self.cfg.model,
+                                     request_id=f"rk-probe-{secrets.token_hex(6)}", salt=label, model=self._model,
                                      prompt_tokens=1 if self._rollkeep else None)
         try:
             await self._stream(body, parser, lambda ids, lps: None)
@@ -176,7 +180,7 @@ class ServerHandle:
                 self.cfg.flavor, self._route, ids + got_ids, wire.Sampling(n, self.cfg.temperature, self.cfg.top_p,
                                                                            req.seed),
                 request_id=f"rk-{req.group_id}-{req.generation}-{req.attempt}-{secrets.token_hex(4)}",
-                salt=label, model=self.cfg.model, prompt_tokens=len(ids) if self._rollkeep else None)
+                salt=label, model=self._model, prompt_tokens=len(ids) if self._rollkeep else None)
             async with self._slots:
                 reason = await self._generation(body, parser, tokens)
             if reason != "abort":
@@ -203,7 +207,7 @@ class ServerHandle:
         rid = body.get("rid") or body.get("request_id")
         with contextlib.suppress(Exception):
             async with asyncio.timeout(5.0):
-                await self._call(self._control.abort(str(rid)))
+                await self._call(self._control.abort(str(rid), self._route))
 
     async def _stream(self, body: dict[str, Any], parser: wire.StreamParser,
                       tokens: Callable[[list[int], list[float]], None]) -> str:

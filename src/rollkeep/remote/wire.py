@@ -221,10 +221,23 @@ class Control:
             return Call("POST", "/abort_request", {"abort_all": True})
         return Call("POST", "/abort_requests", {})
 
-    def abort(self, request_id: str) -> Call:
+    def abort(self, request_id: str, route: str) -> Call:
         if self.flavor == "sglang":
             return Call("POST", "/abort_request", {"rid": request_id})
-        return Call("POST", "/abort_requests", {"request_ids": [request_id]})
+        # vLLM aborts by its engine's id, which it derives from ours (a bare id aborts
+        # nothing and is still counted); rollkeep serve takes ours
+        engine_id = f"generate-tokens-{request_id}" if route == VLLM_GENERATE else f"cmpl-{request_id}-0"
+        return Call("POST", "/abort_requests", {"request_ids": [request_id, engine_id]})
+
+    def models(self) -> Call | None:
+        return None if self.flavor == "sglang" else Call("GET", "/v1/models")
+
+    @staticmethod
+    def first_model(obj: Any) -> str:
+        data = obj.get("data") if isinstance(obj, dict) else None
+        if not (isinstance(data, list) and data and isinstance(data[0], dict) and isinstance(data[0].get("id"), str)):
+            raise Malformed("/v1/models lists no model")
+        return data[0]["id"]
 
     def pause(self) -> Call:
         if self.flavor == "sglang":
