@@ -153,8 +153,11 @@ def test_only_rollkeep_serve_is_sent_the_sampling_position_extension() -> None:
             fake.handle = spy
             h = await fenced(fake, 1)
             prefix = Prefix(np.array([9, 9], np.int32), np.array([-1.0, -1.0], np.float32), np.array([1, 1], np.int32))
-            c = await h.generate(request(prefix=prefix))
+            c = await h.generate(request(seed=2**64 - 1, prefix=prefix))
             assert ("rollkeep" in bodies[-1]) == sent
+            # real servers take an int64 seed; rollkeep serve the whole 64 bits
+            assert bodies[-1]["seed"] == (2**64 - 1 if sent else (2**64 - 1) % 2**63)
+            assert bodies[-1]["model"] == "/models/tiny"  # the served name, from /v1/models
             assert bodies[-1]["prompt"] == [*PROMPT, 9, 9] and bodies[-1]["max_tokens"] == 4
             assert c.completion_ids[:2].tolist() == [9, 9] and c.logprobs[0] == -1.0
             await h.close()

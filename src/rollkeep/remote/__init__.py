@@ -75,7 +75,7 @@ def remote_pool(section: Any, *, run_dir: Path, source_dir: str) -> EnginePool:
     async def publish(weights: Any, version: int) -> Any:
         def write() -> Any:
             published = weightdirs.publish(run_dir, version, weights, source_dir=source_dir)
-            weightdirs.retain(run_dir, {v for v in range(version - KEEP_VERSIONS + 1, version + 1)})
+            weightdirs.retain(run_dir, set(range(max(0, version - KEEP_VERSIONS + 1), version + 1)))
             return published
 
         return await asyncio.to_thread(write)

@@ -177,8 +177,9 @@ class ServerHandle:
                                    np.full(len(new_ids), version, np.int32)))
 
             body = wire.generate_request(
-                self.cfg.flavor, self._route, ids + got_ids, wire.Sampling(n, self.cfg.temperature, self.cfg.top_p,
-                                                                           req.seed),
+                self.cfg.flavor, self._route, ids + got_ids,
+                # (vLLM and SGLang take an int64 seed; rollkeep serve samples from the whole one)
+                wire.Sampling(n, self.cfg.temperature, self.cfg.top_p, req.seed if self._rollkeep else req.seed % 2**63),
                 request_id=f"rk-{req.group_id}-{req.generation}-{req.attempt}-{secrets.token_hex(4)}",
                 salt=label, model=self._model, prompt_tokens=len(ids) if self._rollkeep else None)
             async with self._slots:
