@@ -8,7 +8,7 @@ import math
 import time
 from typing import Any
 
-SUITES = ("core", "preemption", "speedup", "waste", "restart", "cluster", "all")
+SUITES = ("core", "preemption", "speedup", "waste", "restart", "cluster", "remote", "all")
 
 HELP = """\
 Run the benchmark suite and print what it measured, side by side, in one invocation:
@@ -58,6 +58,7 @@ examples:
   rollkeep bench --suite waste --json w.json              # ~30 seconds
   rollkeep bench --suite restart --json r.json            # ~1 minute (the warm start first)
   rollkeep bench --suite cluster --json c.json            # ~4 minutes (pip install 'rollkeep[ray]')
+  rollkeep bench --suite remote --json s.json             # ~2 minutes: server mode vs in-process
 """
 
 
@@ -168,6 +169,19 @@ def run(args: argparse.Namespace) -> int:
         else:
             for titled in cluster_tables(results["cluster"]):
                 _print(titled)
+    if "remote" in suites:
+        from ..bench.remote import remote_bench, table_rows
+
+        print(f"== server mode ({repeats} repeat(s))")
+        results["remote"] = remote_bench(repeats=repeats, quick=args.quick, log=_note)
+        if "skipped" in results["remote"]:
+            _note(results["remote"]["skipped"])
+        else:
+            t = _table("engine", "tokens/s", "fence ms\n(per server)", "refit ms\n(write+reload)", "bytes read\nper token")
+            for row in table_rows(results["remote"]):
+                t.add_row(*row)
+            _print((f"server mode on {results['remote']['weight_bytes']:,} bytes of weights, "
+                    f"{results['remote']['requests']} concurrent completions; medians", t))
     results["settings"]["seconds"] = time.monotonic() - t0
     if args.json:
         with open(args.json, "w") as f:
