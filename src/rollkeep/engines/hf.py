@@ -180,7 +180,8 @@ class HFEngine:
         sampled at completion position len(ids) - prompt_tokens, as `generate` does for
         `req.prefix`. At most `max_new_tokens` new ones; a prefix ending in EOS gets none
         ("stop"). `temperature`/`top_p` default to the engine's. `on_token` is called on
-        the worker thread with each new token before the future resolves. Cancel the
+        the worker thread with each new token before the future resolves (it must be
+        quick and must not raise: an exception fails the whole batch). Cancel the
         future to abort: a queued request never runs, a running one stops being decoded.
         The caller validates its input: ids in the vocabulary, 1 <= prompt_tokens <=
         len(ids), len(ids) + max_new_tokens within the model's context (ValueError else)."""

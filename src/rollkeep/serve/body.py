@@ -6,9 +6,10 @@ wrong type or out of range (400), naming the field, before anything is queued. T
 data-plane routes (vLLM `/v1/completions` and `/inference/v1/generate`, SGLang `/generate`)
 name their fields differently and mean the same request: one `GenParams`.
 
-Unknown fields are ignored. Known sampling fields rollkeep serve does not implement (top-k,
-min-p, stop strings, penalties, n > 1, top log-probs) are refused when set to anything but
-their neutral value: a request is never sampled differently from what it asked for.
+Unknown fields are ignored. Known fields rollkeep serve does not implement (top-k, min-p,
+stop strings, penalties, n > 1, top log-probs, prompt log-probs) are refused when set to
+anything but their neutral value: a request is never sampled otherwise than it asked, nor
+answered without what it asked for.
 """
 
 from __future__ import annotations
@@ -58,11 +59,6 @@ class GenParams:
     stream: bool
     logprobs: bool  # the response carries the sampled tokens' log-probs
     token_ids: bool  # (vLLM /v1/completions `return_token_ids`) the response carries ids
-
-    @property
-    def offset(self) -> int:
-        """The completion position of the first new token."""
-        return len(self.ids) - self.prompt_tokens
 
 
 async def read_json(request: Any, *, empty_ok: bool = False) -> dict[str, Any]:
@@ -216,7 +212,7 @@ def _params(*, ids: list[int], ext: dict, max_tokens: int, sampling: dict, seed_
 
 def vllm_completions(body: dict, limits: Limits) -> GenParams:
     """vLLM `POST /v1/completions` with token ids as the prompt."""
-    _neutral(body, "", n=(1,), best_of=(1,), echo=(False,), **_SAMPLING, min_tokens=(0,), prompt_logprobs=(0,))
+    _neutral(body, "", n=(1,), best_of=(1,), echo=(False,), **_SAMPLING, min_tokens=(0,), prompt_logprobs=())
     logprobs = _integer(body, "logprobs", None, lo=0)
     if logprobs is not None and logprobs > 0:
         raise BadRequest(f"logprobs={logprobs} is not supported by rollkeep serve: only 0 (the sampled token's)")
@@ -230,7 +226,7 @@ def vllm_generate(body: dict, limits: Limits) -> GenParams:
     """vLLM `POST /inference/v1/generate` (token in, token out)."""
     sp = _object(body, "sampling_params")
     where = "sampling_params."
-    _neutral(sp, where, n=(1,), **_SAMPLING, min_tokens=(0,), prompt_logprobs=(0,))
+    _neutral(sp, where, n=(1,), **_SAMPLING, min_tokens=(0,), prompt_logprobs=())
     logprobs = _integer(sp, "logprobs", None, lo=0, where=where)
     if logprobs is not None and logprobs > 0:
         raise BadRequest(f"{where}logprobs={logprobs} is not supported by rollkeep serve: only 0")
