@@ -52,6 +52,7 @@ COMMANDS: dict[str, str] = {
     "simulate": "deterministic simulation of whole runs with crashes and disk faults",
     "bench": "benchmarks of the custody core",
     "export": "write the trained built-in model as a Hugging Face model directory",
+    "serve": "serve a local model over HTTP with vLLM or SGLang routes (server mode)",
 }
 
 #: Other names of a subcommand: `rollkeep trace` is `rollkeep report` (its first name).
@@ -79,6 +80,7 @@ examples:
   rollkeep audit --all runs/a/checkpoints
   rollkeep report runs/a
   rollkeep export runs/a --out models/a
+  rollkeep serve models/a --port 8101
   rollkeep <command> --help
 """
 

@@ -12,6 +12,12 @@ prefix, prefilled in one pass, and the completion is the prefix's tokens as give
 the new ones, each sampled at its position in the completion. Requests batch by context
 length. (It does not stream: a generation cut off mid-way starts over.)
 
+Token in, token out (`submit_ids`, for `rollkeep serve`): the same queue, batches and
+decode loop, for a request given as token ids with its own seed, budget, sampling settings
+(a batch shares them) and a callback per new token; `load_weights(dir)` refits from an HF
+model directory. For the same weights, ids, seed and positions it gives exactly the tokens
+and log-probs `generate` gives.
+
 Conventions shared with the built-in engine:
   - cancelling the awaiting task aborts the request: the worker drops it from the queue,
     and stops decoding a batch once every row is finished or cancelled;
@@ -27,6 +33,7 @@ import asyncio
 import inspect
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from ..core.errors import CustodyError, UserInputError
-from ..models.hf import load_pretrained
+from ..models.hf import load_pretrained, read_weights_dir
 from .base import (
     Capabilities,
     Completion,
@@ -46,14 +53,37 @@ from .base import (
 )
 from .inbox import Inbox, Refit, settle, take_batch
 
+#: Called on the worker thread with each new token of a `submit_ids` request, in order:
+#: (token id, its log-prob, the weight version it was sampled under).
+OnToken = Callable[[int, float, int], None]
+
+
+@dataclass(frozen=True)
+class TokenResult:
+    """What `submit_ids` resolves to: the new tokens only (never the given ones)."""
+
+    token_ids: list[int]
+    logprobs: np.ndarray  # float32, one per new token
+    finish_reason: str  # "stop" (EOS, included in token_ids) or "length"
+    version: int  # the weight version every new token was sampled under
+
 
 @dataclass(eq=False)
 class _Job:
-    req: GenRequest
+    req: GenRequest | None  # None: a token-in request (`submit_ids`), answered with a TokenResult
     prompt_ids: list[int]  # the context: the prompt's ids, then the prefix's (batches are by its length)
-    future: Future  # of Completion; cancelled when the awaiting task is
+    future: Future  # of Completion (or TokenResult); cancelled when the awaiting task is
     prompt_len: int = 0  # of the prompt alone
     budget: int = 0  # the longest completion, prefix included
+    seed: int = 0
+    temperature: float = 1.0  # with top_p: a batch's jobs share them (`_batch_key`)
+    top_p: float = 1.0
+    eos: int | None = None  # ends the completion; None: it runs to its budget
+    on_token: OnToken | None = None
+
+
+def _batch_key(job: _Job) -> tuple[int, float, float]:
+    return len(job.prompt_ids), job.temperature, job.top_p
 
 
 class HFEngine:
@@ -71,6 +101,7 @@ class HFEngine:
         max_batch_size: int,
         dtype: Any = None,
         device: Any = None,
+        field: str = "engine.model_path",  # what errors about model_path call it
     ) -> None:
         import torch
 
@@ -79,7 +110,7 @@ class HFEngine:
         self.max_new_tokens = max_new_tokens
         self.chat_template = chat_template
         self.max_batch_size = max_batch_size
-        self.tokenizer, model = load_pretrained(model_path, field="engine.model_path")
+        self.tokenizer, model = load_pretrained(model_path, field=field)
         if chat_template and getattr(self.tokenizer, "chat_template", None) is None:
             raise UserInputError(
                 f"engine.chat_template is true but the tokenizer in {model_path} has no chat template",
@@ -135,9 +166,48 @@ class HFEngine:
             ids_ctx = ids + pids
         else:
             ids_ctx = ids
-        job = _Job(req, ids_ctx, Future(), len(ids), budget)
+        job = _Job(req, ids_ctx, Future(), len(ids), budget, req.seed, self.temperature, self.top_p, self._eos)
         self._inbox.put(self._jobs, job)
         return await asyncio.wrap_future(job.future)
+
+    def submit_ids(self, ids: list[int], *, seed: int, max_new_tokens: int, prompt_tokens: int | None = None,
+                   temperature: float | None = None, top_p: float | None = None, ignore_eos: bool = False,
+                   on_token: OnToken | None = None) -> Future:
+        """Queue a token-in request; returns a Future of its TokenResult (any thread).
+
+        `ids` is the context: its first `prompt_tokens` (default: all) are the prompt, the
+        rest a prefix of the completion already generated, so the first new token is
+        sampled at completion position len(ids) - prompt_tokens, as `generate` does for
+        `req.prefix`. At most `max_new_tokens` new ones; a prefix ending in EOS gets none
+        ("stop"). `temperature`/`top_p` default to the engine's. `on_token` is called on
+        the worker thread with each new token before the future resolves (it must be
+        quick and must not raise: an exception fails the whole batch). Cancel the
+        future to abort: a queued request never runs, a running one stops being decoded.
+        The caller validates its input: ids in the vocabulary, 1 <= prompt_tokens <=
+        len(ids), len(ids) + max_new_tokens within the model's context (ValueError else)."""
+        prompt_len = len(ids) if prompt_tokens is None else prompt_tokens
+        room = self._context - len(ids) if self._context is not None else max_new_tokens
+        if not 1 <= prompt_len <= len(ids) or not 0 <= max_new_tokens <= room:
+            raise ValueError(f"hf engine: {len(ids)} ids ({prompt_len} of them the prompt) and "
+                             f"{max_new_tokens} new tokens do not fit a context of {self._context}")
+        eos = None if ignore_eos else self._eos
+        future: Future = Future()
+        if max_new_tokens == 0 or (prompt_len < len(ids) and eos is not None and ids[-1] == eos):  # it ends there
+            future.set_result(TokenResult([], np.zeros(0, np.float32), "length" if max_new_tokens == 0 else "stop",
+                                          self._version))
+            return future
+        job = _Job(None, [int(t) for t in ids], future, prompt_len, len(ids) - prompt_len + max_new_tokens,
+                   seed, self.temperature if temperature is None else temperature,
+                   self.top_p if top_p is None else top_p, eos, on_token)
+        self._inbox.put(self._jobs, job)
+        return future
+
+    async def load_weights(self, path: str, version: int) -> None:
+        """Refit from the HF model directory `path` (config.json, *.safetensors) of this
+        model's architecture, between batches; then `version`. A directory that does not
+        load or fit raises UserInputError and changes nothing."""
+        weights = await asyncio.to_thread(read_weights_dir, path, self.model)
+        await self.update_weights(weights, version)
 
     @property
     def capabilities(self) -> Capabilities:
@@ -186,7 +256,7 @@ class HFEngine:
                 if self._refits:
                     refit, batch = self._refits.popleft(), []
                 elif self._jobs:
-                    refit, batch = None, take_batch(self._jobs, self.max_batch_size)
+                    refit, batch = None, take_batch(self._jobs, self.max_batch_size, _batch_key)
                 else:
                     return  # closing, and nothing is left
             if refit is not None:
@@ -214,24 +284,28 @@ class HFEngine:
         version = self._version
         try:
             for job in batch:
-                if job.req.pinned_version is not None and job.req.pinned_version != version:
+                if job.req is not None and job.req.pinned_version is not None and job.req.pinned_version != version:
                     raise CustodyError(
                         f"hf engine: request {job.req.group_id}/{job.req.generation} is pinned to another weight version",
                         expected=f"version {job.req.pinned_version}",
                         found=f"engine at version {version}",
                         remedy="this is a bug in the controller's refit ordering",
                     )
-            completions = self._decode(batch, version)
+            outputs = self._decode(batch, version)
         except Exception as e:
             for job in batch:
                 failure = InfraError(f"hf engine: a batch of {len(batch)} failed: {type(e).__name__}: {e}")
                 failure.__cause__ = e
                 settle(job.future, exception=failure)
             return
-        for job, completion in zip(batch, completions, strict=True):
-            settle(job.future, completion)
+        for job, (ids, lp, reason) in zip(batch, outputs, strict=True):
+            if job.req is None:
+                settle(job.future, TokenResult(ids, lp, reason, version))
+            else:
+                settle(job.future, self._completion(job.req, job.prompt_ids[: job.prompt_len], ids, lp, version, reason))
 
-    def _decode(self, batch: list[_Job], version: int) -> list[Completion]:
+    def _decode(self, batch: list[_Job], version: int) -> list[tuple[list[int], np.ndarray, str]]:
+        """Each job's new tokens, their log-probs and its finish reason."""
         import torch
 
         from ..models.sampling import sample
@@ -241,7 +315,8 @@ class HFEngine:
         # must not depend on how many others were generated with it (measured and
         # explained at `torch_gpt._ROW_QUANTUM`).
         rows = batch + batch[:1] * (-len(batch) % _ROW_QUANTUM)
-        seeds = [j.req.seed for j in rows]
+        seeds = [j.seed for j in rows]
+        temperature, top_p = batch[0].temperature, batch[0].top_p  # shared: `_batch_key`
         offsets = [len(j.prompt_ids) - j.prompt_len for j in rows]  # each row's prefix: its first position
         room = [j.budget - off for j, off in zip(rows, offsets, strict=True)]  # new tokens each may take
         n_new = max(room)
@@ -254,24 +329,26 @@ class HFEngine:
                 cache = out[self._cache_arg]
                 # `sample` draws its uniforms on the CPU, so the (B, V) logits go there too.
                 tok, lp = sample(out.logits[:, -1, :].cpu(), seeds, [off + pos for off in offsets],
-                                 temperature=self.temperature, top_p=self.top_p)  # (B,), (B,)
+                                 temperature=temperature, top_p=top_p)  # (B,), (B,)
                 tokens.append(tok)
                 logprobs.append(lp)
-                done = [d or t == self._eos or j.future.cancelled() or pos + 1 >= r
+                for j, d, t, p in zip(batch, done, tok.tolist(), lp.tolist(), strict=False):
+                    if j.on_token is not None and not d:
+                        j.on_token(t, p, version)
+                done = [d or (j.eos is not None and t == j.eos) or j.future.cancelled() or pos + 1 >= r
                         for d, t, j, r in zip(done, tok.tolist(), rows, room, strict=True)]
                 if all(done):
                     break
                 x = tok.unsqueeze(1).to(self.device)  # (B, 1)
         ids_rows = torch.stack(tokens, dim=1).tolist()  # (B, T)
         lp_rows = torch.stack(logprobs, dim=1).numpy()  # (B, T) float32
-        completions = []
+        outputs = []
         for i, job in enumerate(batch):
             ids = ids_rows[i][: room[i]]
-            stop = self._eos is not None and self._eos in ids
-            n = ids.index(self._eos) + 1 if stop else len(ids)
-            completions.append(self._completion(job.req, job.prompt_ids[: job.prompt_len], ids[:n], lp_rows[i, :n],
-                                                version, "stop" if stop else "length"))
-        return completions
+            stop = job.eos is not None and job.eos in ids
+            n = ids.index(job.eos) + 1 if stop else len(ids)
+            outputs.append((ids[:n], lp_rows[i, :n], "stop" if stop else "length"))
+        return outputs
 
 
 _ROW_QUANTUM = 4

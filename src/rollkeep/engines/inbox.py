@@ -11,7 +11,8 @@ worker is blocked in `wait` (the torch engine loads its small refits so, rather 
 for the worker to get the GIL back from the trainer's thread).
 
 Two policies of the batching engines (torch, hf), each called with `cv` held:
-  - `take_batch`: the oldest live request and the next ones of its prompt length;
+  - `take_batch`: the oldest live request and the next ones of its prompt length (or of
+    its batching key: the hf engine's also holds the sampling settings, which a batch shares);
   - `take_refits` (torch): every refit still awaited, oldest first; the engine loads the
     newest and settles them all with its outcome (a newer update supersedes a queued one).
 """
@@ -55,18 +56,20 @@ def settle(future: Future, result: Any = None, *, exception: BaseException | Non
             future.set_exception(exception)
 
 
-def take_batch(jobs: deque[J], limit: int) -> list[J]:
+def take_batch(jobs: deque[J], limit: int, key: Callable[[J], Any] | None = None) -> list[J]:
     """Remove and return the oldest live job and the next ones of its prompt length (queue
-    order, at most `limit`); jobs cancelled while queued are dropped. `cv` held."""
+    order, at most `limit`); jobs cancelled while queued are dropped. `key(job)`, when
+    given, replaces the prompt length as what a batch's jobs share. `cv` held."""
     live = [j for j in jobs if not j.future.cancelled()]
     jobs.clear()
     if not live:
         return []
-    n = len(live[0].prompt_ids)
+    key = key or (lambda j: len(j.prompt_ids))
+    n = key(live[0])
     batch: list[J] = []
     rest: list[J] = []
     for j in live:
-        (batch if len(j.prompt_ids) == n and len(batch) < limit else rest).append(j)
+        (batch if key(j) == n and len(batch) < limit else rest).append(j)
     jobs.extend(rest)
     return batch
 

@@ -116,3 +116,76 @@ def greedy_texts(model: Any, tokenizer: Any, prompts: list[str], *, max_new_toke
     finally:
         model.train(was_training)
     return out
+
+
+def read_weights_dir(path: str, model: Any) -> dict[str, Any]:
+    """The state dict of the HF model directory `path` (config.json, *.safetensors, as
+    `save_pretrained` or the controller's RUN_DIR/weights/v<N>/ writes it), checked to fit
+    `model` exactly: the same model type, the same parameter names and shapes, so loading
+    it with `load_state_dict(strict=True)` copies everything or fails before copying
+    anything. If the directory holds a WEIGHTS.json, every file it lists must have its
+    size and sha256 (a torn or tampered write is refused). Raises UserInputError naming
+    what does not fit; reads no pickle."""
+    import hashlib
+    import json
+
+    field = "weights_path"
+    where = Path(path).expanduser()
+
+    def refuse(what: str, found: str, expected: str = _EXPECTED) -> UserInputError:
+        return UserInputError(what, path=str(where), field=field, expected=expected, found=found,
+                              remedy="point the reload at a complete directory of the served model's architecture")
+
+    if not where.is_dir() or not (where / "config.json").is_file():
+        raise refuse(f"{str(where)!r} is not a transformers model directory",
+                     "nothing at that path" if not where.exists() else "no config.json there")
+    if not any(where.glob("*.safetensors")):
+        raise refuse(f"{str(where)!r} holds no safetensors weights", "no *.safetensors file")
+    listing = where / "WEIGHTS.json"
+    if listing.is_file():
+        try:
+            files = json.loads(listing.read_text())["files"]
+            listed = {str(name): (int(v["size"]), str(v["sha256"])) for name, v in files.items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise refuse("its WEIGHTS.json does not parse", f"{type(e).__name__}: {e}",
+                         'WEIGHTS.json {"files": {name: {"size", "sha256"}}}') from e
+        for name, (size, sha) in sorted(listed.items()):
+            f = where / name
+            if Path(name).is_absolute() or ".." in Path(name).parts or not f.is_file():
+                raise refuse(f"WEIGHTS.json lists {name!r}, which is not a file in the directory", "missing")
+            digest = hashlib.sha256()
+            with f.open("rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    digest.update(block)
+            if f.stat().st_size != size or digest.hexdigest() != sha:
+                raise refuse(f"{name} does not match WEIGHTS.json",
+                             f"{f.stat().st_size} bytes, sha256 {digest.hexdigest()[:16]}...",
+                             f"{size} bytes, sha256 {sha[:16]}...")
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(where, local_files_only=True)
+        if config.model_type != model.config.model_type:
+            raise refuse(f"{str(where)!r} holds another architecture", f"model type {config.model_type!r}",
+                         f"model type {model.config.model_type!r}")
+        loaded, info = AutoModelForCausalLM.from_pretrained(where, local_files_only=True, use_safetensors=True,
+                                                            output_loading_info=True)
+    except UserInputError:
+        raise
+    except Exception as e:
+        raise refuse(f"{str(where)!r}: transformers could not load it", f"{type(e).__name__}: {e}") from e
+    gaps = {k: sorted(v) for k, v in info.items() if k != "error_msgs" and v}
+    if gaps or info.get("error_msgs"):
+        raise refuse(f"{str(where)!r} does not hold exactly the model's tensors",
+                     "; ".join(f"{k}: {', '.join(map(str, v[:5]))}" for k, v in gaps.items())
+                     or "; ".join(info["error_msgs"]))
+    weights = loaded.state_dict()
+    served = model.state_dict()
+    wrong = sorted(set(weights) ^ set(served)) + sorted(
+        k for k in set(weights) & set(served) if tuple(weights[k].shape) != tuple(served[k].shape))
+    if wrong:
+        shown = ", ".join(f"{k} {tuple(weights[k].shape) if k in weights else 'absent'} (served "
+                          f"{tuple(served[k].shape) if k in served else 'absent'})" for k in wrong[:5])
+        raise refuse(f"{str(where)!r} does not fit the served model", shown,
+                     "the served model's parameter names and shapes")
+    return weights
