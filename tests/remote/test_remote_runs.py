@@ -121,7 +121,18 @@ def test_no_server_left_stops_with_exit_5_and_resumes_exactly_once(fleet, model_
     urls = [s.url for s in fleet]
     for s in fleet:
         s.stop()
-    assert run_child(cfg) == 5  # no server answers: nothing changed
+    def tree() -> dict:
+        return {str(p): p.stat().st_size for p in (tmp_path / "run").rglob("*") if p.is_file()}
+
+    before = tree()
+    from rollkeep.cli import exit_code
+    from rollkeep.controller import train
+    from rollkeep.core.errors import ExternalError
+
+    with pytest.raises(ExternalError, match="engine.unavailable_timeout_s=2") as e:  # no server answers
+        train(cfg)
+    assert exit_code(e.value) == 5
+    assert tree() == before  # nothing changed
     fleet[:] = [Server(model_dir, tmp_path, flavor=fleet[0].flavor, port=int(u.rsplit(":", 1)[1])) for u in urls]
     run_to_end(cfg)
     assert check(cfg).trained == 20

@@ -42,6 +42,11 @@ class ReplicaEvents:
     def died(self, i: int, reason: str, attempts_failed: int, gone: bool) -> RunEvent:
         return EngineReplicaDied(replica=i, reason=reason, attempts_failed=attempts_failed, gone=gone)
 
+    def not_started(self, timeout: float, alive: bool) -> str:
+        """Why the pool does not open: no replica came up within `timeout` seconds."""
+        return (f"no engine replica started within cluster.replica_timeout_s={timeout:g} s" if alive
+                else "every engine replica failed to start")
+
     def unavailable(self, timeout: float, alive: bool) -> str:
         """Why the run stops when no replica was READY for `timeout` seconds."""
         return (f"no engine replica was alive for cluster.replica_timeout_s={timeout:g} s" if alive
@@ -117,8 +122,7 @@ class EnginePool:
         with contextlib.suppress(TimeoutError):
             await self._until(lambda: not self.replicas.pending(), self._timeout)
         if not self.replicas.live():
-            raise ReplicaGone(f"no engine replica started within cluster.replica_timeout_s={self._timeout:g} s"
-                              if self.replicas.alive() else "every engine replica failed to start")
+            raise ReplicaGone(self._events.not_started(self._timeout, self.replicas.alive()))
 
     def attach(self, emit: Callable[[RunEvent], None], on_unavailable: Callable[[str], None],
                trace: Any = None) -> None:

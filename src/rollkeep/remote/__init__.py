@@ -46,6 +46,8 @@ class ServerEvents(ReplicaEvents):
     def unavailable(self, timeout: float, alive: bool) -> str:
         return f"no server of engine.servers answered for engine.unavailable_timeout_s={timeout:g} s"
 
+    not_started = unavailable
+
 
 def remote_pool(section: Any, *, run_dir: Path, source_dir: str) -> EnginePool:
     """The run's engine in server mode: one handle per `engine.servers` URL behind a pool.
