@@ -31,6 +31,7 @@ class FakeServer:
     running: dict[str, asyncio.Event] = field(default_factory=dict)  # rid -> set to abort it
     hold: asyncio.Event | None = None  # if set, streams wait on it after their first token
     aborted_total: int = 0
+    scale_out: bool = False  # it serves /inference/v1/generate (vLLM started with --enable-scale-out)
 
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
@@ -61,6 +62,8 @@ class FakeServer:
         }
         if path in routes:
             return httpx.Response(200, json=routes[path]())
+        if path == "/inference/v1/generate" and self.scale_out:
+            return await self._generate(body, v, tokens_route=True)
         if path in ("/v1/completions", "/generate"):
             return await self._generate(body, v)
         return httpx.Response(404, json={"error": "not found"})
@@ -97,12 +100,15 @@ class FakeServer:
 
     # -- data plane ----------------------------------------------------------------------
 
-    async def _generate(self, body: dict, v: bool) -> httpx.Response:
+    async def _generate(self, body: dict, v: bool, tokens_route: bool = False) -> httpx.Response:
         if self.hostile == "status_500":
             return httpx.Response(500, text="internal error")
         if self.hostile == "redirect":
             return httpx.Response(307, headers={"location": "http://elsewhere/"})
-        if v:
+        if tokens_route:
+            sp = body["sampling_params"]
+            ids, n, seed, rid = body["token_ids"], sp["max_tokens"], sp["seed"], body["request_id"]
+        elif v:
             ids, n, seed, rid = body["prompt"], body["max_tokens"], body["seed"], body["request_id"]
         else:
             sp = body["sampling_params"]
@@ -112,15 +118,15 @@ class FakeServer:
         prompt = ids[: ext["prompt_tokens"]] if ext else ids
         abort = self.running[rid] = asyncio.Event()
         return httpx.Response(200, headers={"content-type": "text/event-stream"},
-                              stream=_Stream(self._events(prompt, start, n, seed, rid, abort, v)))
+                              stream=_Stream(self._events(prompt, start, n, seed, rid, abort, v, tokens_route)))
 
     async def _events(self, prompt: list[int], start: int, n: int, seed: int, rid: str, abort: asyncio.Event,
-                      v: bool) -> AsyncIterator[bytes]:
+                      v: bool, tokens_route: bool = False) -> AsyncIterator[bytes]:
         try:
             out: list[tuple[int, float]] = []
             for i in range(n):
                 if abort.is_set():
-                    yield self._chunk(v, out, [], "abort")
+                    yield self._chunk(v, out, [], "abort", tokens_route)
                     break
                 t = token(self.weights, prompt, seed, start + i)
                 new = [(t, -0.5)]
@@ -131,7 +137,7 @@ class FakeServer:
                 finish = None if i + 1 < n and t != 5 else ("stop" if t == 5 else "length")
                 if self.hostile == "no_finish":  # the stream just ends
                     finish = None
-                yield self._chunk(v, out, new, finish)
+                yield self._chunk(v, out, new, finish, tokens_route)
                 if self.hold is not None and i == 0:
                     await asyncio.wait([asyncio.ensure_future(self.hold.wait()), asyncio.ensure_future(abort.wait())],
                                        return_when=asyncio.FIRST_COMPLETED)
@@ -145,9 +151,14 @@ class FakeServer:
         finally:
             self.running.pop(rid, None)
 
-    def _chunk(self, v: bool, out: list[tuple[int, float]], new: list[tuple[int, float]], finish: str | None) -> bytes:
+    def _chunk(self, v: bool, out: list[tuple[int, float]], new: list[tuple[int, float]], finish: str | None,
+               tokens_route: bool = False) -> bytes:
         label = "someone-else" if self.hostile == "wrong_version" else self.label
-        if v:
+        if tokens_route:
+            obj = {"request_id": "generate-tokens-x", "choices": [{"index": 0, "token_ids": [t for t, _ in new],
+                   "logprobs": {"content": [{"token_id": t, "logprob": lp} for t, lp in new]},
+                   "finish_reason": finish}]}
+        elif v:
             obj = {"id": "cmpl-x", "weight_version": label,
                    "choices": [{"index": 0, "text": "", "token_ids": [t for t, _ in new],
                                 "logprobs": {"tokens": [], "token_logprobs": [lp for _, lp in new]},

@@ -114,6 +114,19 @@ def test_a_generation_is_streamed_checked_and_stamped(flavor) -> None:
     asyncio.run(main())
 
 
+def test_vllm_token_in_token_out_is_used_where_the_server_has_it() -> None:
+    async def main():
+        for scale_out, route in ((True, "/inference/v1/generate"), (False, "/v1/completions")):
+            fake = FakeServer(scale_out=scale_out)
+            h = await fenced(fake, 2)
+            c = await h.generate(request(seed=11))
+            assert c.completion_ids.tolist() == expected("/run/weights/v2", 11, range(6))
+            assert fake.calls[-1] == ("POST", route)
+            await h.close()
+
+    asyncio.run(main())
+
+
 def test_a_refit_under_a_running_generation_continues_it_under_the_new_weights() -> None:
     async def main():
         fake = FakeServer()

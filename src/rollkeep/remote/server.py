@@ -47,6 +47,14 @@ class _Refused(Exception):
     """An answer that is not a success (status, or a body saying so)."""
 
 
+class _Status(InfraError):
+    """A generation answered with an HTTP status other than 200."""
+
+    def __init__(self, msg: str, status: int) -> None:
+        super().__init__(msg)
+        self.status = status
+
+
 class ServerHandle:
     def __init__(self, index: int, url: str, section: Any, tokenizer: RemoteTokenizer, *,
                  headers: dict[str, str], emit: Callable[[RunEvent], None],
@@ -60,7 +68,9 @@ class ServerHandle:
         self._http = httpx.AsyncClient(base_url=url, headers={"accept-encoding": "identity", **headers}, limits=limits, timeout=timeout,
                                        follow_redirects=False, trust_env=False, transport=transport)
         self._slots = asyncio.Semaphore(section.max_concurrent)
-        self._route = wire.SGLANG_GENERATE if section.flavor == "sglang" else wire.VLLM_COMPLETIONS
+        # vLLM: token in / token out where the server has it (it needs --enable-scale-out),
+        # else the OpenAI completions route with token ids (the fence finds out)
+        self._route = wire.SGLANG_GENERATE if section.flavor == "sglang" else wire.VLLM_GENERATE
         self._model: str | None = section.model
         self._rollkeep = False  # the server said it is `rollkeep serve` (it takes the position extension)
         self._label: str | None = None  # the weight version label it holds
@@ -80,7 +90,7 @@ class ServerHandle:
             try:
                 found, aborted = await self._first_half()
                 break
-            except (*_LOST, wire.Malformed, _Refused, ReplicaLost):
+            except (*_LOST, wire.Malformed, _Refused, ReplicaLost, InfraError):
                 await asyncio.sleep(next(delays, _PROBE_DELAYS[-1]))
         self._label, self._version = found, None
         self._fence = (t0, found, aborted)
@@ -98,7 +108,13 @@ class ServerHandle:
         await self._call(self._control.pause())
         found = wire.Control.version_of(await self._call(self._control.get_version()))
         await self._call(self._control.resume())
-        await self._probe(found)
+        try:
+            await self._probe(found)
+        except _Status as e:
+            if self._route != wire.VLLM_GENERATE or e.status not in (403, 404, 405):
+                raise _Refused(str(e)) from None
+            self._route = wire.VLLM_COMPLETIONS
+            await self._probe(found)
         return found, aborted if isinstance(aborted, int) and not isinstance(aborted, bool) else 0
 
     async def _probe(self, label: str) -> None:
@@ -110,6 +126,8 @@ class ServerHandle:
                                      prompt_tokens=1 if self._rollkeep else None)
         try:
             await self._stream(body, parser, lambda ids, lps: None)
+        except _Status:
+            raise
         except InfraError as e:
             raise _Refused(str(e)) from None
 
@@ -219,7 +237,7 @@ class ServerHandle:
             async with asyncio.timeout(self.cfg.request_timeout_s):
                 async with self._http.stream("POST", self._route, json=body) as resp:
                     if resp.status_code != 200:
-                        raise InfraError(f"server {self.url}: {await self._status_text(resp)}")
+                        raise _Status(f"server {self.url}: {await self._status_text(resp)}", resp.status_code)
                     # (a server may answer in one JSON body, as without `stream`)
                     streamed = resp.headers.get("content-type", "").startswith("text/event-stream")
                     async for data in resp.aiter_bytes():
