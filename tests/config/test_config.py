@@ -301,7 +301,7 @@ def test_vllm_without_model_path_is_refused():
 def test_bad_variant_name_lists_the_valid_names():
     err = problems("engine.name=tpu")
     assert err.field == "engine.name"
-    assert '`engine.name` must be one of toy, torch, hf, vllm; found "tpu"' in str(err)
+    assert '`engine.name` must be one of toy, torch, hf, vllm, remote; found "tpu"' in str(err)
     err = problems("trainer.name=vllm")
     assert "`trainer.name` must be one of toy, torch, hf" in str(err)
 

@@ -601,11 +601,13 @@ def test_scale_out_generate_and_server_dies_with_its_parent(models):
 
 
 def test_zz_reload_of_another_shape_kills_the_server(server, c, model, models):
+    # (the message varies with where the load fails: "Worker failed ...", "start + length
+    # exceeds dimension size ..."; the status does not)
     status, r = reload(c, models["other"])
-    assert status == 500 and "Worker failed" in r["error"]["message"]
+    assert status == 500 and r["error"]["message"]
     assert c.get("/health")[0] == 200  # still says healthy ...
     status, r = c.post("/v1/completions", completion(model))
-    assert status == 500 and "EngineCore" in r["error"]["message"]  # ... until a request finds it dead
+    assert status == 500  # ... until a request finds it dead
     deadline = time.monotonic() + 60
     while server.proc.poll() is None:  # then the API server shuts down, and the script with it
         assert time.monotonic() < deadline, "the server did not exit after its engine died"

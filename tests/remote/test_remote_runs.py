@@ -146,3 +146,49 @@ def test_deterministic_remote_run_is_byte_identical_after_a_kill(fleet, model_di
     assert killed(run_child(cfg, "ledger.sealed:30"))
     run_to_end(cfg)
     check(cfg, final_sha(reference))
+
+
+def test_server_and_controller_kills_mixed_lose_nothing(fleet, model_dir, tmp_path) -> None:
+    """One lineage: server 0 SIGKILLed mid-run, then the controller, then server 1 while
+    the restarted controller runs with server 0 back on its port."""
+    import os
+    import signal
+
+    from rollkeep.core import crashpoints
+
+    cfg = config(tmp_path / "run", *overrides(model_dir, tmp_path, fleet))
+    counts = {"ledger.sealed": 0, "ledger.step_committed": 0}
+
+    def first(name: str) -> None:  # (runs in the forked controller)
+        if name in counts:
+            counts[name] += 1
+            if name == "ledger.sealed" and counts[name] == 15:
+                os.killpg(fleet[0].proc.pid, signal.SIGKILL)
+            if name == "ledger.step_committed" and counts[name] == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    crashpoints.set_handler(first)
+    try:
+        assert killed(run_child(cfg))
+    finally:
+        crashpoints.set_handler(None)
+    port = int(fleet[0].url.rsplit(":", 1)[1])
+    fleet[0].stop()
+    fleet[0] = Server(model_dir, tmp_path, flavor=fleet[1].flavor, port=port)
+    counts["ledger.sealed"] = 0
+
+    def second(name: str) -> None:
+        if name == "ledger.sealed":
+            counts[name] += 1
+            if counts[name] == 10:
+                os.killpg(fleet[1].proc.pid, signal.SIGKILL)
+
+    crashpoints.set_handler(second)
+    try:
+        run_to_end(cfg)
+    finally:
+        crashpoints.set_handler(None)
+    report = check(cfg)
+    assert report.trained == 20 and report.restarts == 1
+    lost = [x["server"] for x in trace_lines(cfg) if x["event"] == "server_lost"]
+    assert fleet[0].url in lost and fleet[1].url in lost
