@@ -89,7 +89,7 @@ async def _fleet_run(urls: list[str], model_dir: Path, run_dir: Path, weights: d
         refits = []
         for v in range(2, 2 + repeats):
             t0 = time.perf_counter()
-            await pool.update_weights({k: t + 1e-3 * v for k, t in weights.items()}, v)
+            await pool.update_weights(_shifted(weights, 1e-3 * v), v)
             refits.append(time.perf_counter() - t0)
         rates, read0 = [], sum(h.bytes_read for h in pool._handles)
         tokens = 0
@@ -122,6 +122,58 @@ async def _inprocess(model_dir: Path, weights: dict, repeats: int) -> list[float
         await eng.close()
 
 
+def _job(model_dir: Path, work: Path, name: str, engine: list[str]) -> list[str]:
+    data = work / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i % 7}=", "answer": str(i + i % 7), "task": "arith"}) + "\n"
+                            for i in range(400)))
+    return [f"run_dir={work / name}", *engine, "engine.max_new_tokens=4", "trainer.name=hf",
+            f"trainer.model_path={model_dir}", f"data.path={data}", "data.epochs=1", "train.total_steps=1000",
+            "train.num_prompts_per_step=4", "rollout.group_size=3", "warmup.sft_steps=0", "checkpoint.every_steps=1",
+            "eval.every_steps=0", "logger.progress=none"]
+
+
+def _restart_s(over: list[str], trace: Path, timeout: float = 300.0) -> float:
+    """Launch -> the first step a restarted `rollkeep train` commits, after a SIGKILL."""
+    from ..chaos import _env, _trace_mark, _train_cmd
+
+    def until(proc: subprocess.Popen, mark: int, event: str) -> float:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if trace.exists() and trace.stat().st_size > mark:
+                with open(trace, "rb") as f:
+                    f.seek(mark)
+                    lines = [json.loads(x) for x in f.read().splitlines() if x.strip().endswith(b"}")]
+                hit = [x for x in lines if x.get("event") == event]
+                if hit:
+                    return hit[0]["t"]
+            if proc.poll() is not None:
+                raise RuntimeError(f"rollkeep train exited {proc.returncode}")
+            time.sleep(0.02)
+        raise RuntimeError(f"no {event} within {timeout:g} s")
+
+    mark = _trace_mark(trace)
+    proc = subprocess.Popen(_train_cmd(None, over), env=_env(None), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        until(proc, mark, "checkpoint_published")
+    finally:
+        proc.kill()
+        proc.wait()
+    mark = _trace_mark(trace)
+    launched = time.time()
+    proc = subprocess.Popen(_train_cmd(None, over), env=_env(None), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        return until(proc, mark, "step_committed") - launched
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _shifted(weights: dict, by: float) -> dict:
+    """Other weights of the same shapes, ties kept (one new tensor per shared one)."""
+    new: dict[int, Any] = {}
+    return {k: new.setdefault(t.data_ptr(), t + by) for k, t in weights.items()}
+
+
 def _med(xs: list[float]) -> dict[str, float]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)} if xs else {}
 
@@ -138,10 +190,11 @@ def remote_bench(*, repeats: int, quick: bool, log: Callable[[str], None], model
             from ..models.tiny_hf import make_tiny_hf_model
 
             model_dir = make_tiny_hf_model(work / "model")
-        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
 
-        weights = load_file(str(model_dir / "model.safetensors"))
-        weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+        # the state dict a trainer hands the engine (tied names share one tensor)
+        weights = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).state_dict()
+        weight_bytes = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in weights.values()}.values())
         out: dict[str, Any] = {"model": str(model_dir), "weight_bytes": weight_bytes, "requests": N_REQUESTS}
         procs: list[subprocess.Popen] = []
         try:
@@ -158,6 +211,16 @@ def remote_bench(*, repeats: int, quick: bool, log: Callable[[str], None], model
                 r = asyncio.run(_fleet_run(urls[:n], model_dir, run_dir, weights, repeats))
                 out[f"servers_{n}"] = {"fence_s": _med(r["fence_s"]), "refit_s": _med(r["refit_s"]),
                                        "tokens_per_s": _med(r["tokens_per_s"]), "bytes_per_token": r["bytes_per_token"]}
+            log("restart: remote (servers left running) and in-process hf")
+            servers = "engine.servers=[" + ",".join(f'"{u}"' for u in urls) + "]"
+            remote = _job(model_dir, work, "restart-remote", ["engine.name=remote", servers,
+                                                               f"engine.tokenizer_path={model_dir}"])
+            local = _job(model_dir, work, "restart-hf", ["engine.name=hf", f"engine.model_path={model_dir}"])
+            times = {"remote": [], "inprocess": []}
+            for _ in range(repeats):  # interleaved: a busy machine slows both alike
+                times["remote"].append(_restart_s(remote, work / "restart-remote" / "trace.jsonl"))
+                times["inprocess"].append(_restart_s(local, work / "restart-hf" / "trace.jsonl"))
+            out["restart_s"] = {k: _med(v) for k, v in times.items()}
         finally:
             _stop(procs)
         log("in-process hf engine")

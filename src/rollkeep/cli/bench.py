@@ -182,6 +182,9 @@ def run(args: argparse.Namespace) -> int:
                 t.add_row(*row)
             _print((f"server mode on {results['remote']['weight_bytes']:,} bytes of weights, "
                     f"{results['remote']['requests']} concurrent completions; medians", t))
+            rs = results["remote"]["restart_s"]
+            _note(f"restart after SIGKILL, launch -> first trained step: remote {rs['remote']['median']:.2f} s "
+                  f"(servers running), in-process hf {rs['inprocess']['median']:.2f} s (medians)")
     results["settings"]["seconds"] = time.monotonic() - t0
     if args.json:
         with open(args.json, "w") as f:
