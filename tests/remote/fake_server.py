@@ -32,6 +32,7 @@ class FakeServer:
     hold: asyncio.Event | None = None  # if set, streams wait on it after their first token
     aborted_total: int = 0
     scale_out: bool = False  # it serves /inference/v1/generate (vLLM started with --enable-scale-out)
+    eos: int = 5  # the id that ends a generation ("stop"); -1: none does
 
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
@@ -134,7 +135,7 @@ class FakeServer:
                     await asyncio.Event().wait()
                 new = self._hostile(new) if self.hostile else new
                 out += new
-                finish = None if i + 1 < n and t != 5 else ("stop" if t == 5 else "length")
+                finish = None if i + 1 < n and t != self.eos else ("stop" if t == self.eos else "length")
                 if self.hostile == "no_finish":  # the stream just ends
                     finish = None
                 yield self._chunk(v, out, new, finish, tokens_route)

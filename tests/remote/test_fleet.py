@@ -6,6 +6,7 @@ for engine.unavailable_timeout_s tells the run to stop."""
 from __future__ import annotations
 
 import asyncio
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -110,3 +111,61 @@ def test_a_fleet_that_never_answers_does_not_open() -> None:
         await pool.close()
 
     asyncio.run(main())
+
+
+def test_a_multi_turn_episode_runs_through_the_servers(tmp_path) -> None:
+    """The same calls carry episodes: each turn continues the trajectory (prompt + turns so
+    far as token ids), the environment's answers are encoded with the servers' tokenizer."""
+    import episode_envs
+    from hf_fixture import make_tiny_hf_model
+
+    from rollkeep.controller.episodes import run_episode
+    from rollkeep.controller.usercode import UserCode
+    from rollkeep.core.custody.keys import Key
+    from rollkeep.core.rollout.generation import GenRequest
+    from rollkeep.core.rollout.source import Prompt
+    from rollkeep.envs import ENV_VERSION, EnvSpec
+    from rollkeep.remote.tokenizer import RemoteTokenizer
+
+    tok = RemoteTokenizer(str(make_tiny_hf_model(tmp_path / "m")), chat_template=False)
+    fake = FakeServer(eos=-1)  # every turn runs to its cap
+    sec = section(max_new_tokens=24).model_copy(update={"servers": URLS[:1]})
+    pool: EnginePool
+
+    def emit(ev) -> None:
+        pool._trace(ev)
+
+    handle = ServerHandle(0, URLS[0], sec, tok, headers={}, emit=emit, transport=fake.transport())
+    pool = EnginePool([handle], publish=lambda w, v: SimpleNamespace(path=f"/w/v{v}", label=f"rollkeep:{v}:x"),
+                      max_restarts=2**62, replica_timeout_s=5.0, events=ServerEvents(URLS[:1]))
+    env = EnvSpec(episode_envs.CountEnv, "replay", 3, 5.0, 1024, "test", max_turn_tokens=3)
+    prompt = Prompt(key=Key(0, 0), group_id="e0.0", idx=0, task="t", row={}, row_fingerprint=0, prompt="37*48=")
+    req = GenRequest(group_id="e0.0", generation=0, attempt=0, prompt=prompt, seed=5, pinned_version=None)
+    turns, bodies = [], []
+    inner = fake.handle
+
+    async def spy(r):
+        if r.url.path == "/v1/completions":
+            bodies.append(json.loads(r.content))
+        return await inner(r)
+
+    fake.handle = spy
+
+    async def main():
+        await pool.open()
+        await pool.update_weights({}, 1)
+        code = UserCode()
+        try:
+            return await run_episode(pool, env, req, None, lambda t, k, s: turns.append((t, k)), code=code)
+        finally:
+            code.close()
+            await pool.close()
+
+    c, _ = asyncio.run(main())
+    on_env = c.versions == ENV_VERSION
+    assert [k for _, k in turns] == [0, 1] and on_env.any() and (c.versions[~on_env] == 1).all()
+    assert tok.decode(c.completion_ids[on_env].tolist()) == "=1=2"  # ("=1;=2;": no ";" in its vocabulary)
+    # the second turn's request is the prompt, then the whole trajectory so far, as ids
+    prompt_ids = tok.encode_prompt(req)
+    assert bodies[-1]["prompt"][: len(prompt_ids)] == prompt_ids
+    assert bodies[-1]["prompt"][len(prompt_ids):] == turns[-1][0].completion_ids.tolist()

@@ -36,8 +36,8 @@ class StubTokenizer:
 
 
 def section(flavor: str = "vllm", **kw) -> RemoteEngineConfig:
-    return RemoteEngineConfig(flavor=flavor, servers=["http://fake:1"], tokenizer_path="unused", max_new_tokens=6,
-                              **kw)
+    return RemoteEngineConfig(**{"flavor": flavor, "servers": ["http://fake:1"], "tokenizer_path": "unused",
+                                 "max_new_tokens": 6, **kw})
 
 
 def weights(version: int) -> SimpleNamespace:
