@@ -135,12 +135,6 @@ def test_a_multi_turn_episode_runs_through_the_servers(tmp_path) -> None:
     def emit(ev) -> None:
         pool._trace(ev)
 
-    handle = ServerHandle(0, URLS[0], sec, tok, headers={}, emit=emit, transport=fake.transport())
-    pool = EnginePool([handle], publish=lambda w, v: SimpleNamespace(path=f"/w/v{v}", label=f"rollkeep:{v}:x"),
-                      max_restarts=2**62, replica_timeout_s=5.0, events=ServerEvents(URLS[:1]))
-    env = EnvSpec(episode_envs.CountEnv, "replay", 3, 5.0, 1024, "test", max_turn_tokens=3)
-    prompt = Prompt(key=Key(0, 0), group_id="e0.0", idx=0, task="t", row={}, row_fingerprint=0, prompt="37*48=")
-    req = GenRequest(group_id="e0.0", generation=0, attempt=0, prompt=prompt, seed=5, pinned_version=None)
     turns, bodies = [], []
     inner = fake.handle
 
@@ -150,6 +144,12 @@ def test_a_multi_turn_episode_runs_through_the_servers(tmp_path) -> None:
         return await inner(r)
 
     fake.handle = spy
+    handle = ServerHandle(0, URLS[0], sec, tok, headers={}, emit=emit, transport=fake.transport())
+    pool = EnginePool([handle], publish=lambda w, v: SimpleNamespace(path=f"/w/v{v}", label=f"rollkeep:{v}:x"),
+                      max_restarts=2**62, replica_timeout_s=5.0, events=ServerEvents(URLS[:1]))
+    env = EnvSpec(episode_envs.CountEnv, "replay", 3, 5.0, 1024, "test", max_turn_tokens=3)
+    prompt = Prompt(key=Key(0, 0), group_id="e0.0", idx=0, task="t", row={}, row_fingerprint=0, prompt="37*48=")
+    req = GenRequest(group_id="e0.0", generation=0, attempt=0, prompt=prompt, seed=5, pinned_version=None)
 
     async def main():
         await pool.open()
