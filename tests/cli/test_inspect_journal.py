@@ -106,8 +106,13 @@ def test_inspect_prints_the_plan_train_then_resumes_with(run) -> None:
     assert train(run, "train.after_commit:1").returncode == -9
     ev = restored_event(run)
     assert ev["checkpoint"] is None and ev["journal_events_replayed"] == j["events"]
-    for key in ("groups_reused", "siblings_reused", "siblings_regenerated", "groups_readmitted"):
+    for key in ("groups_reused", "siblings_reused", "siblings_resent", "siblings_pending", "groups_readmitted"):
         assert ev[key] == plan[key], key
+    # the trace's count is every sibling sent out again (`schedule.restart.restored_fields`):
+    # in flight at the cut, discarded from an all-or-nothing group, or waiting after a failed
+    # or abandoned attempt (which of these a kill leaves is timing; their sum is the plan's)
+    assert ev["siblings_regenerated"] == (plan["siblings_regenerated"] + plan["siblings_discarded"]
+                                          + plan["siblings_resent"])
 
 
 def test_audit_checks_the_journal_and_changes_nothing(run) -> None:
