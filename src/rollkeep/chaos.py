@@ -45,6 +45,8 @@ from .core.custody.events import (
     ALL_EVENTS,
     Abandoned,
     Configured,
+    EffectDone,
+    EffectIntent,
     Evicted,
     Released,
     Spared,
@@ -72,7 +74,7 @@ JOURNAL_POINTS = (ROWLOG_BEFORE_FSYNC, ROWLOG_AFTER_FSYNC, JOURNAL_BEFORE_FSYNC,
 PUBLISH_POINTS = (*(p for p in crashpoints.PUBLISH_POINTS if p != crashpoints.PUBLISH_RETENTION),
                   "checkpoint.after_cut")
 LEDGER_POINTS = tuple(event_name(e) for e in ALL_EVENTS if e not in (Configured, Released, Evicted, Abandoned,
-                                                                      Spared))
+                                                                      Spared, EffectIntent, EffectDone))
 
 
 @dataclass

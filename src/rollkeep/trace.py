@@ -32,7 +32,7 @@ from typing import Any
 
 import msgspec
 
-from .core.custody.events import Event
+from .core.custody.events import EffectDone, Event
 from .core.custody.trace_schema import CHECKPOINT_PUBLISHED, FLUSH_NOW, STEP_COMMITTED, RunEvent
 from .core.errors import FilesystemError
 from .core.io.fs import DEFAULT_FS, FILE, FS, AppendFile
@@ -43,6 +43,18 @@ __all__ = ["FLUSH_NOW", "Trace", "event_lines", "last_committed_in_trace", "pars
 _json = msgspec.json.Encoder()
 _SPILL_LINES = 1024  # a writer that never flushes still hands its lines over in batches
 _RAN_ON = frozenset({"sealed", "failed"})  # ledger events that carry the `replica` that ran them
+
+
+class _EffectDoneLine(msgspec.Struct, tag_field="event", tag="effect_done"):
+    """An `effect_done` event as the trace shows it: the size of its result, not the bytes
+    (the journal keeps those; a trace is read by people and tools, and may be shared)."""
+
+    group_id: str
+    generation: int
+    attempt: int
+    key: str
+    ok: bool
+    bytes: int
 
 
 def new_run_id() -> str:
@@ -88,6 +100,8 @@ class Trace:
         encode and one join; msgspec writes `t` exactly, as the shortest repr)."""
         # The event encodes as b'{...}': splice the common fields in front of its own.
         run = self._run
+        if isinstance(ev, EffectDone):
+            ev = _EffectDoneLine(ev.group_id, ev.generation, ev.attempt, ev.key, ev.ok, len(ev.result))
         if self.servers is not None and ev.__struct_config__.tag in _RAN_ON:  # type: ignore[attr-defined]
             run = self._run + b'"server":' + self.servers[ev.replica] + b","  # type: ignore[union-attr]
         self._lines.append(b"".join((b'{"t":', _json.encode(self._clock()), run, _json.encode(ev)[1:], b"\n")))

@@ -21,6 +21,8 @@ from rollkeep.core.custody.events import (
     Evicted,
     Failed,
     Finalizing,
+    EffectDone,
+    EffectIntent,
     Progressed,
     Ready,
     Released,
@@ -90,6 +92,9 @@ def group_event(edge: str, led: Ledger):
         "dispatched": Dispatched(group_id=GID, generations=(G - 1,), version=0),
         "progressed": Progressed(group_id=GID, generation=g, attempt=0, tokens=1),
         "turn_sealed": TurnSealed(group_id=GID, generation=g, attempt=0, turn=0, tokens=1),
+        "effect_intent": EffectIntent(group_id=GID, generation=g, attempt=0, turn=0, index=0, kind="judge", key="k",
+                                      digest=1, policy="retry"),
+        "effect_done": EffectDone(group_id=GID, generation=g, attempt=0, key="k", ok=True, result=b"1"),
         "sealed": Sealed(group_id=GID, generation=g, attempt=0, version=0, tokens=1),
         "failed": Failed(group_id=GID, generation=g, attempt=0, kind="infra"),
         # A complete group is abandoned only for a lost version (`_special_rules_abandon`).
@@ -106,7 +111,7 @@ def group_event(edge: str, led: Ledger):
     }[edge]
 
 
-EDGES = ["admitted", "dispatched", "progressed", "turn_sealed", "sealed", "failed", "abandoned", "finalizing", "ready",
+EDGES = ["admitted", "dispatched", "progressed", "turn_sealed", "effect_intent", "effect_done", "sealed", "failed", "abandoned", "finalizing", "ready",
          "claimed", "step_committed", "released", "evicted", "dropped"]
 
 # A seal repeated for the sealed current attempt is a no-op in any later state (the
@@ -133,8 +138,8 @@ def test_group_table(state: GroupState, edge: str) -> None:
             assert GID not in led
         else:
             assert GroupState(led.group(GID).state) == nxt
-        # `progressed` and `turn_sealed` record tokens only: custody does not change.
-        assert (fingerprint(led) == before) == (edge in ("progressed", "turn_sealed"))
+        # `progressed` and `turn_sealed` record tokens only, the effect events calls: custody does not change.
+        assert (fingerprint(led) == before) == (edge in ("progressed", "turn_sealed", "effect_intent", "effect_done"))
     else:
         with pytest.raises(IllegalTransition) as err:
             led.apply(event)
@@ -181,6 +186,9 @@ ATTEMPT_EDGES = {
     "dispatched": Dispatched(group_id=GID, generations=(0,), version=0),
     "progressed": Progressed(group_id=GID, generation=0, attempt=0, tokens=1),
     "turn_sealed": TurnSealed(group_id=GID, generation=0, attempt=0, turn=0, tokens=1),
+    "effect_intent": EffectIntent(group_id=GID, generation=0, attempt=0, turn=0, index=0, kind="judge", key="k",
+                                  digest=1, policy="retry"),
+    "effect_done": EffectDone(group_id=GID, generation=0, attempt=0, key="k", ok=True, result=b"1"),
     "sealed": Sealed(group_id=GID, generation=0, attempt=0, version=0, tokens=1),
     "failed": Failed(group_id=GID, generation=0, attempt=0, kind="data"),
     "abandoned": Abandoned(group_id=GID, generations=(0,), reason="test"),

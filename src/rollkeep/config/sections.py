@@ -606,6 +606,21 @@ class RewardConfig(_Section):
     """Deadline of one `reward.fn` call; past it, a data failure of the attempt, and the call
     is abandoned (its thread left to finish or hang; the run does not wait for it).
     `rollout.timeout_s` bounds the whole attempt, reward included."""
+    max_concurrent: int = Field(64, ge=1, le=65_536)
+    """The most `reward.fn` calls running at once (a judge over HTTP has its own limit):
+    a completion waits for a slot, within `rollout.timeout_s`. A reward function may be
+    `async def` (awaited on the run's loop, e.g. calling a judge through
+    `rollkeep.effects.call`) or plain (run on a worker thread)."""
+
+
+class EffectsConfig(_Section):
+    """Calls to the outside made through `rollkeep.effects.call` (docs/effects.md): each
+    one's intent is durable in the journal before it is made and its outcome after, so a
+    resumed run answers it from the record instead of calling again."""
+
+    max_result_bytes: int = Field(1 << 20, ge=1, le=16 << 20)
+    """The most bytes of one call's result (its JSON); a larger result is recorded as the
+    call's error (the attempt usually fails as data), so the journal stays bounded."""
 
 
 def _env_factory(v: Any) -> str | None:
@@ -712,6 +727,8 @@ class Config(_Section):
     """Checkpoint cadence and retention."""
     journal: JournalConfig = JournalConfig()
     """Continuous durability between checkpoints."""
+    effects: EffectsConfig = EffectsConfig()
+    """Calls to the outside (judges, tools, sandboxes), recorded exactly once."""
     cluster: ClusterConfig = ClusterConfig()
     """Where engine replicas run: local or Ray."""
     sampler: SamplerConfig = SamplerConfig()

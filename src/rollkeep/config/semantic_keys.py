@@ -88,6 +88,8 @@ _NOT_SEMANTIC = (
     "env.max_snapshot_bytes",
     "env.max_response_bytes",
     "reward.timeout_s",
+    "reward.max_concurrent",
+    "effects",
 )
 
 

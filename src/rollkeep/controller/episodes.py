@@ -61,11 +61,15 @@ OnTurn = Callable[[Tokens, int, bytes | None], None]  # (trajectory, turn, snaps
 
 
 async def run_episode(engine: Any, spec: EnvSpec, req: GenRequest, progress: Any,
-                      on_turn: OnTurn, *, code: UserCode) -> tuple[Completion, float]:
+                      on_turn: OnTurn, *, code: UserCode, effects: Any = None) -> tuple[Completion, float]:
     """One episode: the trajectory as a Completion (environment tokens carry ENV_VERSION)
     and its reward, the last step's (an environment that scores turns adds them in). The
     environment's calls run on `code`'s threads; every decision is the episode machine's
-    (`core.schedule.episode`), this only carries out its commands."""
+    (`core.schedule.episode`), this only carries out its commands. `effects` (the
+    attempt's `AttemptEffects`) is told the turn each environment call is of: the reset
+    and turn 0 are turn 0, a replayed turn is the turn it replays, so a replay's calls are
+    answered from the records of the calls it repeats."""
+    at = (lambda turn: None) if effects is None else (lambda turn: effects.at(turn, spec.timeout_s))
     caps = capabilities_of(engine)
     machine = Episode(req, tokenizer=caps.episode_tokenizer, max_turns=spec.max_turns, label=spec.label,
                       recovery=spec.recovery, max_turn_tokens=spec.max_turn_tokens,
@@ -85,14 +89,17 @@ async def run_episode(engine: Any, spec: EnvSpec, req: GenRequest, progress: Any
                 await call(cmd.what, env.restore, snapshot)
                 cmd = machine.on_restored()
             case EnvReset(row=row, seed=seed):
+                at(0)
                 await call(cmd.what, env.reset, row, seed)
                 cmd = machine.on_reset()
-            case EnvReplay(text=text):
+            case EnvReplay(turn=turn, text=text):
+                at(turn)
                 cmd = machine.on_replayed(_checked(spec, await call(cmd.what, env.step, text)))
             case Generate(request=turn_req):
                 c = await (engine.generate(turn_req, progress) if progress is not None else engine.generate(turn_req))
                 cmd = machine.on_generated(c)
-            case EnvStep(text=text):
+            case EnvStep(turn=turn, text=text):
+                at(turn)
                 cmd = machine.on_step(_checked(spec, await call(cmd.what, env.step, text)))
             case EnvSnapshot():
                 cmd = machine.on_snapshot(await call(cmd.what, env.snapshot))

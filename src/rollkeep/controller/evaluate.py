@@ -26,7 +26,9 @@ model turns per episode) and eval/env_failures (episodes an environment failed).
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -140,7 +142,7 @@ class Evaluator:
             return self._episodes(self.greedy_ids or greedy_ids)
         texts = (self.greedy or greedy)(self.model, self.tokenizer, [r["prompt"] for r in self.rows],
                                         max_new_tokens=self.max_new_tokens)
-        rewards = [float(reward_fn(r.get("task", "default"))(t, r)) for t, r in zip(texts, self.rows, strict=True)]
+        rewards = [_rewarded(reward_fn(r.get("task", "default")), t, r) for t, r in zip(texts, self.rows, strict=True)]
         samples = [
             {"prompt": str(r["prompt"]), "completion": t, "reward": x,
              "answer": None if r.get("answer") is None else str(r["answer"])}
@@ -175,3 +177,10 @@ class Evaluator:
             },
             samples=samples,
         )
+
+
+def _rewarded(fn: Any, text: str, row: Any) -> float:
+    """A held-out reward, on the evaluator's thread: an `async def` reward function runs to
+    its end on a loop of its own (its effects are not recorded: evaluation trains nothing)."""
+    value = fn(text, row)
+    return float(asyncio.run(value) if inspect.isawaitable(value) else value)

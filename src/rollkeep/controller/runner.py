@@ -22,14 +22,17 @@ from typing import Any
 from ..cluster import EnginePool
 from ..config import Config, semantic
 from ..core.checkpoint.store import CheckpointStore
+from ..core.custody.events import DATA
 from ..core.custody.trace_schema import Eval, RunFailed, RunFinished
 from ..core.errors import FilesystemError
+from ..core.rollout.effects import REWARD_TURN
 from ..core.rollout.source import PromptSource
 from ..core.schedule import (
     Cancel,
     Cut,
     Dispatch,
     Evaluate,
+    Failure,
     Generated,
     Note,
     Reason,
@@ -42,6 +45,7 @@ from ..core.schedule import (
     crash_point,
     cutting,
 )
+from ..effects import bind as bind_effects
 from ..engines import Engine
 from ..engines.base import capabilities_of
 from ..envs import EnvSpec
@@ -50,6 +54,7 @@ from ..trace import Trace
 from ..trainers import Trainer
 from ..version import rollkeep_version
 from .build import start_replicas
+from .effects import Effects, run_key
 from .episodes import run_episode
 from .journaling import JournalThread
 from .metrics import MetricsLog, StepMeter, progress_fields
@@ -88,6 +93,8 @@ class Runner:
         self._failure: str | None = None  # the external failure that stopped it (no engine replica)
         self.user_stop: Stopped | None = None  # user code stopped it: `train` raises its error (exit 2)
         self._code = UserCode(self._on_user_stop)  # the threads of reward functions and environments
+        self._effects: Effects | None = None  # calls to the outside, recorded (`_start`)
+        self._reward_slots = asyncio.Semaphore(cfg.reward.max_concurrent)
 
     # ================================================================== start and drive
 
@@ -99,6 +106,9 @@ class Runner:
                           streams=capabilities_of(self.engine).streams, env=self.env,
                           evaluates=self.evaluator is not None, crash=crash_point)
         self.sched, self.trace, self._metrics, self._progress, self._journal = opened
+        self._effects = Effects(self.sched, run=run_key(self.run_dir, self.cfg.seed), code=self._code,
+                                max_result_bytes=self.cfg.effects.max_result_bytes, journal=self._journal,
+                                flush=self.trace.flush)
         if isinstance(self.engine, EnginePool):
             self.engine.attach(self.trace.emit, self._on_no_replica, trace=self.trace)
         self._meter = StepMeter(time.perf_counter(), self.sched.tokens_generated)  # the RL loop starts now
@@ -211,22 +221,28 @@ class Runner:
         req, key = cmd.request, cmd.key
         loop, sched = asyncio.get_running_loop(), self.sched
         progress = (lambda c: sched.on_progress(key, c, loop.time())) if cmd.stream else None
+        effects = self._effects.scope(key, timeout=self.cfg.reward.timeout_s)
+        bind_effects(effects)  # this task's context: its user code's `rollkeep.effects` calls are this attempt's
         try:
             try:
                 if self.env is not None:  # a multi-turn episode: the environment gives the reward
                     completion, reward = await run_episode(
                         self.engine, self.env, req, progress,
-                        lambda traj, turn, snapshot: sched.on_turn(key, traj, turn, snapshot), code=self._code)
+                        lambda traj, turn, snapshot: sched.on_turn(key, traj, turn, snapshot), code=self._code,
+                        effects=effects)
                 else:
                     completion = await (self.engine.generate(req, progress) if progress is not None
                                         else self.engine.generate(req))
-                    reward = await score(self._code, self.cfg.reward, req.prompt, completion)
+                    effects.at(REWARD_TURN, self.cfg.reward.timeout_s)
+                    reward = await score(self._code, self.cfg.reward, req.prompt, completion, self._reward_slots)
                 outcome = Generated(completion, reward, completion.replica)
             except UserStop:
                 return  # the run is stopping (`_on_user_stop`)
             except Exception as e:
                 if (outcome := classify(e)) is None:
                     raise
+            if effects.failed is not None:  # whatever the user code made of it (it may have caught the error)
+                outcome = Failure(DATA, effects.failed, getattr(outcome, "replica", 0))
             sched.on_result(key, outcome, loop.time())
         finally:
             self._tasks.pop(key, None)

@@ -133,6 +133,7 @@ def open_run(
         trace.on_flush = journal.release
     sched = Scheduler(ledger=ledger, rows=rows, source=source, sampler=make_sampler(cfg.sampler.name, limits),
                       settings=settings(cfg, streams=streams, evaluates=evaluates), prefixes=prefixes,
+                      effects=start.open_effects(begun),
                       sinks=Sinks(trace=trace.ledger_event, journal=journal and journal.sink, crash=crash))
     trace.emit(RunStarted(resumed_from_step=ledger.version if begun.resumed else None,
                           checkpoint=None if restored is None else restored.name, pid=os.getpid(),

@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+import inspect
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -101,11 +103,13 @@ def _asked_to_stop(who: str, e: BaseException) -> Stopped:
 
 
 class _Job:
-    __slots__ = ("args", "fn", "fut", "loop", "state")
+    __slots__ = ("args", "context", "fn", "fut", "loop", "state")
 
     def __init__(self, fn: Callable[..., Any], args: tuple, loop: asyncio.AbstractEventLoop,
                  fut: asyncio.Future) -> None:
         self.fn, self.args, self.loop, self.fut = fn, args, loop, fut
+        # The caller's context variables (the attempt's `rollkeep.effects` scope) go with the call.
+        self.context = contextvars.copy_context()
         self.state = _PENDING
 
 
@@ -187,7 +191,7 @@ class UserCode:
                     continue
                 job.state = _RUNNING
             try:
-                outcome = (True, job.fn(*job.args))
+                outcome = (True, job.context.run(job.fn, *job.args))
             except BaseException as e:  # SystemExit and KeyboardInterrupt too: the loop decides
                 outcome = (False, e)
             with self._lock:
@@ -298,11 +302,13 @@ def _guarded(fn: Callable[..., Any], trainer: Any, what: str, expected: str, rem
     return run
 
 
-async def score(code: UserCode, reward: Any, prompt: Any, completion: Any) -> float:
+async def score(code: UserCode, reward: Any, prompt: Any, completion: Any,
+                slots: asyncio.Semaphore | None = None) -> float:
     """The reward of a single-turn completion (`reward` is the config's `reward` section,
-    `prompt` the attempt's): the row's `reward.fn` on a worker thread within
-    `reward.timeout_s`; a built-in reward (rollkeep's own code, cheap and total) inline.
-    A failure is a DataError of the attempt; UserStop passes through."""
+    `prompt` the attempt's): the row's `reward.fn` within `reward.timeout_s`, at most
+    `reward.max_concurrent` at once (`slots`) -- awaited on the loop if it is `async def`,
+    else on a worker thread; a built-in reward (rollkeep's own code, cheap and total)
+    inline. A failure is a DataError of the attempt; UserStop passes through."""
     from ..tasks import reward_fn
 
     label = reward.fn if reward.fn is None or isinstance(reward.fn, str) else reward.fn.get(prompt.task)
@@ -310,7 +316,15 @@ async def score(code: UserCode, reward: Any, prompt: Any, completion: Any) -> fl
         fn = reward_fn(prompt.task)  # `reward.fn`'s for the task if it names one (label), else the built-in
         if label is None:
             return float(fn(completion.text, prompt.row))
-        return float(await code.call(f"reward function {label}", reward.timeout_s, fn, completion.text, prompt.row))
+        async with slots if slots is not None else contextlib.nullcontext():
+            if inspect.iscoroutinefunction(fn):
+                try:
+                    async with asyncio.timeout(reward.timeout_s):
+                        return float(await fn(completion.text, prompt.row))
+                except TimeoutError:
+                    raise Overdue() from None
+            return float(await code.call(f"reward function {label}", reward.timeout_s, fn, completion.text,
+                                         prompt.row))
     except Overdue:
         why = f"reward function {label} took longer than reward.timeout_s={reward.timeout_s:g} s"
     except Exception as e:  # a reward function's error is a data failure (docs/design.md §6)
@@ -318,3 +332,4 @@ async def score(code: UserCode, reward: Any, prompt: Any, completion: Any) -> fl
     err = DataError(why)
     err.replica = completion.replica
     raise err
+

@@ -10,6 +10,8 @@
 The signature every reward function has (the built-in ones too):
 
     def reward(completion: str, row: dict) -> float
+    async def reward(completion: str, row: dict) -> float     (awaited on the run's loop:
+                                                              a judge over HTTP, docs/effects.md)
 
 `completion` is the decoded completion text (without the prompt, EOS ended), `row` the
 dataset row with every field (`prompt`, `task`, `answer`, ...). The result must be a
@@ -85,20 +87,28 @@ def find(spec: str, *, field: str, what: str) -> tuple[Callable[..., Any], Any]:
 
 def checked(fn: Callable[..., Any], spec: str) -> RewardFn:
     """`fn`, refusing a result that is not a real number (a string, None, a list, a
-    tensor): `float()` would quietly accept "0.5" or a one-element tensor."""
-
-    def reward(completion: str, row: Mapping[str, Any]) -> float:
-        value = fn(completion, row)
-        if not isinstance(value, numbers.Real):
-            shown = repr(value)
-            shown = shown if len(shown) <= 60 else shown[:57] + "..."
-            raise TypeError(f"{spec} returned {shown} ({type(value).__name__}), not a number")
-        return float(value)
+    tensor): `float()` would quietly accept "0.5" or a one-element tensor. An `async def`
+    function stays one (the run awaits it on its loop)."""
+    if inspect.iscoroutinefunction(fn):
+        async def reward(completion: str, row: Mapping[str, Any]) -> float:
+            return checked_number(await fn(completion, row), spec)
+    else:
+        def reward(completion: str, row: Mapping[str, Any]) -> float:  # type: ignore[misc]
+            return checked_number(fn(completion, row), spec)
 
     reward.__name__ = getattr(fn, "__name__", "reward")
     reward.__qualname__ = f"checked({spec})"
     reward.__doc__ = getattr(fn, "__doc__", None)
-    return reward
+    return reward  # type: ignore[return-value]
+
+
+def checked_number(value: Any, spec: str) -> float:
+    """`value` as a float if it is a real number, else TypeError naming `spec`."""
+    if not isinstance(value, numbers.Real):
+        shown = repr(value)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise TypeError(f"{spec} returned {shown} ({type(value).__name__}), not a number")
+    return float(value)
 
 
 def _import(module_name: str, spec: str, field: str) -> Any:

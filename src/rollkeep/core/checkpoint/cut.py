@@ -10,6 +10,7 @@ Files of a checkpoint directory:
     ledger.msgpack      custody state (codec.py)
     rows.index          the rows it references that are in the row log, by location (rowindex.py)
     rows.safetensors    the rows it references that are not (a copy)
+    effects.msgpack     the records of calls to the outside (`rollout.effects`), when there are any
     trainer/...         the trainer's own files, written by its snapshot's `save(dir)` into
                         the directory the store gives it (any depth); the core hashes them
                         and reads only their step binding
@@ -46,6 +47,7 @@ from ..io.untrusted import (
     read_regular,
     safetensors_header,
 )
+from ..rollout.effects import EFFECTS_FILE, EffectRecord, EffectStore, encode_effects
 from ..rollout.prefixes import Link, PrefixStore, finished_turns
 from ..rollout.rows import RowId
 from ..rollout.rowstore import RowPin, RowStore
@@ -161,18 +163,21 @@ class Cut:
     time: float  # unix time of the cut (the trace measures thrown-away work against it)
     hold_seconds: float  # how long the loop was held
     prefixes: Mapping[tuple[str, int], tuple[Link, ...]] = field(default_factory=dict)  # partial generations
+    effects: Mapping[tuple[str, int], tuple[EffectRecord, ...]] = field(default_factory=dict)  # calls outside
 
 
-def cut(ledger: Ledger, rows: RowStore, *, now: float | None = None, prefixes: PrefixStore | None = None) -> Cut:
+def cut(ledger: Ledger, rows: RowStore, *, now: float | None = None, prefixes: PrefixStore | None = None,
+        effects: EffectStore | None = None) -> Cut:
     """The atomic cut. Synchronous; call on the loop thread with no await in between.
     `now` is the unix time to record (a simulated clock passes its own)."""
     t0 = time.perf_counter()
     state = ledger.capture()
     pin = rows.pin()
     chains = {} if prefixes is None else prefixes.capture()
+    records = {} if effects is None else effects.capture()
     hold = time.perf_counter() - t0
     return Cut(ledger=state, rows=pin, time=time.time() if now is None else now, hold_seconds=hold,
-               prefixes=chains)
+               prefixes=chains, effects=records)
 
 
 def _sealed(groups) -> Iterator[RowId]:
@@ -214,6 +219,8 @@ def checkpoint_files(c: Cut) -> tuple[dict[str, bytes], dict[str, Any]]:
         ROWS_FILE: encode_rows((rid, c.rows.get(rid)) for rid in copied),
         ROWS_INDEX: encode_index(by_ref, chains),
     }
+    if c.effects:
+        files[EFFECTS_FILE] = encode_effects(c.effects)
     locations = [loc for _, loc in by_ref] + [ch.at for chain in chains.values() for ch in chain]
     rows = {"by_reference": len(by_ref), "copied": len(copied), "segments": extents(locations),
             "partial": len(chains), "partial_tokens": sum(chain[-1].end for chain in chains.values()),

@@ -128,6 +128,38 @@ class TurnSealed(Event, tag="turn_sealed"):
     snapshot: bytes | None = None
 
 
+class EffectIntent(Event, tag="effect_intent"):
+    """The current, DISPATCHED attempt is about to make call `index` of turn `turn` (the
+    reward stage is turn -1) to the outside (docs/design.md §13): of kind `kind`, with the
+    idempotency key `key`, for a request whose canonical JSON hashes (xxh3-64) to
+    `digest`; `policy` says what a restore does if no outcome follows (`retry` sends `key`
+    again, `fail` fails the attempt: `effect_unknown`). It is durable before the call is
+    made. No custody changes."""
+
+    group_id: str
+    generation: int
+    attempt: int
+    turn: int
+    index: int
+    kind: str
+    key: str
+    digest: int
+    policy: str
+
+
+class EffectDone(Event, tag="effect_done"):
+    """The outcome of the call `EffectIntent` announced under `key`: `ok` with `result`
+    (its JSON) or not ok with `result` the error's text. Authoritative: a later attempt
+    that continues this one's work is answered from it and never calls again."""
+
+    group_id: str
+    generation: int
+    attempt: int
+    key: str
+    ok: bool
+    result: bytes
+
+
 class Sealed(Event, tag="sealed"):
     """Current attempt DISPATCHED → SEALED: its row is in the row store."""
 
@@ -254,6 +286,8 @@ ALL_EVENTS: tuple[type[Event], ...] = (
     Dispatched,
     Progressed,
     TurnSealed,
+    EffectIntent,
+    EffectDone,
     Sealed,
     Failed,
     Abandoned,

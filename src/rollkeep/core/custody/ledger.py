@@ -66,6 +66,8 @@ from .events import (
     Configured,
     Dispatched,
     Dropped,
+    EffectDone,
+    EffectIntent,
     Event,
     Evicted,
     Failed,
@@ -190,6 +192,8 @@ class Ledger:
             Dispatched: self._dispatched,
             Progressed: self._progressed,
             TurnSealed: self._turn_sealed,
+            EffectIntent: self._effect,
+            EffectDone: self._effect,
             Sealed: self._sealed,
             Failed: self._failed,
             Abandoned: self._abandoned,
@@ -745,6 +749,15 @@ class Ledger:
         if not (0 <= ev.turn and 0 <= ev.resumed_from <= ev.tokens):
             raise self._illegal(ev, "turn or token count", expected="turn >= 0, 0 <= resumed_from <= tokens",
                                 found=f"turn {ev.turn}, resumed_from {ev.resumed_from}, tokens {ev.tokens}")
+        return _NO_ROWS
+
+    def _effect(self, ev: EffectIntent | EffectDone) -> FreedRows:
+        """Only checks, as for `progressed`: the attempt is current and DISPATCHED (the
+        effect store, `rollout.effects`, checks what the records say)."""
+        edge = ev.__struct_config__.tag  # type: ignore[attr-defined]
+        rec = self._require_group(ev, ev.group_id, edge)
+        self._require_current(ev, rec, ev.generation, ev.attempt)
+        self._require_attempts(ev, rec, ev.group_id, (ev.generation,), edge)
         return _NO_ROWS
 
     def _sealed(self, ev: Sealed) -> FreedRows | None:

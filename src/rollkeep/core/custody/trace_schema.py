@@ -72,6 +72,10 @@ class Restored(RunEvent, tag="restored"):
     lost_versions: str = "keep"
     lost_version_rows: int = 0
     lost_version_chains: int = 0
+    # Calls to the outside (docs/design.md §13): records with an outcome, which answer the
+    # resumed attempts' calls instead of calling again, and intents whose outcome died.
+    effects_replayed: int = 0
+    effects_unknown: int = 0
 
 
 class CheckpointPublished(RunEvent, tag="checkpoint_published"):

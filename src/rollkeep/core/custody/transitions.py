@@ -30,6 +30,8 @@ GROUP_TABLE: dict[tuple[GroupState, str], int] = {
     (_S.GENERATING, "dispatched"): _S.GENERATING,
     (_S.GENERATING, "progressed"): _S.GENERATING,
     (_S.GENERATING, "turn_sealed"): _S.GENERATING,
+    (_S.GENERATING, "effect_intent"): _S.GENERATING,
+    (_S.GENERATING, "effect_done"): _S.GENERATING,
     (_S.GENERATING, "sealed"): _S.GENERATING,  # READY_TO_FINALIZE when the last sibling seals
     (_S.GENERATING, "failed"): _S.GENERATING,
     (_S.GENERATING, "abandoned"): _S.GENERATING,
@@ -54,6 +56,8 @@ ATTEMPT_TABLE: dict[tuple[AttemptStatus, str], int] = {
     (_A.RESERVED, "dispatched"): _A.DISPATCHED,
     (_A.DISPATCHED, "progressed"): _A.DISPATCHED,
     (_A.DISPATCHED, "turn_sealed"): _A.DISPATCHED,
+    (_A.DISPATCHED, "effect_intent"): _A.DISPATCHED,
+    (_A.DISPATCHED, "effect_done"): _A.DISPATCHED,
     (_A.DISPATCHED, "sealed"): _A.SEALED,
     (_A.DISPATCHED, "failed"): _A.RESERVED,
     (_A.DISPATCHED, "abandoned"): _A.RESERVED,

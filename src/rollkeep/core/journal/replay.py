@@ -40,6 +40,7 @@ from ..custody.events import Event, Progressed, Sealed, StepCommitted, TurnSeale
 from ..custody.ledger import GroupRecord, GroupState, Ledger, LedgerState, StepRun
 from ..custody.records import _copy_record
 from ..errors import IllegalTransition
+from ..rollout.effects import EffectRecord, EffectStore
 from ..rollout.prefixes import Link, PrefixStore
 from ..rollout.rows import RowId
 
@@ -74,11 +75,13 @@ class Replayed:
     steps_taken_back: list[int]  # [first, last] committed after the checkpoint, or []
     groups_returned: int  # their groups, READY again: trained again, not regenerated
     lost: LostWork = field(default_factory=LostWork)  # generated under lost versions
+    effects: dict[tuple[str, int], tuple[EffectRecord, ...]] = field(default_factory=dict)  # as of the tail's end
 
 
 def replay(base: LedgerState, rows: Mapping[RowId, Any],
            tail: Iterable[tuple[Event | Restart, Any]],
-           prefixes: Mapping[tuple[str, int], tuple[Link, ...]] | None = None) -> Replayed:
+           prefixes: Mapping[tuple[str, int], tuple[Link, ...]] | None = None,
+           effects: Mapping[tuple[str, int], tuple[EffectRecord, ...]] | None = None) -> Replayed:
     """`tail`: the events after the checkpoint whose state is `base`, in order, each
     `Sealed` with its row (None for every other event), and the `Restart` markers of the
     processes that wrote them. A row is a `Row` or where it is (a `RowLocation`): replay
@@ -88,6 +91,8 @@ def replay(base: LedgerState, rows: Mapping[RowId, Any],
     live = dict(rows)
     chains = PrefixStore()  # follows the events as the live run's did (a progressed comes with its chunk's place)
     chains.restore(prefixes or {})
+    records = EffectStore()  # the effect records, by the same rule
+    records.restore(effects or {})
     returned: dict[str, GroupRecord] = {}  # groups of the steps to take back, as claimed
     lost_rows: set[RowId] = set()
     touched: set[tuple[str, int]] = set()
@@ -123,6 +128,14 @@ def replay(base: LedgerState, rows: Mapping[RowId, Any],
             ) from None
         n += 1
         chains.apply(ev, at=row)
+        try:
+            records.apply(ev)
+        except ValueError as e:
+            raise IllegalTransition(
+                f"journal event {n} after the checkpoint does not continue its effect records: {e}",
+                expected="an effect_done after its effect_intent, once", found=type(ev).__name__,
+                remedy="the journal was damaged or forged; resume from the checkpoint alone with "
+                "journal.enabled=false, or start over in a new run_dir") from None
         for gid, gen, att in freed:
             if gid not in returned:  # a taken-back step's groups keep their rows
                 live.pop(RowId(gid, gen, att), None)
@@ -133,7 +146,7 @@ def replay(base: LedgerState, rows: Mapping[RowId, Any],
     final_chains = chains.capture()
     lost = LostWork(frozenset(lost_rows & referenced), frozenset(touched & final_chains.keys()))
     return Replayed(state, {rid: r for rid, r in live.items() if rid in referenced}, final_chains, n, steps,
-                    len(returned), lost)
+                    len(returned), lost, records.capture())
 
 
 def take_back(state: LedgerState, step: int, committed: Mapping[str, GroupRecord]) -> LedgerState:

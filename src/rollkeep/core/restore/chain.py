@@ -12,6 +12,9 @@ field and the remedy. Nothing here writes to disk; `rollkeep inspect` runs the s
     6  rows referenced by sealed attempts are present (copied,
        or named in a row segment that exists and reaches
        that far), and no row is unreferenced                   RowsMismatch
+       and the effect records name live siblings, and every
+       finalized sibling's calls of policy `fail` have
+       outcomes (FINALIZATION_UNKNOWN)                         CheckpointCustodyError
     7  the dataset still matches (size, seed, each group's
        idx / task / row fingerprint, dataset fingerprint)      DatasetMismatch
     8  the semantic config is unchanged (or the change named)  ConfigMismatch
@@ -45,6 +48,7 @@ from ..custody import codec
 from ..custody.audit import audit
 from ..custody.ledger import PROMPT_GROUP_CODE, AttemptStatus, GroupState, LedgerState
 from ..errors import BindingMismatch, CheckpointCustodyError, DatasetMismatch, RowsMismatch
+from ..rollout.effects import EFFECTS_FILE, FAIL, EffectRecord, decode_effects
 from ..rollout.prefixes import Link
 from ..rollout.rows import Row, RowId
 from ..rollout.source import PromptSource
@@ -140,6 +144,7 @@ class Restored:
     plan: RestorePlan
     config_changes: list[tuple[str, Any, Any]] = field(default_factory=list)
     prefixes: dict[tuple[str, int], tuple[Link, ...]] = field(default_factory=dict)  # partial generations
+    effects: dict[tuple[str, int], tuple[EffectRecord, ...]] = field(default_factory=dict)  # calls to the outside
 
     @property
     def name(self) -> str:
@@ -289,6 +294,52 @@ def check_chains(ck: OpenedCheckpoint, state: LedgerState, chains: Mapping[tuple
                 remedy=_REMEDY_OLDER + "; rows and ledger come from different checkpoints or were damaged")
 
 
+def check_effects(ck: OpenedCheckpoint, state: LedgerState) -> dict[tuple[str, int], tuple[EffectRecord, ...]]:
+    """Step 6 for effect records (`effects.msgpack`, absent: none): each names a sibling of
+    a group the ledger holds, made by its current attempt or an earlier one; a sibling that
+    is sealed has an outcome for every call of policy `fail` (FINALIZATION_UNKNOWN: a
+    group whose result depends on a call that may or may not have happened is never
+    trained)."""
+    if EFFECTS_FILE not in ck.files():
+        return {}
+    path = str(ck.path / EFFECTS_FILE)
+
+    def refuse(what: str, found: str) -> CheckpointCustodyError:
+        return CheckpointCustodyError(
+            f"{EFFECTS_FILE}: {what}", path=path, field="siblings",
+            expected="records of siblings the ledger holds, each made by its current or an earlier attempt, "
+            "every sealed sibling's calls of policy `fail` with their outcomes", found=found,
+            remedy=_REMEDY_OLDER + "; the effect records and the ledger come from different checkpoints, or "
+            "were damaged or forged")
+
+    try:
+        records = decode_effects(ck.read(EFFECTS_FILE))
+    except ValueError as e:
+        raise refuse("not a valid effects file", str(e)[:300]) from None
+    check_effect_owners(records, state, refuse)
+    return records
+
+
+def check_effect_owners(records: Mapping[tuple[str, int], tuple[EffectRecord, ...]], state: LedgerState,
+                        refuse: Any) -> None:
+    """What `check_effects` checks against the ledger (a restore from the journal too):
+    `refuse(what, found)` makes the error."""
+    for (gid, gen), recs in records.items():
+        rec = state.groups.get(gid)
+        if rec is None or not 0 <= gen < rec.group_size:
+            raise refuse(f"records of {gid}/{gen}, which the ledger has no place for",
+                         "no such group" if rec is None else f"no sibling {gen}")
+        newest = max(r.attempt for r in recs)
+        if newest > rec.attempts[gen]:
+            raise refuse(f"a record of {gid}/{gen} by attempt {newest}, which the ledger never started",
+                         f"the current attempt is {rec.attempts[gen]}")
+        if rec.status[gen] == AttemptStatus.SEALED:
+            unknown = [r.key for r in recs if r.ok is None and r.policy == FAIL]
+            if unknown:
+                raise refuse(f"FINALIZATION_UNKNOWN: sealed sibling {gid}/{gen} depends on call(s) without an "
+                             "outcome", f"policy fail, no outcome: {', '.join(unknown[:3])}")
+
+
 def check_dataset(
     ck: OpenedCheckpoint,
     state: LedgerState,
@@ -390,6 +441,7 @@ def _restore_chain(target, name, source, config, allow_config_change, allow_data
     state = check_custody(ck)
     check_binding(ck, state)
     rows, chains = check_rows(ck, state)
+    effects = check_effects(ck, state)
     changes: list = []
     if config is not None:
         changes = check_compatible(
@@ -403,4 +455,4 @@ def _restore_chain(target, name, source, config, allow_config_change, allow_data
         check_dataset(ck, state, source, allow_dataset_change=allow_dataset_change, extend_epochs=extend_epochs,
                       rows=dataset_rows)
     return Restored(checkpoint=ck, ledger=state, rows=rows, plan=plan(state), config_changes=changes,
-                    prefixes=chains)
+                    prefixes=chains, effects=effects)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from ..io.fs import DEFAULT_FS, DIR, FS
 from ..journal.durable import JOURNAL_DIR, read_tail
 from ..journal.replay import LostWork, Restart, replay
 from ..journal.segments import JournalError, JournalWriter
+from ..rollout.effects import EffectRecord, EffectStore
 from ..rollout.prefixes import Link, PrefixStore
 from ..rollout.rows import Row, RowId
 from ..rollout.rowstore import RowStore
@@ -128,6 +129,7 @@ class Tail:
     events: int
     dropped: list[list[int]]
     lost: LostWork  # what the tail generated under lost versions (recovery.lost_versions)
+    effects: dict[tuple[str, int], tuple[EffectRecord, ...]] = field(default_factory=dict)  # calls to the outside
 
 
 @dataclass(frozen=True)
@@ -248,12 +250,13 @@ def journal_tail(run_dir: Path, restored: Restored | None, *, newest: bool, sour
     else:
         base, rows = restored.ledger, restored.rows
     try:
-        r = replay(base, rows, tail.events, None if restored is None else restored.prefixes)
+        r = replay(base, rows, tail.events, None if restored is None else restored.prefixes,
+                   None if restored is None else restored.effects)
     except IllegalTransition as e:  # not a bug of this run: a journal that is not this checkpoint's
         raise JournalError(e.what, path=journal, expected=e.expected, found=e.found, remedy=e.remedy) from None
     check_dataset_identity(r.state, source, path=journal, extend_epochs=extend_epochs)
     check_rows(r.state, journal, tail.datasets[-1].fingerprint if tail.datasets else recorded)
-    return Tail(r.state, r.rows, r.prefixes, r.events, tail.dropped, r.lost), tail.last_seq + 1, False
+    return Tail(r.state, r.rows, r.prefixes, r.events, tail.dropped, r.lost, r.effects), tail.last_seq + 1, False
 
 
 def _read_tail(run_dir: Path, position: int, fs: FS):
@@ -335,3 +338,11 @@ def open_state(run_dir: Path, start: Start, source: PromptSource, *,
     row_store.restore(rows)
     prefixes.restore(chains)
     return Ledger.from_state(start.state(source)), row_store, prefixes
+
+
+def open_effects(start: Start) -> EffectStore:
+    """The effect records the scheduler is built on: the tail's, or the checkpoint's."""
+    t, r = start.tail, start.restored
+    store = EffectStore()
+    store.restore(t.effects if t is not None else r.effects if r is not None else {})
+    return store

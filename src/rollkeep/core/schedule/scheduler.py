@@ -52,6 +52,8 @@ from ..custody.events import (
     Claimed,
     Configured,
     Dispatched,
+    EffectDone,
+    EffectIntent,
     Event,
     Evicted,
     Failed,
@@ -65,6 +67,7 @@ from ..journal.replay import LostWork
 from ..restore.chain import Restored, RestorePlan
 from ..rollout.advantages import MAX_REWARD, ScaleRewards
 from ..rollout.batch import Batch, TrainGroup
+from ..rollout.effects import EFFECT_UNKNOWN, FAIL, Call, Decision, EffectStore, effect_key
 from ..rollout.generation import Chunk, GenRequest, sampling_seed
 from ..rollout.prefixes import PrefixStore
 from ..rollout.rows import Row, RowId
@@ -187,11 +190,13 @@ class Scheduler:
         sampler: Sampler,
         settings: Settings,
         prefixes: PrefixStore | None = None,
+        effects: EffectStore | None = None,
         sinks: Sinks | None = None,
         wall_clock: Callable[[], float] | None = None,
     ) -> None:
         self.ledger, self.rows, self.source, self.sampler, self.settings = ledger, rows, source, sampler, settings
         self.prefixes = PrefixStore() if prefixes is None else prefixes
+        self.effects = EffectStore() if effects is None else effects
         sibling = settings.recovery_mode == "sibling"
         self.partial = PartialGenerations(
             self.prefixes, enabled=settings.record_partial and sibling,
@@ -229,8 +234,10 @@ class Scheduler:
         self.ledger.subscribe(sink)
 
     def _on_event(self, ev: Event) -> None:
-        # The first subscriber: the prefix store follows the event before the journal sees it.
+        # The first subscriber: the prefix store and the effect records follow the event
+        # before the journal sees it.
         self.prefixes.apply(ev)
+        self.effects.apply(ev)
         if not isinstance(ev, Configured):  # limits alone give a checkpoint nothing new
             self._changed_since_cut = True
 
@@ -286,7 +293,7 @@ class Scheduler:
                 else:
                     self.prefixes.restore({})
             fields.update(partial_generations=len(self.prefixes), partial_tokens=self.prefixes.tokens(),
-                          turns_reused=self.prefixes.turns(), **lost_fields)
+                          turns_reused=self.prefixes.turns(), **lost_fields, **self.effects.counts())
             # Groups sealed but not finalized at the cut are finalized again (no side effects).
             for gid, rec in self.ledger.groups():
                 if rec.state == GroupState.READY_TO_FINALIZE:
@@ -407,6 +414,33 @@ class Scheduler:
         if key in self._in_flight:
             self.partial.on_turn(key, trajectory, turn, snapshot, self._apply)
 
+    def on_effect(self, key: AttemptKey, *, turn: int, index: int, kind: str, digest: int, policy: str,
+                  run: str) -> Decision | None:
+        """Call `index` of turn `turn` of the in-flight attempt `key` to the outside
+        (docs/design.md §13): what the sibling's records decide (`EffectStore.decide`);
+        a new call is announced by an `effect_intent` event, which the driver makes durable
+        before it makes the call. None for an attempt no longer in flight (nothing recorded:
+        its result is ignored anyway)."""
+        if key not in self._in_flight:
+            return None
+        gid, g, attempt = key
+        decision = self.effects.decide(gid, g, turn=turn, index=index, kind=kind, digest=digest,
+                                       new_key=effect_key(run, gid, g, attempt, turn, index))
+        if isinstance(decision, Call) and not decision.again:
+            self._apply(EffectIntent(group_id=gid, generation=g, attempt=attempt, turn=turn, index=index, kind=kind,
+                                     key=decision.key, digest=digest, policy=policy))
+        return decision
+
+    def on_effect_done(self, key: AttemptKey, effect: str, ok: bool, result: bytes) -> bool:
+        """The outcome of the call `effect` (its idempotency key) of the in-flight attempt
+        `key`, recorded as an `effect_done` event. False (nothing recorded) for an attempt
+        no longer in flight."""
+        if key not in self._in_flight:
+            return False
+        gid, g, attempt = key
+        self._apply(EffectDone(group_id=gid, generation=g, attempt=attempt, key=effect, ok=ok, result=result))
+        return True
+
     def on_result(self, key: AttemptKey, outcome: Outcome, now: float) -> None:
         """Seal or fail one attempt (one transition, plus finalize or drop). A result for an
         attempt that is no longer current (abandoned, its group dropped) is ignored."""
@@ -422,6 +456,11 @@ class Scheduler:
             resumed = self.partial.before_seal(key, self._apply)
         else:
             self.partial.forget(key)
+        if isinstance(outcome, Generated) and (unknown := self.effects.unknown(gid, g, policy=FAIL)):
+            # FINALIZATION_UNKNOWN: what it was finalized with depends on a call that may or may not
+            # have happened (its outcome died with a process); it is never sealed.
+            outcome = Failure(DATA, f"{EFFECT_UNKNOWN}: the outcome of {unknown[0].kind} call {unknown[0].key} "
+                              "was lost with a process (on_unknown=fail)", outcome.replica)
         if isinstance(outcome, Generated) and not (math.isfinite(outcome.reward)
                                                    and abs(outcome.reward) <= MAX_REWARD):
             outcome = Failure(DATA, f"reward {outcome.reward} (rewards must be finite and within "
@@ -582,7 +621,8 @@ class Scheduler:
         """`cmd` with the atomic cut (O(1)) of the state the poll leaves: what the driver's
         journal position right after the poll covers, before any other call."""
         now = None if self._wall is None else self._wall()
-        return dataclasses.replace(cmd, custody=cut(self.ledger, self.rows, now=now, prefixes=self.prefixes))
+        return dataclasses.replace(cmd, custody=cut(self.ledger, self.rows, now=now, prefixes=self.prefixes,
+                                                      effects=self.effects))
 
     # ============================================================== callbacks
 
