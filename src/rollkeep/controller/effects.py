@@ -9,6 +9,8 @@ call does (`Scheduler.on_effect`: every decision is the core's), and carries it 
               releases the record to the journal) and the journal's next fsync awaited, then
               `fn(request, key)` runs (awaited if async, else on a worker thread), within the
               deadline of the user code around it; its outcome is applied as `effect_done`
+              and the journal's next cycle kicked (not awaited: a kill before that fsync
+              leaves the intent without outcome, which `on_unknown` resolves)
     Call again  the same, without a new intent: the recorded key is sent again (`retry`)
     Unknown   the attempt fails as data (`effect_unknown`); the attempt is marked, so user
               code that catches the error cannot turn the failure into a reward
@@ -32,6 +34,7 @@ from typing import Any
 import msgspec
 import xxhash
 
+from ..core.custody.trace_schema import EffectAnswered
 from ..core.rollout.effects import REWARD_TURN, Answer, Call, Unknown
 from ..core.rollout.generation import DataError
 from ..core.schedule.commands import AttemptKey
@@ -55,8 +58,8 @@ class Effects:
     """The run's calls to the outside: `scope(key)` for each attempt's user code."""
 
     def __init__(self, sched: Any, *, run: str, code: UserCode, max_result_bytes: int, journal: Any = None,
-                 flush: Callable[[], None] = lambda: None) -> None:
-        self.sched, self.run, self.code, self.journal = sched, run, code, journal
+                 flush: Callable[[], None] = lambda: None, emit: Callable[[Any], None] = lambda ev: None) -> None:
+        self.sched, self.run, self.code, self.journal, self.emit = sched, run, code, journal, emit
         self.max_result_bytes = max_result_bytes
         self.flush = flush  # the trace's flush, which releases staged journal records
         self.record_seconds: deque[float] = deque(maxlen=1 << 14)  # intent durable: what a record adds
@@ -69,6 +72,8 @@ class Effects:
     def stats(self) -> dict[str, float]:
         """Metrics: calls made, answered from the record and sent again; the p50 / p99
         seconds a record adds to a call and of the calls themselves."""
+        if not (self.made or self.answered or self.resent):
+            return {}
         out: dict[str, float] = {"effects/made": self.made, "effects/answered": self.answered,
                                  "effects/resent": self.resent}
         for name, xs in (("record", self.record_seconds), ("call", self.call_seconds)):
@@ -107,8 +112,10 @@ class AttemptEffects:
                            f"effect_unknown: the outcome of {decision.kind} call {decision.key} was lost with a "
                            "process (on_unknown=fail)")
             raise DataError(self.failed)
+        gid, g, attempt = self.key
         if isinstance(decision, Answer):
             run.answered += 1
+            run.emit(EffectAnswered(group_id=gid, generation=g, attempt=attempt, kind=kind, key=decision.key))
             return _outcome(kind, decision.key, decision.ok, decision.result)
         assert isinstance(decision, Call)
         t0 = time.perf_counter()
@@ -121,11 +128,16 @@ class AttemptEffects:
         run.call_seconds.append(time.perf_counter() - t1)
         if decision.again:
             run.resent += 1
+            run.emit(EffectAnswered(group_id=gid, generation=g, attempt=attempt, kind=kind, key=decision.key,
+                                    resent=True))
         else:
             run.made += 1
         if not run.sched.on_effect_done(self.key, decision.key, ok, result):
             self.failed = "the attempt is no longer in flight"
             raise DataError(self.failed)
+        if run.journal is not None:  # the outcome durable soon (not waited for): a kill before it means a resend
+            run.flush()
+            run.journal.kick()
         return _outcome(kind, decision.key, ok, result)
 
     async def _make(self, kind: str, request: Any, fn: Callable[..., Any], key: str) -> tuple[bool, bytes]:

@@ -108,7 +108,7 @@ class Runner:
         self.sched, self.trace, self._metrics, self._progress, self._journal = opened
         self._effects = Effects(self.sched, run=run_key(self.run_dir, self.cfg.seed), code=self._code,
                                 max_result_bytes=self.cfg.effects.max_result_bytes, journal=self._journal,
-                                flush=self.trace.flush)
+                                flush=self.trace.flush, emit=self.trace.emit)
         if isinstance(self.engine, EnginePool):
             self.engine.attach(self.trace.emit, self._on_no_replica, trace=self.trace)
         self._meter = StepMeter(time.perf_counter(), self.sched.tokens_generated)  # the RL loop starts now
@@ -255,6 +255,7 @@ class Runner:
         record = self._meter.record(cmd.batch, metrics, began=t0, now=time.perf_counter(),
                                     tokens=self.sched.tokens_generated, counts=self.sched.counts(),
                                     pool=self.engine.stats() if isinstance(self.engine, EnginePool) else None)
+        record.update(self._effects.stats())  # (nothing when no call went outside)
         self._metrics.write(cmd.step, record)
         if self.on_step is not None:
             self.on_step(cmd.step, record)

@@ -19,6 +19,8 @@ from .events import (
     Admitted,
     Dispatched,
     Dropped,
+    EffectDone,
+    EffectIntent,
     Evicted,
     Failed,
     Progressed,
@@ -150,6 +152,19 @@ class ServerBack(RunEvent, tag="server_back"):
     down_seconds: float | None = None
 
 
+class EffectAnswered(RunEvent, tag="effect_answered"):
+    """A call to the outside answered from its record (docs/design.md §13): not made again.
+    `resent`: an intent whose outcome died with a process, sent again with its key
+    (`on_unknown: retry`); the call was made."""
+
+    group_id: str
+    generation: int
+    attempt: int
+    kind: str
+    key: str
+    resent: bool = False
+
+
 class RunFinished(RunEvent, tag="run_finished"):
     step: int
     weights_sha256: str
@@ -167,7 +182,7 @@ class RunFailed(RunEvent, tag="run_failed"):
 
 RUN_EVENTS: tuple[type[RunEvent], ...] = (
     RunStarted, Restored, CheckpointPublished, CheckpointSkipped, Eval, EngineReplicaStarted, EngineReplicaDied,
-    RunFinished, RunFailed, ServerFenced, ServerLost, ServerBack,
+    RunFinished, RunFailed, ServerFenced, ServerLost, ServerBack, EffectAnswered,
 )
 
 
@@ -177,11 +192,12 @@ def name(event_type: type[Any]) -> str:
 
 
 (RUN_STARTED, RESTORED, CHECKPOINT_PUBLISHED, CHECKPOINT_SKIPPED, EVAL, ENGINE_REPLICA_STARTED,
- ENGINE_REPLICA_DIED, RUN_FINISHED, RUN_FAILED, SERVER_FENCED, SERVER_LOST, SERVER_BACK) = (name(t) for t in RUN_EVENTS)
+ ENGINE_REPLICA_DIED, RUN_FINISHED, RUN_FAILED, SERVER_FENCED, SERVER_LOST, SERVER_BACK,
+ EFFECT_ANSWERED) = (name(t) for t in RUN_EVENTS)
 (STEP_COMMITTED, DROPPED, SEALED, DISPATCHED, TAKEN, ADMITTED, FAILED, EVICTED, ABANDONED, PROGRESSED,
- TURN_SEALED) = (
+ TURN_SEALED, EFFECT_INTENT, EFFECT_DONE) = (
     name(t) for t in (StepCommitted, Dropped, Sealed, Dispatched, Taken, Admitted, Failed, Evicted, Abandoned,
-                      Progressed, TurnSealed)
+                      Progressed, TurnSealed, EffectIntent, EffectDone)
 )
 
 #: The ledger's events (the ones the journal records too), and every event name a trace may hold.

@@ -1,0 +1,71 @@
+"""Reward functions and environments that call "the outside" through `rollkeep.effects`, for
+the real-kill tests of effects (tests/controller/test_effect_runs.py).
+
+The outside is a file every call appends its idempotency key to (`ROLLKEEP_TEST_CALLS`): it
+outlives the process, as a judge server's log would, so a test counts calls per key across
+kills. `ROLLKEEP_TEST_KILL_AT=n` makes the process SIGKILL itself right after its n-th call
+has happened and before its outcome is recorded: the window where only the intent is
+durable. `ROLLKEEP_TEST_POLICY` is the `on_unknown` policy (retry by default).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import xxhash
+
+from rollkeep import effects
+from rollkeep.envs import Step
+
+_made = 0  # calls this process made (a forked child starts from the parent's 0)
+
+
+def _policy() -> str:
+    return os.environ.get("ROLLKEEP_TEST_POLICY", "retry")
+
+
+def _outside(request, key: str):
+    """The external service: it records the call, then answers as a pure function of the request."""
+    global _made
+    fd = os.open(os.environ["ROLLKEEP_TEST_CALLS"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, f"{key}\n".encode())
+    finally:
+        os.close(fd)
+    _made += 1
+    if _made == int(os.environ.get("ROLLKEEP_TEST_KILL_AT", "0")):
+        os.kill(os.getpid(), signal.SIGKILL)  # the call happened; its outcome dies with the process
+    return {"score": xxhash.xxh3_64_intdigest(repr(sorted(request.items())).encode()) % 3 / 2}
+
+
+async def judge(completion: str, row) -> float:
+    """An async reward through one recorded call."""
+    out = await effects.call("judge", {"text": completion, "prompt": row["prompt"]}, _outside, on_unknown=_policy())
+    return out["score"]
+
+
+def judge_sync(completion: str, row) -> float:
+    out = effects.call_sync("judge", {"text": completion, "prompt": row["prompt"]}, _outside, on_unknown=_policy())
+    return out["score"]
+
+
+class ToolEnv:
+    """A multi-turn episode whose every step calls a tool outside (recovered by replay: a
+    replayed step's call is answered from its record); the episode ends at turn `turns`."""
+
+    recovery = "replay"
+
+    def __init__(self, turns: int = 3) -> None:
+        self.turns = turns
+
+    def reset(self, row, seed) -> None:
+        self.n, self.prompt = 0, row["prompt"]
+
+    def step(self, text: str) -> Step:
+        self.n += 1
+        out = effects.call_sync("tool", {"turn": self.n, "text": text, "prompt": self.prompt}, _outside,
+                                on_unknown=_policy())
+        if self.n == self.turns:
+            return Step(done=True, reward=out["score"])
+        return Step(response=f"={out['score']};")
