@@ -25,8 +25,8 @@ def _policy() -> str:
     return os.environ.get("ROLLKEEP_TEST_POLICY", "retry")
 
 
-def _outside(request, key: str):
-    """The external service: it records the call, then answers as a pure function of the request."""
+def _called(key: str) -> None:
+    """The outside records the call (and the process may die right after it)."""
     global _made
     fd = os.open(os.environ["ROLLKEEP_TEST_CALLS"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
@@ -36,6 +36,11 @@ def _outside(request, key: str):
     _made += 1
     if _made == int(os.environ.get("ROLLKEEP_TEST_KILL_AT", "0")):
         os.kill(os.getpid(), signal.SIGKILL)  # the call happened; its outcome dies with the process
+
+
+def _outside(request, key: str):
+    """The external service: it records the call, then answers as a pure function of the request."""
+    _called(key)
     return {"score": xxhash.xxh3_64_intdigest(repr(sorted(request.items())).encode()) % 3 / 2}
 
 
@@ -69,3 +74,53 @@ class ToolEnv:
         if self.n == self.turns:
             return Step(done=True, reward=out["score"])
         return Step(response=f"={out['score']};")
+
+
+class LeaseEnv:
+    """An episode whose state lives on "a server" (a directory, `ROLLKEEP_TEST_LEASES`): the
+    lease is opened through a recorded call (a restart reuses it), each finished turn is
+    committed as a version the handle names, and `release` ends the lease (logged, so a
+    test counts releases per lease)."""
+
+    recovery = "lease"
+
+    def __init__(self, turns: int = 3) -> None:
+        self.turns = turns
+        self.root = os.environ["ROLLKEEP_TEST_LEASES"]
+
+    def reset(self, row, seed) -> None:
+        self.lease = effects.call_sync("lease.open", {"prompt": row["prompt"], "seed": seed}, _open_lease)["lease"]
+        self.n = 0
+
+    def step(self, text: str) -> Step:
+        self.n += 1
+        if self.n == self.turns:
+            return Step(done=True, reward=float(len(text) % 2))
+        return Step(response=f"={self.n};")
+
+    def commit(self) -> bytes:
+        path = os.path.join(self.root, f"{self.lease}.v{self.n}")
+        with open(path, "w") as f:
+            f.write(str(self.n))
+        return f"{self.lease}:{self.n}".encode()
+
+    def resume(self, handle: bytes) -> None:
+        self.lease, _, n = handle.decode().partition(":")
+        if os.path.exists(os.path.join(self.root, f"{self.lease}.released")):
+            raise RuntimeError(f"lease {self.lease} was released")
+        with open(os.path.join(self.root, f"{self.lease}.v{n}")) as f:
+            self.n = int(f.read())
+
+    def release(self) -> None:
+        with open(os.path.join(self.root, f"{self.lease}.released"), "a") as f:
+            f.write("x")
+
+
+def _open_lease(request, key: str):
+    """The server opens one lease per idempotency key (a repeated key gets the same one)."""
+    root = os.environ["ROLLKEEP_TEST_LEASES"]
+    lease = xxhash.xxh3_64_hexdigest(key.encode())
+    with open(os.path.join(root, f"{lease}.opened"), "a") as f:
+        f.write("x")
+    _called(key)
+    return {"lease": lease}

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import xxhash
 from hostile import rehash
 from run_harness import (
     DEFAULTS,
@@ -23,6 +24,7 @@ from run_harness import (
     killed,
     run_child,
     run_to_end,
+    trace_lines,
 )
 
 from rollkeep.cli import main
@@ -227,3 +229,38 @@ def test_an_outcome_without_its_intent_in_the_journal_is_refused(tmp_path, outsi
     code, err = train_cli(cfg, capsys, *over)
     assert code == 3 and "effect_done" in err and "Traceback" not in err, err
     assert _snapshot(run_dir) == before
+
+
+# ------------------------------------------------------------------ environments that recover by lease
+
+LEASES = ["env.factory=effect_fns:LeaseEnv", "env.max_turns=3", "env.kwargs={turns: 3}", "engine.data_fail_rate=0.0",
+          "rollout.max_data_attempts=4"]
+
+
+def test_lease_episodes_under_kills_resume_from_handles_and_release_every_lease(tmp_path, outside, monkeypatch) -> None:
+    root = tmp_path / "leases"
+    root.mkdir()
+    monkeypatch.setenv("ROLLKEEP_TEST_LEASES", str(root))
+    cfg = config(tmp_path / "run", *LEASES, *STORM)
+    seen = kill_storm(cfg, outside, monkeypatch, kills=12, seed=9)
+    assert len(seen) == 12
+    run_to_end(cfg)
+    check(cfg)
+    opened = {p.name.split(".")[0] for p in root.glob("*.opened")}
+    released = {p.name.split(".")[0]: len(p.read_text()) for p in root.glob("*.released")}
+    resent = {xxhash.xxh3_64_hexdigest(x["key"].encode()) for x in events(cfg, "effect_answered") if x["resent"]}
+    twice = {p.name.split(".")[0] for p in root.glob("*.opened") if len(p.read_text()) > 1}
+    assert twice <= resent, "a lease is opened again only by the same key, sent again (the server de-duplicates)"
+    restored = events(cfg, "restored")
+    assert sum(x["turns_reused"] for x in restored) > 0, "episodes were resumed from their handles"
+    # Every lease is released, but those of episodes sealed in a process killed before it got
+    # to their release (the window docs/effects.md names; the server's lease timeout ends them).
+    lines = trace_lines(cfg)
+    last_run = lines[-1]["run_id"]
+    sealed_in = {(x["group_id"], x["generation"]): x["run_id"] for x in lines if x["event"] == "sealed"}
+    by_lease = {xxhash.xxh3_64_hexdigest(k.encode()): k for k in calls(outside)}
+    for lease in opened - released.keys():
+        gid, gen = by_lease[lease].split("-")[2:4]
+        assert sealed_in.get((gid, int(gen)), last_run) != last_run, f"lease {lease} of {gid}/{gen} leaked"
+    assert not [x for x in events(cfg, "lease_released") if x["error"]], "no release failed"
+    assert not [x for x in events(cfg, "failed") if "was released" in x["error"]], "no episode resumed a released lease"

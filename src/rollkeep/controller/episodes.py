@@ -54,25 +54,30 @@ from ..core.schedule.episode import (
     Turn,
 )
 from ..engines.base import capabilities_of
-from ..envs import SNAPSHOT, EnvSpec, Step
+from ..envs import LEASE, SNAPSHOT, EnvSpec, Step
 from .usercode import Overdue, UserCode, UserStop, call_sync
 
 OnTurn = Callable[[Tokens, int, bytes | None], None]  # (trajectory, turn, snapshot)
 
 
 async def run_episode(engine: Any, spec: EnvSpec, req: GenRequest, progress: Any,
-                      on_turn: OnTurn, *, code: UserCode, effects: Any = None) -> tuple[Completion, float]:
+                      on_turn: OnTurn, *, code: UserCode, effects: Any = None,
+                      built: list | None = None) -> tuple[Completion, float]:
     """One episode: the trajectory as a Completion (environment tokens carry ENV_VERSION)
     and its reward, the last step's (an environment that scores turns adds them in). The
     environment's calls run on `code`'s threads; every decision is the episode machine's
     (`core.schedule.episode`), this only carries out its commands. `effects` (the
     attempt's `AttemptEffects`) is told the turn each environment call is of: the reset
     and turn 0 are turn 0, a replayed turn is the turn it replays, so a replay's calls are
-    answered from the records of the calls it repeats."""
+    answered from the records of the calls it repeats. `built` gets the environment once it
+    is built (the runner releases a lease environment's lease when the episode is over).
+    An environment that recovers by lease is driven as one that recovers by snapshot, its
+    `commit()` and `resume(handle)` in place of `snapshot()` and `restore(data)`."""
     at = (lambda turn: None) if effects is None else (lambda turn: effects.at(turn, spec.timeout_s))
     caps = capabilities_of(engine)
+    lease = spec.recovery == LEASE
     machine = Episode(req, tokenizer=caps.episode_tokenizer, max_turns=spec.max_turns, label=spec.label,
-                      recovery=spec.recovery, max_turn_tokens=spec.max_turn_tokens,
+                      recovery=SNAPSHOT if lease else spec.recovery, max_turn_tokens=spec.max_turn_tokens,
                       max_snapshot_bytes=spec.max_snapshot_bytes, completion_limit=caps.completion_limit)
 
     async def call(what: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -84,9 +89,11 @@ async def run_episode(engine: Any, spec: EnvSpec, req: GenRequest, progress: Any
         match cmd:
             case EnvBuild():
                 env = await call(cmd.what, spec.factory)
+                if built is not None:
+                    built.append(env)
                 cmd = machine.on_built()
             case EnvRestore(snapshot=snapshot):
-                await call(cmd.what, env.restore, snapshot)
+                await call("resuming the lease" if lease else cmd.what, env.resume if lease else env.restore, snapshot)
                 cmd = machine.on_restored()
             case EnvReset(row=row, seed=seed):
                 at(0)
@@ -102,7 +109,7 @@ async def run_episode(engine: Any, spec: EnvSpec, req: GenRequest, progress: Any
                 at(turn)
                 cmd = machine.on_step(_checked(spec, await call(cmd.what, env.step, text)))
             case EnvSnapshot():
-                cmd = machine.on_snapshot(await call(cmd.what, env.snapshot))
+                cmd = machine.on_snapshot(await call("commit" if lease else cmd.what, env.commit if lease else env.snapshot))
             case Turn(trajectory=traj, turn=turn, snapshot=snapshot):
                 on_turn(traj, turn, snapshot)
                 cmd = machine.on_reported()
@@ -116,7 +123,7 @@ def check_restored(prefixes: PrefixStore, spec: EnvSpec | None, where: str) -> N
     """After a restore: every finished turn of an environment that recovers by snapshot has
     its snapshot, within env.max_snapshot_bytes (else RowsMismatch, exit 3: the episode
     cannot be continued as it was). `where`: the checkpoint restored, for the message."""
-    if spec is None or spec.recovery != SNAPSHOT:
+    if spec is None or spec.recovery not in (SNAPSHOT, LEASE):
         return
     for (gid, gen), chain in prefixes.capture().items():
         for link in chain:
@@ -188,3 +195,17 @@ def _call_sync(spec: EnvSpec, what: str, fn: Callable[..., Any], *args: Any) -> 
     except (Exception, UserStop) as e:  # (a UserStop's text names the SystemExit or KeyboardInterrupt)
         raised = e if isinstance(e, UserStop) else f"{type(e).__name__}: {e}"
         raise DataError(f"environment {spec.label}: {what} raised {raised}") from None
+
+
+async def release(spec: EnvSpec, code: UserCode, env: Any = None, handle: bytes | None = None) -> str | None:
+    """End a lease: the live environment's (`env`), or, on a fresh one, the lease of the
+    episode `handle` names (`resume(handle)`, then `release()`). None, or what failed (a
+    release that fails is reported, never retried: the server's lease may time out)."""
+    try:
+        if env is None:
+            env = await _call(spec, code, "factory", spec.factory)
+            await _call(spec, code, "resuming the lease to release it", env.resume, handle)
+        await _call(spec, code, "release", env.release)
+    except DataError as e:
+        return str(e)
+    return None

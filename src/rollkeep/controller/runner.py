@@ -23,7 +23,7 @@ from ..cluster import EnginePool
 from ..config import Config, semantic
 from ..core.checkpoint.store import CheckpointStore
 from ..core.custody.events import DATA
-from ..core.custody.trace_schema import Eval, RunFailed, RunFinished
+from ..core.custody.trace_schema import Eval, LeaseReleased, RunFailed, RunFinished
 from ..core.errors import FilesystemError
 from ..core.rollout.effects import REWARD_TURN
 from ..core.rollout.source import PromptSource
@@ -48,14 +48,14 @@ from ..core.schedule import (
 from ..effects import bind as bind_effects
 from ..engines import Engine
 from ..engines.base import capabilities_of
-from ..envs import EnvSpec
+from ..envs import LEASE, EnvSpec
 from ..progress import RunProgress
 from ..trace import Trace
 from ..trainers import Trainer
 from ..version import rollkeep_version
 from .build import start_replicas
 from .effects import Effects, run_key
-from .episodes import run_episode
+from .episodes import release, run_episode
 from .journaling import JournalThread
 from .metrics import MetricsLog, StepMeter, progress_fields
 from .startup import limits, open_run
@@ -154,6 +154,8 @@ class Runner:
             if self._journal is not None:
                 self._journal.check()  # a failed journal flush stops the run (exit 5), even with no event to sink
             wake_at = None
+            for sibling, handle in self.sched.prefixes.take_released():  # leases of episodes that end here
+                self._tg.create_task(self._release(sibling, handle=handle))
             for cmd in self.sched.poll(loop.time()):
                 if isinstance(cmd, Dispatch):
                     self._tasks[cmd.key] = self._tg.create_task(self._generate(cmd))
@@ -222,14 +224,15 @@ class Runner:
         loop, sched = asyncio.get_running_loop(), self.sched
         progress = (lambda c: sched.on_progress(key, c, loop.time())) if cmd.stream else None
         effects = self._effects.scope(key, timeout=self.cfg.reward.timeout_s)
-        bind_effects(effects)  # this task's context: its user code's `rollkeep.effects` calls are this attempt's
+        bind_effects(effects)
+        built: list = []  # the episode's environment, once built  # this task's context: its user code's `rollkeep.effects` calls are this attempt's
         try:
             try:
                 if self.env is not None:  # a multi-turn episode: the environment gives the reward
                     completion, reward = await run_episode(
                         self.engine, self.env, req, progress,
                         lambda traj, turn, snapshot: sched.on_turn(key, traj, turn, snapshot), code=self._code,
-                        effects=effects)
+                        effects=effects, built=built)
                 else:
                     completion = await (self.engine.generate(req, progress) if progress is not None
                                         else self.engine.generate(req))
@@ -243,10 +246,23 @@ class Runner:
                     raise
             if effects.failed is not None:  # whatever the user code made of it (it may have caught the error)
                 outcome = Failure(DATA, effects.failed, getattr(outcome, "replica", 0))
+            current = sched.ledger.is_current(*key)
             sched.on_result(key, outcome, loop.time())
+            if built and self.env.recovery == LEASE and current and (isinstance(outcome, Generated)
+                                                                     or outcome.kind == DATA):
+                self._tg.create_task(self._release(key[:2], env=built[0]))  # the episode is over for good
         finally:
             self._tasks.pop(key, None)
             self._wake.set()
+
+    async def _release(self, sibling: tuple[str, int], env: Any = None, handle: bytes | None = None) -> None:
+        """End an episode's lease (`episodes.release`) once what ended it is durable: a kill
+        before then resumes the episode from its handle, which must still hold."""
+        if self._journal is not None:
+            self.trace.flush()
+            await self._journal.durable()
+        error = await release(self.env, self._code, env, handle)
+        self.trace.emit(LeaseReleased(group_id=sibling[0], generation=sibling[1], live=env is not None, error=error))
 
     async def _train(self, cmd: Train) -> None:
         t0 = time.perf_counter()

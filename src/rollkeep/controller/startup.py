@@ -36,7 +36,7 @@ from ..core.restore.configdiff import check_compatible, fingerprint, is_allowed
 from ..core.rollout.samplers import Limits, check_limits, make_sampler
 from ..core.rollout.source import PromptSource
 from ..core.schedule import RetryPolicy, Scheduler, Settings, Sinks
-from ..envs import EnvSpec
+from ..envs import LEASE, EnvSpec
 from ..progress import RunProgress
 from ..trace import Trace, last_committed_in_trace
 from ..trainers import Trainer
@@ -110,6 +110,8 @@ def open_run(
     begun = start.prepare(run_dir, store, source, restored, journaled=cfg.journaled, check_config=check_config,
                           allow_dataset_change=allow_dataset_change, extend_epochs=extend_epochs)
     ledger, rows, prefixes = start.open_state(run_dir, begun, source)
+    if env is not None and env.recovery == LEASE:
+        prefixes.released = []  # the leases of episodes dropped from here on are released (`Runner`)
     check_restored(prefixes, env, str(store.root / (resume or "")))
     # Only now that the restore chain (and the journal's tail) passed does anything on disk change,
     # once the journal's directories are known to take its segments (D10).

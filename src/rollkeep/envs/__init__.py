@@ -19,9 +19,19 @@ from typing import Any
 
 from ..core.errors import UserInputError
 from . import calc
-from .base import ENV_VERSION, RECOVERY_MODES, REPLAY, SNAPSHOT, EnvFactory, Environment, Step
+from .base import (
+    ENV_VERSION,
+    LEASE,
+    RECOVERY_METHODS,
+    RECOVERY_MODES,
+    REPLAY,
+    SNAPSHOT,
+    EnvFactory,
+    Environment,
+    Step,
+)
 
-__all__ = ["BUILT_IN", "ENV_VERSION", "REPLAY", "SNAPSHOT", "EnvSpec", "Environment", "Step", "resolve"]
+__all__ = ["BUILT_IN", "ENV_VERSION", "LEASE", "REPLAY", "SNAPSHOT", "EnvSpec", "Environment", "Step", "resolve"]
 
 
 BUILT_IN: dict[str, EnvFactory] = {"calc": calc.make}
@@ -32,7 +42,7 @@ class EnvSpec:
     """The run's environment: how to make one per episode, and the `env.*` limits."""
 
     factory: Callable[[], Environment]  # a fresh environment, kwargs applied
-    recovery: str  # REPLAY or SNAPSHOT, as the environment declares it
+    recovery: str  # REPLAY, SNAPSHOT or LEASE, as the environment declares it
     max_turns: int
     timeout_s: float
     max_snapshot_bytes: int
@@ -78,13 +88,13 @@ def resolve(env: Any) -> EnvSpec | None:
             remedy="fix the environment's constructor or env.kwargs") from None
     missing = [m for m in ("reset", "step") if not callable(getattr(sample, m, None))]
     recovery = getattr(sample, "recovery", REPLAY)
-    if recovery == SNAPSHOT:
-        missing += [m for m in ("snapshot", "restore") if not callable(getattr(sample, m, None))]
+    missing += [m for m in RECOVERY_METHODS.get(recovery, ()) if not callable(getattr(sample, m, None))]
     if missing or recovery not in RECOVERY_MODES:
         raise UserInputError(
             f"{field} {label!r} does not build an environment", field=field,
             expected="an object with reset(row, seed) and step(text) (and snapshot() and restore(data) "
-                     f"if its `recovery` is {SNAPSHOT!r}), `recovery` one of {list(RECOVERY_MODES)}",
+                     f"if its `recovery` is {SNAPSHOT!r}; commit(), resume(handle) and release() if it is "
+                     f"{LEASE!r}), `recovery` one of {list(RECOVERY_MODES)}",
             found=(f"no {', '.join(missing)}" if missing else f"recovery {recovery!r}")
                   + f" on {type(sample).__name__}",
             remedy="see docs/multiturn.md for the protocol")

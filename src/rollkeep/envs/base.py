@@ -27,7 +27,16 @@ How an episode's state comes back after a restore (`recovery`):
     snapshot   the environment exports its state as bytes after each finished turn
                (`snapshot()`, at most `env.max_snapshot_bytes`), stored with the turn; a
                restore calls `restore(data)` on a fresh environment instead of replaying.
-               For environments with state outside the process.
+    lease      the episode's state lives in a server (a sandbox, a browser, a game): after
+               each finished turn `commit()` has the server persist it and returns a small
+               handle (at most `env.max_snapshot_bytes`), stored with the turn; a restore
+               calls `resume(handle)` on a fresh environment. `release()` ends the
+               episode's lease on the server: rollkeep calls it once the episode is over
+               for good (its seal or its data failure durable), and, for an episode whose
+               recorded turns will not be continued (dropped, evicted, regenerated), on a
+               fresh environment resumed from its last handle. A handle must stay valid
+               until its lease is released (commits are versions, not overwrites), and a
+               release the server already saw must be a no-op (a kill may repeat it).
 
 An exception from the factory, `reset`, `step`, `snapshot` or `restore`, a call past
 `env.timeout_s`, or a response longer than `env.max_response_bytes` (UTF-8) is a data
@@ -46,14 +55,18 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from ..core.rollout.rows import ENV_VERSION
 
-__all__ = ["ENV_VERSION", "RECOVERY_MODES", "REPLAY", "SNAPSHOT", "Environment", "EnvFactory", "Step"]
+__all__ = ["ENV_VERSION", "LEASE", "RECOVERY_METHODS", "RECOVERY_MODES", "REPLAY", "SNAPSHOT", "Environment",
+           "EnvFactory", "LeaseEnvironment", "Step"]
 
 # ENV_VERSION, in a trajectory's `versions`: a token the environment wrote, not the model.
 # Masked out of the loss; its behaviour log-probability is 0. (Defined with the row it marks.)
 
 REPLAY = "replay"
 SNAPSHOT = "snapshot"
-RECOVERY_MODES = (REPLAY, SNAPSHOT)
+LEASE = "lease"
+RECOVERY_MODES = (REPLAY, SNAPSHOT, LEASE)
+#: What each recovery mode needs besides reset(row, seed) and step(text).
+RECOVERY_METHODS = {REPLAY: (), SNAPSHOT: ("snapshot", "restore"), LEASE: ("commit", "resume", "release")}
 
 
 class Step(NamedTuple):
@@ -85,6 +98,20 @@ class SnapshotEnvironment(Environment, Protocol):
 
     def restore(self, data: bytes) -> None:
         """Continue from a `snapshot()` (on a fresh environment, instead of `reset`)."""
+        ...
+
+
+class LeaseEnvironment(Environment, Protocol):
+    def commit(self) -> bytes:
+        """Have the server persist the episode's state after the last step; its handle."""
+        ...
+
+    def resume(self, handle: bytes) -> None:
+        """Continue from a `commit()`'s handle (on a fresh environment, instead of `reset`)."""
+        ...
+
+    def release(self) -> None:
+        """End the episode's lease on the server (after `reset` or `resume`)."""
         ...
 
 

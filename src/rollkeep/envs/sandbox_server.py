@@ -26,8 +26,8 @@ because rollkeep's keys name a place in an episode, not a request: a resumed att
 asks something else at the same place (a turn regenerated after a kill) must be run, not
 answered with the old turn's output. Without the header every request is its own.
 
-Limits of one run (the options): `--run-timeout-s` wall-clock seconds (and as many CPU
-seconds), `--memory-mib` of address space, `--max-output-bytes` of stdout and of stderr
+Limits of one run (the options): `--run-timeout-s` wall-clock seconds (a CPU-time limit a
+second above it is the backstop), `--memory-mib` of address space, `--max-output-bytes` of stdout and of stderr
 each (past it the run is stopped: ok false). `random` is seeded with the session's seed
 before the session's code runs, so a run is a function of (seed, code) unless the code reads
 the clock or the outside. This bounds time, memory and output and isolates Python's paths;
@@ -42,6 +42,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import math
 import os
 import secrets
 import signal
@@ -192,7 +193,7 @@ async def execute(blocks: list[str], seed: int, limits: Limits, workdir: str) ->
     """Run `blocks` (the last one's stdout returned) in a fresh `python -I` process within
     `limits`; see the module docstring."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-I", "-c", RUNNER, str(limits.memory_bytes), str(max(1, round(limits.run_timeout_s))),
+        sys.executable, "-I", "-c", RUNNER, str(limits.memory_bytes), str(math.ceil(limits.run_timeout_s) + 1),
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         cwd=workdir, env={}, start_new_session=True)  # its own process group: a kill takes its children too
     stopped: list[str] = []
@@ -230,6 +231,8 @@ async def execute(blocks: list[str], seed: int, limits: Limits, workdir: str) ->
     ok = not stopped and status == 0
     if stopped:
         error = stopped[0]
+    elif status is not None and status < 0:  # a signal: the CPU limit (SIGXCPU), the kernel, the code itself
+        error = f"killed by {signal.Signals(-status).name}"
     elif status != 0:
         error = err.decode("utf-8", "replace")[-STDERR_TAIL:] or f"exit status {status}"
     else:
@@ -238,7 +241,7 @@ async def execute(blocks: list[str], seed: int, limits: Limits, workdir: str) ->
 
 
 def build_app(sandbox: Sandbox) -> FastAPI:
-    app = FastAPI(title="rollkeep sandbox", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="sandbox server (rollkeep.envs)", docs_url=None, redoc_url=None, openapi_url=None)
 
     async def answer(route: str, key: str | None, body: BaseModel,
                      work: Callable[[], Awaitable[dict[str, Any]]]) -> Any:

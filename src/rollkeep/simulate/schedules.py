@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import xxhash
 
 from ..core import crashpoints
+from ..core.rollout.effects import POLICIES
 from ..core.rollout.samplers import check_limits
 from ..core.schedule import RetryPolicy, Settings
 from .world import Crash, Outcome, Plan, Script, World
@@ -32,6 +33,7 @@ from .world import Crash, Outcome, Plan, Script, World
 # Crash points a simulated run reaches (the runner-only trace flushes have no twin here).
 _POINT_PREFIXES = ("publish.", "checkpoint.", "train.", "ledger.", "journal.", "rowlog.")
 _JOURNAL_PREFIXES = ("journal.", "rowlog.")  # reached only with Plan.journal
+EFFECT_POINTS = ("ledger.effect_done", "ledger.effect_intent")  # reached only with Plan.effects
 
 
 def crash_points() -> list[str]:
@@ -76,6 +78,7 @@ def plan(seed: int, index: int = 0) -> Plan:
             crashes.append(Crash(at=rng.randint(1, 4), point=rng.choice(points), power=power))
     faults = rng.choice([0, 0, 0, 1, 2])
     n_rows, epochs, keep_last = rng.randint(4, 20), rng.randint(1, 2), rng.randint(1, 3)
+    effects = _effects(seed, crashes)
     # The journal mostly on (the runner's default), off in a fifth so both restores stay
     # covered; on whenever a crash is pinned inside it. Flushes every 5-60 ms of simulated
     # time, or at once when a few records wait (a small flush_events).
@@ -85,7 +88,22 @@ def plan(seed: int, index: int = 0) -> Plan:
                 epochs=epochs, keep_last=keep_last, script=script,
                 crashes=tuple(crashes), fault_rate=0.05 if faults else 0.0, max_faults=faults, index=index,
                 journal=journal, journal_ms=rng.choice([5.0, 10.0, 10.0, 60.0]),
-                flush_events=rng.choice([4096, 4096, 8, 1]))
+                flush_events=rng.choice([4096, 4096, 8, 1]), **effects)
+
+
+def _effects(seed: int, crashes: list[Crash]) -> dict:
+    """The plan's calls to the outside, from a stream of their own (every other draw of a
+    seed stays what it was before effects existed): on in half the schedules, and whenever a
+    crash is pinned at an effect's event; each policy in half of them; in half of them one
+    more crash at an effect's event (appended to `crashes`), so kills land between an intent
+    and its call, between a call and its outcome, and before either is durable."""
+    er = random.Random(f"{seed}/effects")
+    if not (er.random() < 0.5 or any(c.point in EFFECT_POINTS for c in crashes)):
+        return {}
+    if er.random() < 0.5:
+        crashes.append(Crash(at=er.randint(1, 8), point=er.choice(EFFECT_POINTS), power=er.random() < 0.3))
+    return {"effects": True, "on_unknown": er.choice(POLICIES), "judge_calls": er.choice([1, 1, 2]),
+            "judge_errors": er.choice([0.0, 0.0, 0.03])}
 
 
 def check(p: Plan) -> Outcome:
@@ -93,7 +111,10 @@ def check(p: Plan) -> Outcome:
     out = World(p).run()
     if not out.problems and out.failed_by_design is None and p.settings.deterministic and out.digest:
         clean = World(dataclasses.replace(p, crashes=(), fault_rate=0.0, max_faults=0)).run()
-        if clean.failed_by_design is None and clean.digest != out.digest:
+        # A group dropped for an effect's failure (effect_unknown spent a data budget, or the
+        # judge failed its keys, which differ with the attempts a crash adds) is lost by design.
+        if clean.failed_by_design is None and clean.digest != out.digest and not (out.effect_drops
+                                                                                  or clean.effect_drops):
             out.problems.append(f"deterministic run: trainer digest {out.digest[:12]} differs from the "
                                 f"uninterrupted run's {clean.digest and clean.digest[:12]}")
     return out
@@ -128,12 +149,24 @@ class Summary:
     fired: Counter = field(default_factory=Counter)  # crash point (or "ledger event") → crashes
     journal_restores: int = 0  # restores that replayed a journal tail
     journal_replayed: int = 0  # the events they replayed
+    effects: int = 0  # schedules with calls to the outside
+    effect_calls: int = 0  # calls the judge received
+    effect_resent: int = 0  # of them sent again with a recorded key
+    effect_answered: int = 0  # calls answered from the record
+    effect_unknown: int = 0  # attempts failed as effect_unknown
     violations: list[tuple[Plan, Outcome]] = field(default_factory=list)
     seconds: float = 0.0
 
     def line(self) -> str:
         return (f"{self.schedules} schedules, {self.crashes} crashes, {self.faults} faults, "
                 f"{len(self.violations)} violations")
+
+    def effects_line(self) -> str:
+        """The calls to the outside of the sweep (the log's last line)."""
+        at_points = sum(self.fired[p] for p in EFFECT_POINTS)
+        return (f"simulate: effects in {self.effects} schedules: {self.effect_calls} calls, {self.effect_resent} "
+                f"sent again, {self.effect_answered} answered from the record, {self.effect_unknown} "
+                f"effect_unknown; {at_points} crashes at effect events")
 
 
 def schedule_seed(seed: int, i: int) -> int:
@@ -152,6 +185,11 @@ def simulate(n: int, seed: int, *, stop_at_first: bool = True, log: Callable[[st
         out.fired.update(result.fired)
         out.journal_restores += result.journal_restores
         out.journal_replayed += result.journal_replayed
+        out.effects += p.effects
+        out.effect_calls += result.effect_calls
+        out.effect_resent += result.effect_resent
+        out.effect_answered += result.effect_answered
+        out.effect_unknown += result.effect_unknown
         out.faults += result.faults
         out.failed_by_design += result.failed_by_design is not None
         if result.problems:
@@ -161,6 +199,8 @@ def simulate(n: int, seed: int, *, stop_at_first: bool = True, log: Callable[[st
         if log is not None and (i + 1) % 500 == 0:
             log(f"simulate: {i + 1}/{n} schedules, {time.perf_counter() - t0:.1f} s")
     out.seconds = time.perf_counter() - t0
+    if log is not None:
+        log(out.effects_line())
     return out
 
 

@@ -61,6 +61,7 @@ from ..core.journal.groupcommit import GroupCommit
 from ..core.restore import start
 from ..core.restore.chain import restore_chain
 from ..core.rollout.datasets import SequenceDataset
+from ..core.rollout.effects import EFFECT_UNKNOWN, RETRY, REWARD_TURN, Answer, Call, Unknown
 from ..core.rollout.generation import TOKEN_FIELDS, Chunk, Completion, GenRequest
 from ..core.rollout.samplers import Limits, make_sampler
 from ..core.rollout.source import PromptSource
@@ -94,10 +95,21 @@ from ..core.schedule.episode import (
     Generate,
     Turn,
 )
-from ..envs.base import REPLAY, SNAPSHOT
+from ..envs.base import REPLAY, SNAPSHOT, Step
 from ..lineage import EVENTS, exactly_once, lineage
 from ..trace import Trace, parse_trace, published_in_trace
 from ..trainers.toy import STATE_FILE, ToyTrainer
+from .effects import (
+    JUDGE,
+    JUDGE_ERROR,
+    RUN,
+    EffectBook,
+    Judge,
+    digest,
+    reward_of,
+    reward_requests,
+    step_request,
+)
 from .episodes import SimEnv, SimTokenizer
 from .memfs import MemFS, SimCrash
 
@@ -134,6 +146,8 @@ class Script:
     refit_s: tuple[float, float] = (0.0, 0.002)
     completion_tokens: int = 4
     turns: int = 1  # model turns per episode: more than one runs multi-turn episodes (§5.4)
+    judge_s: tuple[float, float] = (0.001, 0.02)  # a call to the judge, until its answer arrives
+    fsync_s: tuple[float, float] = (0.0, 0.002)  # a journal cycle kicked by a wait for an intent
 
 
 @dataclass(frozen=True)
@@ -155,6 +169,13 @@ class Plan:
     journal: bool = False  # journal.enabled: restore = LATEST + the journal's tail
     journal_ms: float = 10.0  # journal.flush_ms, in simulated time
     flush_events: int = 4096  # journal.flush_events
+    # Calls to the outside (`simulate.effects`): the reward stage's `judge_calls` calls to the
+    # judge (single-turn), or one per environment step (episodes), of policy `on_unknown`;
+    # the judge fails a `judge_errors` share of keys.
+    effects: bool = False
+    on_unknown: str = RETRY
+    judge_calls: int = 1
+    judge_errors: float = 0.0
 
     def describe(self) -> str:
         s = self.settings
@@ -162,7 +183,8 @@ class Plan:
                 f"P={self.limits.num_prompts_per_step} window={self.limits.window} G={s.group_size} "
                 f"steps={s.total_steps} rows={self.n_rows}x{self.epochs} every={s.checkpoint_every} "
                 f"keep={self.keep_last} drop={s.on_dropped_prompt} stale={s.on_stale} turns={self.script.turns}"
-                + (f" journal={self.journal_ms:g}ms/{self.flush_events}" if self.journal else " journal=off"))
+                + (f" journal={self.journal_ms:g}ms/{self.flush_events}" if self.journal else " journal=off")
+                + (f" effects={self.on_unknown}x{self.judge_calls}/errors={self.judge_errors:g}" if self.effects else ""))
 
 
 @dataclass
@@ -176,6 +198,11 @@ class Outcome:
     segments: int = 0
     journal_replayed: int = 0  # journal events restores replayed after their checkpoint
     journal_restores: int = 0  # restores that replayed a journal tail
+    effect_calls: int = 0  # calls the judge received
+    effect_resent: int = 0  # of them sent again with a recorded key
+    effect_answered: int = 0  # calls answered from the record (not made)
+    effect_unknown: int = 0  # attempts failed as effect_unknown
+    effect_drops: int = 0  # groups dropped for an effect's failure (effect_unknown, the judge's error)
     digest: str | None = None  # final trainer digest of a finished run
     failed_by_design: str | None = None  # the run stopped with a user-facing error
     trace: bytes = b""  # the simulated disk's trace at the end
@@ -212,6 +239,8 @@ class World:
         self._hits: dict[str, int] = {}
         self.now = 0.0
         self._run_ids = itertools.count()
+        self.judge = Judge(plan.judge_errors)  # outside every process: its counts survive the crashes
+        self.book = EffectBook(plan.on_unknown)
 
     # ================================================================== the run
 
@@ -248,9 +277,21 @@ class World:
         out.faults = self.fs.faults
         if self.fs.kind_of(TRACE) is not None:
             out.trace = self.fs.read(TRACE)
+        if self.plan.effects:
+            self._check_effects(out)
         if not out.problems and out.failed_by_design is None:
             self._check(out)
         return out
+
+    def _check_effects(self, out: Outcome) -> None:
+        """The effects' invariant (`simulate.effects`), also of a run that failed by design:
+        what it called until then must hold too."""
+        calls = self.judge.calls
+        out.effect_calls, out.effect_resent = sum(calls.values()), sum(n - 1 for n in calls.values())
+        out.effect_answered, out.effect_unknown = self.book.answered, self.book.unknown
+        out.effect_drops = sum(1 for line in parse_trace(out.trace)[0] if line.get("event") == "dropped"
+                               and (EFFECT_UNKNOWN in line.get("reason", "") or JUDGE_ERROR in line.get("reason", "")))
+        out.problems.extend(self.book.problems(calls))
 
     def _crashed(self, crash: SimCrash) -> None:
         self.out.crashes += 1
@@ -312,6 +353,10 @@ class World:
             trainer.load_state(restored.trainer_file(STATE_FILE), step=restored.ledger.version)
         begun = start.prepare(RUN_DIR, self.store, self.source, restored, journaled=plan.journal, fs=self.fs)
         ledger, rows, prefixes = start.open_state(RUN_DIR, begun, self.source, fs=self.fs)
+        effects = start.open_effects(begun)
+        # What this process knows of the calls made before it: a called key whose outcome
+        # is not in its records was not durable at the crash.
+        self.book.restored(effects, self.judge.calls, weak=begun.tail is None and (not plan.journal or begun.stale))
         start.begin(RUN_DIR, self.store, begun, journaled=plan.journal, fs=self.fs)
         if begun.tail is not None:
             self.out.journal_restores += 1
@@ -328,7 +373,7 @@ class World:
                                 progress_every_s=plan.journal_ms / 1000)
         sched = Scheduler(ledger=ledger, rows=rows, source=self.source,
                           sampler=make_sampler(plan.sampler, plan.limits), settings=s, prefixes=prefixes,
-                          sinks=Sinks(trace=self.trace.ledger_event, journal=self.journal and self.journal.sink,
+                          effects=effects, sinks=Sinks(trace=self.trace.ledger_event, journal=self.journal and self.journal.sink,
                                       crash=self._count_event),
                           wall_clock=lambda: self.now)
         self.trace.emit(RunStarted(resumed_from_step=ledger.version if begun.resumed else None,
@@ -530,8 +575,14 @@ class _Process:
                 case EnvReset(row=row, seed=seed):
                     env.reset(row, seed)
                     cmd = machine.on_reset()
+                case EnvReplay(turn=turn, text=text) if self.w.plan.effects:
+                    self._step_effect(key, machine, machine.on_replayed, env.step(text), turn, text, env, tick, budget)
+                    return
                 case EnvReplay(text=text):
                     cmd = machine.on_replayed(env.step(text))
+                case EnvStep(turn=turn, text=text) if self.w.plan.effects:
+                    self._step_effect(key, machine, machine.on_step, env.step(text), turn, text, env, tick, budget)
+                    return
                 case EnvStep(text=text):
                     cmd = machine.on_step(env.step(text))
                 case EnvSnapshot():
@@ -609,10 +660,121 @@ class _Process:
             completion = Completion(prompt_ids=np.arange(3, dtype=np.int32), completion_ids=ids,
                                     logprobs=logprobs, versions=versions,
                                     finish_reason="stop", text="".join(map(str, ids.tolist())))
+            if self.w.plan.effects:  # the reward function calls the judge
+                calls = reward_requests(req.group_id, req.generation, ids, versions, self.w.plan.judge_calls)
+                self._reward(key, completion, calls, [])
+                return
             outcome = Generated(completion, float(ids[0] % 2))
         self.sched.on_result(key, outcome, self.w.now)
 
+    # -- calls to the outside (`controller.effects`, on the fake clock)
+
+    def _reward(self, key, completion: Completion, requests: list[dict], rewards: list[float]) -> None:
+        """The reward stage of a single-turn attempt, between the engine's answer and
+        `on_result`: its calls to the judge one after the other (indexes 0, 1, ... of turn
+        REWARD_TURN), the reward the mean of their answers."""
+        i = len(rewards)
+        if i == len(requests):
+            self.sched.on_result(key, Generated(completion, sum(rewards) / len(rewards)), self.w.now)
+            return
+        self._effect(key, REWARD_TURN, i, requests[i],
+                     lambda result: self._reward(key, completion, requests, [*rewards, reward_of(result)]))
+
+    def _step_effect(self, key, machine: Episode, fed: Callable[[Step], EpisodeCommand], step: Step, turn: int,
+                     text: str, env: SimEnv, tick: float, budget: int | None) -> None:
+        """An environment step (or the replay of one) that calls the judge, as an environment
+        calling `effects.call_sync` in its `step` does (index 0 of its turn: a replay's call
+        is answered from the record of the call it repeats): the step's reward is the answer."""
+        def answered(result: bytes) -> None:
+            self._episode_step(key, machine, fed(step._replace(reward=reward_of(result))), env, tick, budget)
+
+        self._effect(key, turn, 0, step_request(key[0], key[1], turn, text), answered)
+
+    def _effect(self, key, turn: int, index: int, request: dict, then: Callable[[bytes], None]) -> None:
+        """One call to the judge, carried out as `controller.effects.AttemptEffects.call`
+        does: the scheduler decides (`on_effect`). Answer: the recorded outcome, nothing is
+        called. A new call: the trace is flushed (which releases its intent to the journal)
+        and the journal's cycle that makes the intent durable awaited, then it is made and
+        its outcome recorded (`on_effect_done`). Sent again (`retry`): the recorded key,
+        without a new intent or a wait. Unknown, or no longer in flight: the attempt fails
+        as data. `then(result)` goes on with an ok outcome; an error fails the attempt as
+        data (the reward function raised `EffectFailed`)."""
+        if key in self.cancelled:
+            return
+        w = self.w
+        body, dig = digest(request)
+        decision = self.sched.on_effect(key, turn=turn, index=index, kind=JUDGE, digest=dig,
+                                        policy=w.plan.on_unknown, run=RUN)
+        if decision is None:
+            self._fail(key, "the attempt is no longer in flight")
+        elif isinstance(decision, Unknown):
+            w.book.unknown += 1
+            self._fail(key, f"{EFFECT_UNKNOWN}: the outcome of {decision.kind} call {decision.key} was lost with a "
+                       f"process (on_unknown={w.plan.on_unknown})")
+        elif isinstance(decision, Answer):
+            w.book.answered += 1
+            self._outcome(key, decision.key, decision.ok, decision.result, then)
+        elif w.journal is not None and not decision.again:
+            w.trace.flush()  # the trace first (the journal is never ahead of it): releases the intent
+            self._journal_kicked()
+            self._when_durable(key, w.journal.position()[0], lambda: self._call(key, decision, turn, index, body, then))
+        else:
+            self._call(key, decision, turn, index, body, then)
+
+    def _when_durable(self, key, seq: int, then: Callable[[], None]) -> None:
+        """`then()` once the journal has made every record through `seq` durable, as
+        `JournalThread.durable`, which kicks a cycle (one fsync away); never for an attempt
+        cancelled meanwhile (its task is cancelled in the wait: nothing is called). A
+        journal that failed stops the process (exit 5), as the failed wait does."""
+        j = self.w.journal
+        if key in self.cancelled or j is None:  # (None: the run stopped and closed it)
+            return
+        j.check()
+        if j.journal.durable_seq >= seq:
+            then()
+            return
+
+        def kicked() -> None:
+            self._journal_cycle()
+            self._when_durable(key, seq, then)
+
+        self.later(_between(self.w.plan.script.fsync_s, self.w.plan.seed, "fsync", seq, self.w.now), kicked)
+
+    def _call(self, key, decision: Call, turn: int, index: int, body: bytes, then: Callable[[bytes], None]) -> None:
+        """The call itself: the judge (outside the process) receives it now and its answer
+        arrives after its latency; an attempt cut off meanwhile records no outcome."""
+        if key in self.cancelled:
+            return
+        w = self.w
+        gid, gen, attempt = key
+        w.book.called(decision.key, gid=gid, gen=gen, attempt=attempt, turn=turn, index=index)
+        ok, result = w.judge.call(decision.key, body)
+        latency = _between(w.plan.script.judge_s, w.plan.seed, "judge", decision.key, w.judge.calls[decision.key])
+        self.later(latency, lambda: self._called(key, decision.key, ok, result, then))
+
+    def _called(self, key, effect: str, ok: bool, result: bytes, then: Callable[[bytes], None]) -> None:
+        if key in self.cancelled or not self.sched.on_effect_done(key, effect, ok, result):
+            self.w.book.cut_off(effect)  # the call happened; no process knows what it returned
+            if key not in self.cancelled:
+                self._fail(key, "the attempt is no longer in flight")
+            return
+        self._outcome(key, effect, ok, result, then)
+
+    def _outcome(self, key, effect: str, ok: bool, result: bytes, then: Callable[[bytes], None]) -> None:
+        if ok:
+            then(result)
+        else:
+            self._fail(key, f"EffectFailed: {JUDGE} call {effect}: {result.decode('utf-8', 'replace')}")
+
+    def _fail(self, key, error: str) -> None:
+        self.sched.on_result(key, Failure(DATA, error), self.w.now)
+
     def _train(self, cmd: Train) -> None:
+        plan = self.w.plan
+        if plan.effects:  # every reward trained on is the judge's
+            for g in cmd.batch.groups:
+                for gen, row in enumerate(g.rows):
+                    self.w.book.trained(g.group_id, gen, row, turns=plan.script.turns, calls=plan.judge_calls)
         self.trainer.train_step(cmd.batch)
         self.sched.on_trained(cmd.step)
 

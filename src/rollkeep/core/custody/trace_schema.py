@@ -165,6 +165,18 @@ class EffectAnswered(RunEvent, tag="effect_answered"):
     resent: bool = False
 
 
+class LeaseReleased(RunEvent, tag="lease_released"):
+    """The lease of an episode whose environment recovers by lease ended (docs/design.md
+    §13): `live` by the environment that ran it (the episode sealed or failed as data), else
+    on a fresh one resumed from the sibling's last handle (its turns will not be continued);
+    `error`, if the release failed (never retried: the server's lease may time out)."""
+
+    group_id: str
+    generation: int
+    live: bool
+    error: str | None = None
+
+
 class RunFinished(RunEvent, tag="run_finished"):
     step: int
     weights_sha256: str
@@ -183,6 +195,7 @@ class RunFailed(RunEvent, tag="run_failed"):
 RUN_EVENTS: tuple[type[RunEvent], ...] = (
     RunStarted, Restored, CheckpointPublished, CheckpointSkipped, Eval, EngineReplicaStarted, EngineReplicaDied,
     RunFinished, RunFailed, ServerFenced, ServerLost, ServerBack, EffectAnswered,
+    LeaseReleased,
 )
 
 
@@ -193,7 +206,7 @@ def name(event_type: type[Any]) -> str:
 
 (RUN_STARTED, RESTORED, CHECKPOINT_PUBLISHED, CHECKPOINT_SKIPPED, EVAL, ENGINE_REPLICA_STARTED,
  ENGINE_REPLICA_DIED, RUN_FINISHED, RUN_FAILED, SERVER_FENCED, SERVER_LOST, SERVER_BACK,
- EFFECT_ANSWERED) = (name(t) for t in RUN_EVENTS)
+ EFFECT_ANSWERED, LEASE_RELEASED) = (name(t) for t in RUN_EVENTS)
 (STEP_COMMITTED, DROPPED, SEALED, DISPATCHED, TAKEN, ADMITTED, FAILED, EVICTED, ABANDONED, PROGRESSED,
  TURN_SEALED, EFFECT_INTENT, EFFECT_DONE) = (
     name(t) for t in (StepCommitted, Dropped, Sealed, Dispatched, Taken, Admitted, Failed, Evicted, Abandoned,

@@ -98,6 +98,10 @@ class PrefixStore:
         self._chains: dict[Sibling, tuple[Link, ...]] = {}
         self._staged: dict[Sibling, Tokens] = {}  # the chunk the next `progressed` adds
         self._reader = reader
+        # Environments that recover by lease (docs/design.md §13): the last handle of every
+        # chain dropped for good otherwise than by its seal or its data failure, whose lease
+        # the driver releases (`take_released`). None: not collected.
+        self.released: list[tuple[Sibling, bytes]] | None = None
 
     # -- the live run's side
 
@@ -132,11 +136,23 @@ class PrefixStore:
                 self._chains.pop((ev.group_id, ev.generation), None)
         elif isinstance(ev, Abandoned):
             if ev.reason not in KEPT_ON_ABANDON:
-                for g in ev.generations:
-                    self._chains.pop((ev.group_id, g), None)
+                self.drop((ev.group_id, g) for g in ev.generations)
         elif isinstance(ev, Evicted | Dropped):
-            for key in [k for k in self._chains if k[0] == ev.group_id]:
-                del self._chains[key]
+            self.drop([k for k in self._chains if k[0] == ev.group_id])
+
+    def drop(self, keys: Any) -> None:
+        """Forget the chains of `keys` (siblings), noting their last handles (`released`)."""
+        for key in keys:
+            chain = self._chains.pop(key, None)
+            if chain is not None and self.released is not None:
+                handle = next((link.snapshot for link in reversed(chain) if link.turn >= 0), None)
+                if handle is not None:
+                    self.released.append((key, handle))
+
+    def take_released(self) -> list[tuple[Sibling, bytes]]:
+        """The handles noted since the last call (see `released`)."""
+        out, self.released = self.released or [], [] if self.released is not None else None
+        return out
 
     def locate(self, gid: str, gen: int, at: Any) -> None:
         """The journal appended the sibling's newest chunk at `at`."""

@@ -50,7 +50,7 @@ def lost_versions(ledger: Ledger, lost: LostWork, mode: str, apply: Callable[[Ev
             g for g, st in enumerate(rec.status) if st != AttemptStatus.RESERVED}
         apply(Abandoned(group_id=gid, generations=tuple(sorted(gens)), reason=LOST_VERSION))
     if chains:
-        prefixes.restore({k: v for k, v in prefixes.capture().items() if k not in chains})
+        prefixes.drop(sorted(chains))
     return fields
 
 
