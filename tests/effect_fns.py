@@ -124,3 +124,17 @@ def _open_lease(request, key: str):
         f.write("x")
     _called(key)
     return {"lease": lease}
+
+
+class SlowLeaseEnv(LeaseEnv):
+    """A lease environment whose steps take `step_s` seconds (a slow sandbox)."""
+
+    def __init__(self, turns: int = 3, step_s: float = 0.2) -> None:
+        super().__init__(turns)
+        self.step_s = step_s
+
+    def step(self, text: str) -> Step:
+        import time
+
+        time.sleep(self.step_s)  # the work of a slow step, not a synchronisation
+        return super().step(text)

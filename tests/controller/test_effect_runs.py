@@ -264,3 +264,26 @@ def test_lease_episodes_under_kills_resume_from_handles_and_release_every_lease(
         assert sealed_in.get((gid, int(gen)), last_run) != last_run, f"lease {lease} of {gid}/{gen} leaked"
     assert not [x for x in events(cfg, "lease_released") if x["error"]], "no release failed"
     assert not [x for x in events(cfg, "failed") if "was released" in x["error"]], "no episode resumed a released lease"
+
+
+def test_the_cuts_environment_phase_waits_for_steps_and_never_past_its_timeout(tmp_path, outside, monkeypatch) -> None:
+    root = tmp_path / "leases"
+    root.mkdir()
+    monkeypatch.setenv("ROLLKEEP_TEST_LEASES", str(root))
+    timeout = 0.05
+    cfg = config(tmp_path / "run", *LEASES, "env.factory=effect_fns:SlowLeaseEnv", "env.kwargs={turns: 3, step_s: 0.3}",
+                 f"env.cut_timeout_s={timeout}", "train.total_steps=4", "checkpoint.every_steps=1")
+    run_to_end(cfg)
+    check(cfg)
+    published = events(cfg, "checkpoint_published")
+    assert any(x["env_steps_retired"] for x in published), "steps of 0.3 s outlast a 0.05 s phase: retired"
+    # The phase ends at its deadline, give or take the loop's turn (not a tuned latency: steps take 6x longer).
+    assert all(x["env_wait_seconds"] <= timeout + 0.2 for x in published), [x["env_wait_seconds"] for x in published]
+    patient = config(tmp_path / "patient", *LEASES, "env.factory=effect_fns:SlowLeaseEnv",
+                     "env.kwargs={turns: 3, step_s: 0.05}", "env.cut_timeout_s=60", "train.total_steps=4",
+                     "checkpoint.every_steps=1")
+    run_to_end(patient)
+    check(patient)
+    waited = [x for x in events(patient, "checkpoint_published") if x["env_wait_seconds"] > 0]
+    assert waited and not any(x["env_steps_retired"] for x in events(patient, "checkpoint_published")), \
+        "with time enough the cut waits for every step in flight"

@@ -39,7 +39,7 @@ from rollkeep.core.rollout.effects import (
     effect_key,
     encode_effects,
 )
-from rollkeep.core.schedule import Dispatch, Failure, Generated, RetryPolicy
+from rollkeep.core.schedule import Cut, Dispatch, Failure, Generated, RetryPolicy
 
 RETRIES = RetryPolicy(max_infra_attempts=3, max_data_attempts=3, backoff_ms=0.0, backoff_max_ms=0.0)
 
@@ -296,3 +296,55 @@ def test_records_are_checked_against_the_ledger() -> None:
     with pytest.raises(CheckpointCustodyError, match="FINALIZATION_UNKNOWN"):
         check_effect_owners({(gid, g): (rec,)}, sealed, refuse)
     check_effect_owners({(gid, g): (msgspec.structs.replace(rec, ok=True, result=b"1"),)}, sealed, refuse)
+
+
+# ------------------------------------------------------------------ the cut's environment phase
+
+
+def _phase(h: Harness):
+    """Step 1 trained with an environment step of a step-2 attempt in flight; the poll
+    that would cut. Returns (that attempt's key, another step-2 attempt's key, the poll's commands)."""
+    keys = dispatched(h)
+    target = {k: h.ledger.group(k[0]).target_step for k in keys}
+    later = [k for k in keys if target[k] == 2]
+    assert h.sched.env_step_begin(later[0])
+    for k in keys:
+        if target[k] == 1:
+            h.answer(k)
+    h.poll()
+    h.train()
+    return later[0], later[1], h.poll()
+
+
+def test_the_cut_waits_for_environment_steps_in_flight_and_no_new_one_starts() -> None:
+    h = Harness(group_size=1, window=1, checkpoint_every=1, env_phase_s=5.0)
+    stepping, other, cmds = _phase(h)
+    assert not h.of(cmds, Cut) and h.wake(cmds) == h.now + 5.0, "the cut waits, at most env_phase_s"
+    assert not h.sched.env_step_begin(other), "the gate is closed: no new environment step starts"
+    h.now += 1.5
+    h.sched.env_step_end(stepping)
+    cut = h.of(h.poll(), Cut)
+    assert cut and cut[0].env_wait_s == 1.5 and cut[0].env_retired == 0
+    assert h.sched.env_step_begin(other), "the gate opens with the cut"
+
+
+def test_the_environment_phase_never_waits_past_its_timeout() -> None:
+    h = Harness(group_size=1, window=1, checkpoint_every=1, env_phase_s=2.0)
+    stepping, _, cmds = _phase(h)
+    assert not h.of(cmds, Cut)
+    assert not h.of(h.poll(h.now + 1.999), Cut)
+    cut = h.of(h.poll(h.now + 0.001), Cut)
+    assert cut and cut[0].env_wait_s == pytest.approx(2.0) and cut[0].env_retired == 1, "the step was retired"
+
+
+def test_without_a_step_in_flight_or_a_phase_the_cut_does_not_wait() -> None:
+    for phase in (None, 5.0):
+        h = Harness(group_size=1, window=1, checkpoint_every=1, env_phase_s=phase)
+        keys = dispatched(h)
+        for k in keys:
+            if h.ledger.group(k[0]).target_step == 1:
+                h.answer(k)
+        h.poll()
+        h.train()
+        cut = h.of(h.poll(), Cut)
+        assert cut and cut[0].env_wait_s == 0.0

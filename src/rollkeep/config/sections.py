@@ -664,7 +664,14 @@ class EnvConfig(_Section):
     max_snapshot_bytes: int = Field(65536, ge=0, le=16 << 20)
     """Largest environment snapshot (environments recovering by `snapshot`), at most 16 MiB;
     a larger one is a data failure of the attempt. Snapshots live in the journal's records
-    (64 MiB at most each) and in the trace, so keep them small: a handle, not a database."""
+    (64 MiB at most each) and in the trace, so keep them small: a handle, not a database.
+    The handles of environments recovering by `lease` are bounded by it too."""
+    cut_timeout_s: float = Field(10.0, ge=0.0, le=3600.0)
+    """The cut's environment phase (environments recovering by `lease`, docs/effects.md): at
+    a checkpoint's step boundary no new environment step starts, and the steps in flight get
+    this long to finish and commit their turns, so the checkpoint holds every live episode at
+    its newest committed turn; a step still running then is retired from the cut (its turn
+    goes into the journal, and into the next checkpoint). 0: the cut never waits."""
 
 
 class WarmupConfig(_Section):

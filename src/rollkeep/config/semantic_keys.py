@@ -87,6 +87,7 @@ _NOT_SEMANTIC = (
     "env.timeout_s",
     "env.max_snapshot_bytes",
     "env.max_response_bytes",
+    "env.cut_timeout_s",
     "reward.timeout_s",
     "reward.max_concurrent",
     "effects",

@@ -62,7 +62,7 @@ OnTurn = Callable[[Tokens, int, bytes | None], None]  # (trajectory, turn, snaps
 
 async def run_episode(engine: Any, spec: EnvSpec, req: GenRequest, progress: Any,
                       on_turn: OnTurn, *, code: UserCode, effects: Any = None,
-                      built: list | None = None) -> tuple[Completion, float]:
+                      built: list | None = None, gate: Any = None) -> tuple[Completion, float]:
     """One episode: the trajectory as a Completion (environment tokens carry ENV_VERSION)
     and its reward, the last step's (an environment that scores turns adds them in). The
     environment's calls run on `code`'s threads; every decision is the episode machine's
@@ -72,7 +72,9 @@ async def run_episode(engine: Any, spec: EnvSpec, req: GenRequest, progress: Any
     answered from the records of the calls it repeats. `built` gets the environment once it
     is built (the runner releases a lease environment's lease when the episode is over).
     An environment that recovers by lease is driven as one that recovers by snapshot, its
-    `commit()` and `resume(handle)` in place of `snapshot()` and `restore(data)`."""
+    `commit()` and `resume(handle)` in place of `snapshot()` and `restore(data)`. `gate`
+    (the cut's environment phase): `await gate.begin()` before a step, `gate.end()` once
+    the step, its commit and its turn's report are done."""
     at = (lambda turn: None) if effects is None else (lambda turn: effects.at(turn, spec.timeout_s))
     caps = capabilities_of(engine)
     lease = spec.recovery == LEASE
@@ -84,39 +86,53 @@ async def run_episode(engine: Any, spec: EnvSpec, req: GenRequest, progress: Any
         return await _call(spec, code, what, fn, *args)
 
     env: Any = None
+    stepping = False  # between a gated step's begin and its end (the cut's environment phase)
     cmd = machine.begin()
-    while True:
-        match cmd:
-            case EnvBuild():
-                env = await call(cmd.what, spec.factory)
-                if built is not None:
-                    built.append(env)
-                cmd = machine.on_built()
-            case EnvRestore(snapshot=snapshot):
-                await call("resuming the lease" if lease else cmd.what, env.resume if lease else env.restore, snapshot)
-                cmd = machine.on_restored()
-            case EnvReset(row=row, seed=seed):
-                at(0)
-                await call(cmd.what, env.reset, row, seed)
-                cmd = machine.on_reset()
-            case EnvReplay(turn=turn, text=text):
-                at(turn)
-                cmd = machine.on_replayed(_checked(spec, await call(cmd.what, env.step, text)))
-            case Generate(request=turn_req):
-                c = await (engine.generate(turn_req, progress) if progress is not None else engine.generate(turn_req))
-                cmd = machine.on_generated(c)
-            case EnvStep(turn=turn, text=text):
-                at(turn)
-                cmd = machine.on_step(_checked(spec, await call(cmd.what, env.step, text)))
-            case EnvSnapshot():
-                cmd = machine.on_snapshot(await call("commit" if lease else cmd.what, env.commit if lease else env.snapshot))
-            case Turn(trajectory=traj, turn=turn, snapshot=snapshot):
-                on_turn(traj, turn, snapshot)
-                cmd = machine.on_reported()
-            case Done(completion=completion, reward=reward):
-                return completion, reward
-            case _:  # pragma: no cover
-                raise AssertionError(f"unknown episode command {cmd!r}")
+    try:
+        while True:
+            match cmd:
+                case EnvBuild():
+                    env = await call(cmd.what, spec.factory)
+                    if built is not None:
+                        built.append(env)
+                    cmd = machine.on_built()
+                case EnvRestore(snapshot=snapshot):
+                    await call("resuming the lease" if lease else cmd.what, env.resume if lease else env.restore,
+                               snapshot)
+                    cmd = machine.on_restored()
+                case EnvReset(row=row, seed=seed):
+                    at(0)
+                    await call(cmd.what, env.reset, row, seed)
+                    cmd = machine.on_reset()
+                case EnvReplay(turn=turn, text=text):
+                    at(turn)
+                    cmd = machine.on_replayed(_checked(spec, await call(cmd.what, env.step, text)))
+                case Generate(request=turn_req):
+                    c = await (engine.generate(turn_req, progress) if progress is not None
+                               else engine.generate(turn_req))
+                    cmd = machine.on_generated(c)
+                case EnvStep(turn=turn, text=text):
+                    if gate is not None:
+                        await gate.begin()
+                        stepping = True
+                    at(turn)
+                    cmd = machine.on_step(_checked(spec, await call(cmd.what, env.step, text)))
+                case EnvSnapshot():
+                    cmd = machine.on_snapshot(await call("commit" if lease else cmd.what,
+                                                         env.commit if lease else env.snapshot))
+                case Turn(trajectory=traj, turn=turn, snapshot=snapshot):
+                    on_turn(traj, turn, snapshot)
+                    if stepping:
+                        stepping = False
+                        gate.end()
+                    cmd = machine.on_reported()
+                case Done(completion=completion, reward=reward):
+                    return completion, reward
+                case _:  # pragma: no cover
+                    raise AssertionError(f"unknown episode command {cmd!r}")
+    finally:
+        if stepping:
+            gate.end()
 
 
 def check_restored(prefixes: PrefixStore, spec: EnvSpec | None, where: str) -> None:

@@ -95,6 +95,8 @@ class Runner:
         self._code = UserCode(self._on_user_stop)  # the threads of reward functions and environments
         self._effects: Effects | None = None  # calls to the outside, recorded (`_start`)
         self._reward_slots = asyncio.Semaphore(cfg.reward.max_concurrent)
+        self._env_open = asyncio.Event()  # the cut's environment phase lets environment steps start
+        self._env_open.set()
 
     # ================================================================== start and drive
 
@@ -156,7 +158,12 @@ class Runner:
             wake_at = None
             for sibling, handle in self.sched.prefixes.take_released():  # leases of episodes that end here
                 self._tg.create_task(self._release(sibling, handle=handle))
-            for cmd in self.sched.poll(loop.time()):
+            cmds = self.sched.poll(loop.time())
+            if self.sched.env_gate_open:  # (closed by the poll that began a cut's environment phase)
+                self._env_open.set()
+            else:
+                self._env_open.clear()
+            for cmd in cmds:
                 if isinstance(cmd, Dispatch):
                     self._tasks[cmd.key] = self._tg.create_task(self._generate(cmd))
                 elif isinstance(cmd, Cancel):
@@ -232,7 +239,8 @@ class Runner:
                     completion, reward = await run_episode(
                         self.engine, self.env, req, progress,
                         lambda traj, turn, snapshot: sched.on_turn(key, traj, turn, snapshot), code=self._code,
-                        effects=effects, built=built)
+                        effects=effects, built=built,
+                        gate=_EnvGate(self, key) if self.env.recovery == LEASE else None)
                 else:
                     completion = await (self.engine.generate(req, progress) if progress is not None
                                         else self.engine.generate(req))
@@ -323,6 +331,22 @@ class Runner:
                     stack.callback(closable.close)
             if self._journal is not None:  # closed first (a finished run closed it before `run_finished`)
                 stack.callback(self._journal.close, report=not failed)
+
+
+class _EnvGate:
+    """The cut's environment phase, an episode's side (`Scheduler.env_step_begin`): a step
+    starts once the scheduler lets it; its end wakes the loop, which may then cut."""
+
+    def __init__(self, runner: Runner, key: tuple[str, int, int]) -> None:
+        self.runner, self.key = runner, key
+
+    async def begin(self) -> None:
+        while not self.runner.sched.env_step_begin(self.key):
+            await self.runner._env_open.wait()
+
+    def end(self) -> None:
+        self.runner.sched.env_step_end(self.key)
+        self.runner._wake.set()
 
 
 def _signals(loop: asyncio.AbstractEventLoop, handler: Any) -> None:

@@ -53,7 +53,7 @@ def limits(cfg: Config) -> Limits:
                         min_step_batch_fraction=cfg.rollout.min_step_batch_fraction)
 
 
-def settings(cfg: Config, *, streams: bool = True, evaluates: bool = False) -> Settings:
+def settings(cfg: Config, *, streams: bool = True, evaluates: bool = False, env: EnvSpec | None = None) -> Settings:
     """The scheduler's settings. `streams`: the engine reports tokens as it goes (without
     that no partial generation is recorded or continued); `evaluates`: the run has a
     held-out evaluator, due every eval.every_steps."""
@@ -70,6 +70,7 @@ def settings(cfg: Config, *, streams: bool = True, evaluates: bool = False) -> S
         record_partial=cfg.journaled and streams, resume_partial=cfg.recovery.partial == "resume",
         progress_every_s=cfg.recovery.progress_ms / 1000, lost_versions=cfg.recovery.lost_versions,
         eval_every=cfg.eval.every_steps if evaluates else 0,
+        env_phase_s=cfg.env.cut_timeout_s if env is not None and env.recovery == LEASE else None,
     )
 
 
@@ -134,7 +135,7 @@ def open_run(
         journal.restart(ledger.version, source.identity())
         trace.on_flush = journal.release
     sched = Scheduler(ledger=ledger, rows=rows, source=source, sampler=make_sampler(cfg.sampler.name, limits),
-                      settings=settings(cfg, streams=streams, evaluates=evaluates), prefixes=prefixes,
+                      settings=settings(cfg, streams=streams, evaluates=evaluates, env=env), prefixes=prefixes,
                       effects=start.open_effects(begun),
                       sinks=Sinks(trace=trace.ledger_event, journal=journal and journal.sink, crash=crash))
     trace.emit(RunStarted(resumed_from_step=ledger.version if begun.resumed else None,

@@ -27,10 +27,10 @@ asks something else at the same place (a turn regenerated after a kill) must be 
 answered with the old turn's output. Without the header every request is its own.
 
 Limits of one run (the options): `--run-timeout-s` wall-clock seconds (a CPU-time limit a
-second above it is the backstop), `--memory-mib` of address space, `--max-output-bytes` of stdout and of stderr
-each (past it the run is stopped: ok false). `random` is seeded with the session's seed
-before the session's code runs, so a run is a function of (seed, code) unless the code reads
-the clock or the outside. This bounds time, memory and output and isolates Python's paths;
+second above it is the backstop), `--memory-mib` of address space, `--max-output-bytes` of
+stdout and of stderr each (past it the run is stopped: ok false). `random` is seeded with
+the session's seed before the session's code runs, so a run is a function of (seed, code)
+unless the code reads the clock or the outside. This bounds time, memory and output and isolates Python's paths;
 it is not a security boundary (the code runs as this user, in a scratch directory of the
 server's): run untrusted code inside a container or VM.
 """

@@ -6,8 +6,9 @@ The judge is the service a reward function calls: it counts the calls it receive
 idempotency key and answers each as a pure function of the request (a reward from the
 request's digest), so a call answered from the record and a call made again give the same
 reward, and a deterministic run stays byte-identical to the run without crashes. With
-`judge_errors` it fails a share of keys (a pure function of the key: a transient outage the
-next attempt, with a new key, gets past), so error outcomes are recorded and answered too.
+`judge_errors` it refuses a share of requests (a pure function of the request too: a data
+failure gives the sibling a new sampling seed, so its next attempt asks something else), so
+error outcomes are recorded and answered from the record too.
 It lives on the `World`, not on a segment: a crash kills the process, not the service.
 
 The world carries out each call as `controller.effects` does (`world._Process._effect`)
@@ -75,7 +76,7 @@ class Judge:
     def call(self, key: str, body: bytes) -> tuple[bool, bytes]:
         """Receive one call: (ok, the result's JSON or the error's text)."""
         self.calls[key] += 1
-        if self.error_rate and xxhash.xxh3_64_intdigest(f"judge-error/{key}".encode()) / 2.0**64 < self.error_rate:
+        if self.error_rate and xxhash.xxh3_64_intdigest(b"judge-error/" + body) / 2.0**64 < self.error_rate:
             return False, JUDGE_ERROR.encode()
         return True, msgspec.json.encode({"reward": self.answer(body)})
 
@@ -154,7 +155,6 @@ class EffectBook:
     seen: list[str] = field(default_factory=list)  # what was wrong, as it was seen
     answered: int = 0  # calls answered from the record
     resent: int = 0  # calls sent again with a recorded key (`retry`)
-    unknown: int = 0  # attempts failed as effect_unknown
 
     def called(self, key: str, *, gid: str, gen: int, attempt: int, turn: int, index: int) -> None:
         """A call was made with `key` for the attempt (gid, gen, attempt) at (turn, index)."""

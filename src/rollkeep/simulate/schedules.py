@@ -111,10 +111,10 @@ def check(p: Plan) -> Outcome:
     out = World(p).run()
     if not out.problems and out.failed_by_design is None and p.settings.deterministic and out.digest:
         clean = World(dataclasses.replace(p, crashes=(), fault_rate=0.0, max_faults=0)).run()
-        # A group dropped for an effect's failure (effect_unknown spent a data budget, or the
-        # judge failed its keys, which differ with the attempts a crash adds) is lost by design.
-        if clean.failed_by_design is None and clean.digest != out.digest and not (out.effect_drops
-                                                                                  or clean.effect_drops):
+        # An attempt failed as effect_unknown (on_unknown=fail, by design) gives its sibling a
+        # new sampling seed, as every data failure does: what it trains on differs.
+        if clean.failed_by_design is None and clean.digest != out.digest and not (out.effect_unknown
+                                                                                  or clean.effect_unknown):
             out.problems.append(f"deterministic run: trainer digest {out.digest[:12]} differs from the "
                                 f"uninterrupted run's {clean.digest and clean.digest[:12]}")
     return out

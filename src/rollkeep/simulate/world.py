@@ -101,7 +101,6 @@ from ..trace import Trace, parse_trace, published_in_trace
 from ..trainers.toy import STATE_FILE, ToyTrainer
 from .effects import (
     JUDGE,
-    JUDGE_ERROR,
     RUN,
     EffectBook,
     Judge,
@@ -201,8 +200,7 @@ class Outcome:
     effect_calls: int = 0  # calls the judge received
     effect_resent: int = 0  # of them sent again with a recorded key
     effect_answered: int = 0  # calls answered from the record (not made)
-    effect_unknown: int = 0  # attempts failed as effect_unknown
-    effect_drops: int = 0  # groups dropped for an effect's failure (effect_unknown, the judge's error)
+    effect_unknown: int = 0  # attempts failed as effect_unknown (the scheduler's guard at the seal included)
     digest: str | None = None  # final trainer digest of a finished run
     failed_by_design: str | None = None  # the run stopped with a user-facing error
     trace: bytes = b""  # the simulated disk's trace at the end
@@ -288,9 +286,9 @@ class World:
         what it called until then must hold too."""
         calls = self.judge.calls
         out.effect_calls, out.effect_resent = sum(calls.values()), sum(n - 1 for n in calls.values())
-        out.effect_answered, out.effect_unknown = self.book.answered, self.book.unknown
-        out.effect_drops = sum(1 for line in parse_trace(out.trace)[0] if line.get("event") == "dropped"
-                               and (EFFECT_UNKNOWN in line.get("reason", "") or JUDGE_ERROR in line.get("reason", "")))
+        out.effect_answered = self.book.answered
+        out.effect_unknown = sum(1 for line in parse_trace(out.trace)[0] if line.get("event") == "failed"
+                                 and line.get("error", "").startswith(EFFECT_UNKNOWN))
         out.problems.extend(self.book.problems(calls))
 
     def _crashed(self, crash: SimCrash) -> None:
@@ -708,7 +706,6 @@ class _Process:
         if decision is None:
             self._fail(key, "the attempt is no longer in flight")
         elif isinstance(decision, Unknown):
-            w.book.unknown += 1
             self._fail(key, f"{EFFECT_UNKNOWN}: the outcome of {decision.kind} call {decision.key} was lost with a "
                        f"process (on_unknown={w.plan.on_unknown})")
         elif isinstance(decision, Answer):

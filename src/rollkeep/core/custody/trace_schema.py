@@ -88,6 +88,8 @@ class CheckpointPublished(RunEvent, tag="checkpoint_published"):
     cut_hold_seconds: float = 0.0  # custody: ledger capture + row pin
     trainer_snapshot_seconds: float = 0.0  # the trainer's copy, in the same hold
     write_seconds: float = 0.0  # encode + fsync + publish, off the loop
+    env_wait_seconds: float = 0.0  # the environment phase before the cut (lease environments)
+    env_steps_retired: int = 0  # environment steps it did not wait for (env.cut_timeout_s)
 
 
 class CheckpointSkipped(RunEvent, tag="checkpoint_skipped"):

@@ -66,6 +66,8 @@ class Train:
 class Cut:
     step: int
     final: bool  # the last cut of the run (written before Stop)
+    env_wait_s: float = 0.0  # the environment phase: how long the step boundary waited for environment steps
+    env_retired: int = 0  # environment steps still running when it ended (not in this cut)
     # the ledger, rows and prefixes as the poll that returned it left them (O(1)); not compared
     custody: Custody | None = field(default=None, compare=False)
 

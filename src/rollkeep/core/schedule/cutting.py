@@ -86,7 +86,8 @@ def write(taken: TakenCut, *, store: CheckpointStore, journal: GroupCommit | Non
                                      meta=meta, keep_last=keep_last, trainer_step=taken.snapshot.step)
     return CheckpointPublished(
         step=taken.cmd.step, name=published.name, bytes=published.bytes, cut_hold_seconds=c.hold_seconds,
-        trainer_snapshot_seconds=taken.snapshot_seconds, write_seconds=time.perf_counter() - t0, cut_time=c.time)
+        trainer_snapshot_seconds=taken.snapshot_seconds, write_seconds=time.perf_counter() - t0, cut_time=c.time,
+        env_wait_seconds=taken.cmd.env_wait_s, env_steps_retired=taken.cmd.env_retired)
 
 
 def checkpoint_meta(source: PromptSource, semantic: dict[str, Any], run_id: str, *, writer: str,

@@ -132,6 +132,7 @@ class Settings:
     progress_every_s: float = 0.25  # an attempt records its chunks at most this often (recovery.progress_ms)
     lost_versions: str = "keep"  # keep | regenerate: work generated under lost versions (recovery.lost_versions)
     eval_every: int = 0  # Evaluate the weights of every version divisible by it (eval.every_steps; 0: never)
+    env_phase_s: float | None = None  # the cut's environment phase, at most this long (env.cut_timeout_s); None: none
 
 
 @dataclass(frozen=True)
@@ -223,6 +224,12 @@ class Scheduler:
         # siblings are not generated (docs/design.md §5.1, lost versions).
         self._floor: dict[str, int] = {}
         self._wall = wall_clock  # the unix time a cut records (None: the real one)
+        # The cut's environment phase (`_env_quiet`): the environment steps in flight, and
+        # while the gate is closed, until when it waits for them (and since when).
+        self._env_steps: set[AttemptKey] = set()
+        self._env_hold: tuple[float, float] | None = None  # (since, deadline)
+        self._env_phase = (0.0, 0)  # the last phase's wait and retired steps, for its Cut
+        self._now = 0.0  # the poll's clock
         ledger.subscribe(self._on_event)
         for sink in () if sinks is None else sinks.in_order():
             ledger.subscribe(sink)
@@ -308,6 +315,7 @@ class Scheduler:
     def poll(self, now: float) -> list[Command]:
         """Everything to do now, in order. Call again after any callback, and at WakeAt."""
         out: list[Command] = []
+        self._now = now
         self._expire(now, out)
         # The train side first: what it evicts or drops frees room the rollout side fills
         # in the same poll (nothing the rollout side does can make a group READY).
@@ -325,6 +333,8 @@ class Scheduler:
             wake = self._dispatch(now, out)
         if self._deadlines:
             wake = self._deadlines[0][0] if wake is None else min(wake, self._deadlines[0][0])
+        if self._env_hold is not None:  # the cut's environment phase ends by then
+            wake = self._env_hold[1] if wake is None else min(wake, self._env_hold[1])
         if wake is not None and self.phase is not Phase.STOPPED:
             out.append(WakeAt(wake))
         # Cancels decided in callbacks (and in this poll) go first: their attempts are
@@ -529,6 +539,8 @@ class Scheduler:
                 if step % s.checkpoint_every == 0 and step < s.total_steps and self._changed_since_cut:
                     if self._writing:
                         return  # one write at a time: the step boundary waits for it
+                    if not self._env_quiet():
+                        return  # the environment phase: the step boundary waits for the steps in flight
                     out.append(self._cut(final=False))
                 self._go("refit")
                 out.append(Refit(step))
@@ -611,11 +623,50 @@ class Scheduler:
             return False
         return True
 
+    def _env_quiet(self) -> bool:
+        """The cut's environment phase (lease environments, `Settings.env_phase_s`): whether
+        the cut may be taken now. At the step boundary the gate closes (`env_step_begin`
+        refuses new steps) and the cut waits until no environment step is in flight, or
+        `env_phase_s` has passed (the steps still running are retired: their turns come
+        after the cut); then the gate opens again."""
+        if self.settings.env_phase_s is None:
+            return True
+        self._env_steps &= self._in_flight.keys()  # (a step of an attempt that ended ended with it)
+        if self._env_hold is None:
+            if not self._env_steps or self.settings.env_phase_s <= 0:
+                self._env_phase = (0.0, len(self._env_steps))
+                return True
+            self._env_hold = (self._now, self._now + self.settings.env_phase_s)
+        since, deadline = self._env_hold
+        if self._env_steps and self._now < deadline:
+            return False  # (the poll wakes at the deadline)
+        self._env_phase, self._env_hold = (self._now - since, len(self._env_steps)), None
+        return True
+
+    def env_step_begin(self, key: AttemptKey) -> bool:
+        """An episode of the in-flight attempt `key` is about to step its environment (a
+        step, its commit, its turn's report): False while the cut's environment phase holds
+        the gate closed (the driver waits for `env_gate_open` and asks again)."""
+        if self._env_hold is not None:
+            return False
+        if key in self._in_flight:
+            self._env_steps.add(key)
+        return True
+
+    def env_step_end(self, key: AttemptKey) -> None:
+        """That step (and its turn's report) is over; the driver then polls."""
+        self._env_steps.discard(key)
+
+    @property
+    def env_gate_open(self) -> bool:
+        return self._env_hold is None
+
     def _cut(self, *, final: bool) -> Cut:
         """A cut of this step; its custody is captured at the end of the poll (`_captured`)."""
         self._writing = True
         self._changed_since_cut = False
-        return Cut(self.ledger.version, final=final)
+        (wait, retired), self._env_phase = self._env_phase, (0.0, 0)
+        return Cut(self.ledger.version, final=final, env_wait_s=wait, env_retired=retired)
 
     def _captured(self, cmd: Cut) -> Cut:
         """`cmd` with the atomic cut (O(1)) of the state the poll leaves: what the driver's
