@@ -14,6 +14,8 @@ from ..core.custody.trace_schema import (
     CHECKPOINT_PUBLISHED,
     DISPATCHED,
     DROPPED,
+    EFFECT_ANSWERED,
+    EFFECT_INTENT,
     EVAL,
     EVICTED,
     FAILED,
@@ -234,6 +236,16 @@ def _restart(
         for g in x.get("generations", ())
     ]
     r.attempts_abandoned = len(abandoned)
+    for _, x in run.lines:
+        if x["event"] == EFFECT_INTENT:
+            r.effects_made += 1
+        elif x["event"] == EFFECT_ANSWERED:
+            if x.get("resent"):
+                r.effects_resent += 1
+            else:
+                r.effects_answered += 1
+    r.effects_replayed = int((restored or {}).get("effects_replayed") or 0)
+    r.effects_unknown = int((restored or {}).get("effects_unknown") or 0)
     if restored is not None:
         r.recovery_mode = restored.get("recovery_mode")
     # Groups the restart itself dropped (before `restored`): their sealed rows go too.

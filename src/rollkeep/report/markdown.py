@@ -62,6 +62,14 @@ def render_markdown(report: Report, files: list[Path] | None = None) -> str:
             f"{s['thrown_away_generation_seconds']:.3f} s of generation thrown away, "
             f"{s['lost_progress_seconds']:.3f} s of progress lost."
         )
+        if any(r.effects_made or r.effects_answered or r.effects_resent or r.effects_unknown
+               for r in report.restarts):
+            out += ["", "Calls to the outside (rollkeep.effects), per restart:", ""]
+            out += _table(
+                ["#", "run id", "records restored", "intents without outcome", "calls made",
+                 "calls answered from the record", "calls sent again"],
+                [[r.index, r.run_id, r.effects_replayed, r.effects_unknown, r.effects_made, r.effects_answered,
+                  r.effects_resent] for r in report.restarts])
         unmatched = sum(r.attempts_without_dispatch for r in report.restarts)
         if unmatched:
             out.append(f"{unmatched} abandoned attempt(s) had no dispatch before the cut in the trace.")

@@ -75,6 +75,13 @@ DEFINITIONS: dict[str, str] = {
     "'restart'.",
     "turns reused": "finished turns of multi-turn episodes the restart continues after "
     "(the `restored` event's turns_reused): only the turn in flight is generated again.",
+    "calls made": "calls to the outside (rollkeep.effects) a process made anew: its "
+    "`effect_intent` lines.",
+    "calls answered from the record": "calls a process did not make because a restored record "
+    "held their outcome (`effect_answered` lines, resent false): the cost and the effect of a "
+    "second call avoided.",
+    "calls sent again": "calls whose outcome died with the killed process, sent again with the "
+    "same idempotency key (`on_unknown: retry`; `effect_answered` lines, resent true).",
     "turns regenerated": "finished turns the killed run traced for the siblings the restart "
     "abandoned, beyond the ones it reused: turns that were not durable yet (the journal's "
     "last flush had not reached them) and are played again.",
@@ -153,6 +160,12 @@ class Restart:
     # killed run traced for its cut-off siblings that were not durable (played again)
     turns_reused: int = 0
     turns_regenerated: int = 0
+    # calls to the outside (docs/design.md §13) in the resumed process, and what it restored
+    effects_made: int = 0
+    effects_answered: int = 0
+    effects_resent: int = 0
+    effects_replayed: int = 0
+    effects_unknown: int = 0
     attempts_without_dispatch: int = 0  # abandoned, but no live dispatch found before the cut
     kill_t: float | None = None  # the previous run's last trace line
     lost_progress_seconds: float | None = None
