@@ -34,9 +34,9 @@ from rollkeep.core.journal.durable import read_tail
 from rollkeep.core.rollout.effects import EFFECTS_FILE, decode_effects, encode_effects
 
 STORM = ["train.total_steps=30", "data.generated.n_rows=120"]  # long enough that no kill storm reaches the end
-JUDGE = ["reward.fn=effect_fns:judge", "engine.infra_fail_rate=0.02", "engine.data_fail_rate=0.0",
+JUDGE = ["reward.fn=rollkeep.bench.outside:judge", "engine.infra_fail_rate=0.02", "engine.data_fail_rate=0.0",
          "rollout.max_data_attempts=4"]
-TOOLS = ["env.factory=effect_fns:ToolEnv", "env.max_turns=3", "env.kwargs={turns: 3}", "engine.data_fail_rate=0.0",
+TOOLS = ["env.factory=rollkeep.bench.outside:ToolEnv", "env.max_turns=3", "env.kwargs={turns: 3}", "engine.data_fail_rate=0.0",
          "rollout.max_data_attempts=4"]
 DET = [*STORM, "deterministic=true", "sampler.name=in_order", "rollout.on_dropped_prompt=shrink", "engine.infra_fail_rate=0"]
 
@@ -233,7 +233,7 @@ def test_an_outcome_without_its_intent_in_the_journal_is_refused(tmp_path, outsi
 
 # ------------------------------------------------------------------ environments that recover by lease
 
-LEASES = ["env.factory=effect_fns:LeaseEnv", "env.max_turns=3", "env.kwargs={turns: 3}", "engine.data_fail_rate=0.0",
+LEASES = ["env.factory=rollkeep.bench.outside:LeaseEnv", "env.max_turns=3", "env.kwargs={turns: 3}", "engine.data_fail_rate=0.0",
           "rollout.max_data_attempts=4"]
 
 
@@ -271,7 +271,7 @@ def test_the_cuts_environment_phase_waits_for_steps_and_never_past_its_timeout(t
     root.mkdir()
     monkeypatch.setenv("ROLLKEEP_TEST_LEASES", str(root))
     timeout = 0.05
-    cfg = config(tmp_path / "run", *LEASES, "env.factory=effect_fns:SlowLeaseEnv", "env.kwargs={turns: 3, step_s: 0.3}",
+    cfg = config(tmp_path / "run", *LEASES, "env.factory=rollkeep.bench.outside:SlowLeaseEnv", "env.kwargs={turns: 3, step_s: 0.3}",
                  f"env.cut_timeout_s={timeout}", "train.total_steps=4", "checkpoint.every_steps=1")
     run_to_end(cfg)
     check(cfg)
@@ -279,7 +279,7 @@ def test_the_cuts_environment_phase_waits_for_steps_and_never_past_its_timeout(t
     assert any(x["env_steps_retired"] for x in published), "steps of 0.3 s outlast a 0.05 s phase: retired"
     # The phase ends at its deadline, give or take the loop's turn (not a tuned latency: steps take 6x longer).
     assert all(x["env_wait_seconds"] <= timeout + 0.2 for x in published), [x["env_wait_seconds"] for x in published]
-    patient = config(tmp_path / "patient", *LEASES, "env.factory=effect_fns:SlowLeaseEnv",
+    patient = config(tmp_path / "patient", *LEASES, "env.factory=rollkeep.bench.outside:SlowLeaseEnv",
                      "env.kwargs={turns: 3, step_s: 0.05}", "env.cut_timeout_s=60", "train.total_steps=4",
                      "checkpoint.every_steps=1")
     run_to_end(patient)

@@ -1,17 +1,22 @@
-"""Reward functions and environments that call "the outside" through `rollkeep.effects`, for
-the real-kill tests of effects (tests/controller/test_effect_runs.py).
+"""A simulated outside for the effects benchmark and the real-kill tests (`rollkeep bench
+--suite effects`, tests/controller/test_effect_runs.py): reward functions and environments
+that call it through `rollkeep.effects`.
 
 The outside is a file every call appends its idempotency key to (`ROLLKEEP_TEST_CALLS`): it
-outlives the process, as a judge server's log would, so a test counts calls per key across
+outlives the process, as a judge server's log would, so calls are counted per key across
 kills. `ROLLKEEP_TEST_KILL_AT=n` makes the process SIGKILL itself right after its n-th call
 has happened and before its outcome is recorded: the window where only the intent is
-durable. `ROLLKEEP_TEST_POLICY` is the `on_unknown` policy (retry by default).
+durable. `ROLLKEEP_TEST_POLICY` is the `on_unknown` policy (retry by default);
+`ROLLKEEP_TEST_LATENCY_S` a judge's latency (awaited, as an HTTP call would be);
+`ROLLKEEP_TEST_LEASES` the directory the lease environments' "server" keeps its state in.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+import time
 
 import xxhash
 
@@ -44,9 +49,15 @@ def _outside(request, key: str):
     return {"score": xxhash.xxh3_64_intdigest(repr(sorted(request.items())).encode()) % 3 / 2}
 
 
+async def _outside_later(request, key: str):
+    await asyncio.sleep(float(os.environ.get("ROLLKEEP_TEST_LATENCY_S", "0")))
+    return _outside(request, key)
+
+
 async def judge(completion: str, row) -> float:
     """An async reward through one recorded call."""
-    out = await effects.call("judge", {"text": completion, "prompt": row["prompt"]}, _outside, on_unknown=_policy())
+    out = await effects.call("judge", {"text": completion, "prompt": row["prompt"]}, _outside_later,
+                             on_unknown=_policy())
     return out["score"]
 
 
@@ -134,7 +145,5 @@ class SlowLeaseEnv(LeaseEnv):
         self.step_s = step_s
 
     def step(self, text: str) -> Step:
-        import time
-
         time.sleep(self.step_s)  # the work of a slow step, not a synchronisation
         return super().step(text)
