@@ -8,7 +8,7 @@ import math
 import time
 from typing import Any
 
-SUITES = ("core", "preemption", "speedup", "waste", "restart", "cluster", "remote", "all")
+SUITES = ("core", "preemption", "speedup", "waste", "restart", "cluster", "remote", "effects", "all")
 
 HELP = """\
 Run the benchmark suite and print what it measured, side by side, in one invocation:
@@ -46,6 +46,12 @@ Run the benchmark suite and print what it measured, side by side, in one invocat
               mid-run: until it is back, and until its failed attempts are dispatched and
               sealed again; the built-in GPT's weights: size, ray.put, refit of 1, 2, 4
               replicas
+  remote      server mode against in-process generation (`rollkeep serve` on loopback)
+  effects     calls to the outside (a judge reward and a lease environment on the toy
+              engine): the latency an effect record adds to a call (p50 / p99) against
+              the call's own; calls per trained sibling under --kills SIGKILLs, and keys
+              called again after their outcome was recorded (must be 0); the cut's hold
+              and its environment phase with 0, 64 and 1,024 live episodes
 
 Medians over --repeats; ratios against sibling (preemption), lookahead 0 (speedup) and
 in_order (waste).
@@ -59,6 +65,7 @@ examples:
   rollkeep bench --suite restart --json r.json            # ~1 minute (the warm start first)
   rollkeep bench --suite cluster --json c.json            # ~4 minutes (pip install 'rollkeep[ray]')
   rollkeep bench --suite remote --json s.json             # ~2 minutes: server mode vs in-process
+  rollkeep bench --suite effects --kills 8 --json e.json  # ~2 minutes: calls to the outside
 """
 
 
@@ -185,6 +192,16 @@ def run(args: argparse.Namespace) -> int:
             rs = results["remote"]["restart_s"]
             _note(f"restart after SIGKILL, launch -> first trained step: remote {rs['remote']['median']:.2f} s "
                   f"(servers running), in-process hf {rs['inprocess']['median']:.2f} s (medians)")
+    if "effects" in suites:
+        from ..bench.effects import effects_bench
+        from ..bench.effects import table_rows as effect_rows
+
+        print(f"== effects outside the process ({kills} kill(s), {repeats} repeat(s))")
+        results["effects"] = effects_bench(kills=max(kills, 1), repeats=repeats, quick=args.quick, log=_note)
+        t = _table("measure", "job", "result")
+        for row in effect_rows(results["effects"]):
+            t.add_row(*row)
+        _print(("effects: the journal's record of each call, calls under kills, the cut's environment phase", t))
     results["settings"]["seconds"] = time.monotonic() - t0
     if args.json:
         with open(args.json, "w") as f:
