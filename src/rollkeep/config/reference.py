@@ -73,7 +73,8 @@ _SEE_ALSO = {
     "cluster": "[ray.md](ray.md)",
     "sampler": "[training.md](training.md#samplers)",
     "reward": "[rewards.md](rewards.md)",
-    "env": "[multiturn.md](multiturn.md)",
+    "env": "[multiturn.md](multiturn.md), [effects.md](effects.md) (lease environments)",
+    "effects": "[effects.md](effects.md)",
     "eval": "[metrics.md](metrics.md)",
     "logger": "[metrics.md](metrics.md)",
 }
