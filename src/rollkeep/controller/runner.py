@@ -231,8 +231,8 @@ class Runner:
         loop, sched = asyncio.get_running_loop(), self.sched
         progress = (lambda c: sched.on_progress(key, c, loop.time())) if cmd.stream else None
         effects = self._effects.scope(key, timeout=self.cfg.reward.timeout_s)
-        bind_effects(effects)
-        built: list = []  # the episode's environment, once built  # this task's context: its user code's `rollkeep.effects` calls are this attempt's
+        bind_effects(effects)  # this task's context: its user code's `rollkeep.effects` calls are this attempt's
+        built: list = []  # the episode's environment, once built
         try:
             try:
                 if self.env is not None:  # a multi-turn episode: the environment gives the reward
