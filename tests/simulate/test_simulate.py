@@ -17,7 +17,7 @@ from rollkeep.core.custody.trace_schema import CheckpointPublished
 from rollkeep.core.io.fs import DIR, FILE
 from rollkeep.simulate import Crash, check, plan, simulate
 from rollkeep.simulate.memfs import MemFS, SimCrash
-from rollkeep.simulate.schedules import crash_points, schedule_seed
+from rollkeep.simulate.schedules import EFFECT_POINTS, crash_points, schedule_seed
 from rollkeep.trace import Trace, parse_trace, published_in_trace, read_trace
 
 # `released` undoes a claim or a running finalization found in a checkpoint: a cut is taken
@@ -332,3 +332,13 @@ def test_a_crash_between_turns_of_a_deterministic_run_continues_the_episodes_and
     lines, _ = parse_trace(out.trace)
     restored = [x for x in lines if x["event"] == "restored"]
     assert restored and restored[-1]["turns_reused"] > 0
+
+
+# -- calls to the outside (docs/design.md §13; more in test_effects.py)
+
+
+def test_the_sweep_calls_the_judge_and_crashes_around_the_calls(sweep):
+    assert sweep.effects > 800 and sweep.effect_calls > 10_000
+    assert sweep.effect_resent > 100 and sweep.effect_answered > 100 and sweep.effect_unknown > 100
+    for point in EFFECT_POINTS:
+        assert sweep.fired[point] > 50, point

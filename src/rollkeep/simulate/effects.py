@@ -8,8 +8,8 @@ request's digest), so a call answered from the record and a call made again give
 reward, and a deterministic run stays byte-identical to the run without crashes. With
 `judge_errors` it refuses a share of requests (a pure function of the request too: a data
 failure gives the sibling a new sampling seed, so its next attempt asks something else), so
-error outcomes are recorded and answered from the record too.
-It lives on the `World`, not on a segment: a crash kills the process, not the service.
+error outcomes are recorded and answered from the record too. It lives on the `World`, not
+on a segment: a crash kills the process, not the service.
 
 The world carries out each call as `controller.effects` does (`world._Process._effect`)
 and tells the `EffectBook` what it sees: each call's place, and, at every start of a
@@ -18,15 +18,17 @@ code a restore runs), so the book knows which called keys a crash left without a
 outcome. The invariant (`EffectBook.problems`):
 
     with the journal   every key is called once, except that under `retry` a key whose
-                       outcome a process lost (a restore found its intent without one, or
-                       its attempt was cut off during the call) may be sent again, once per
-                       such loss; under `fail` never (the attempt failed; a new one uses new
-                       keys)
-    without it         at least once (the docstring of `rollkeep.effects`): besides that, a
-                       key may be called again once per restore that found no record of it
-                       at all (an intent is durable only at the next checkpoint, so the same
-                       attempt may be sent again and call with the same key); so may a
-                       restore whose journal was set aside
+                       outcome was not durable at a crash (a restore found no outcome of
+                       it) or was never recorded (its attempt was cut off during the call)
+                       may be sent again, once per such loss; under `fail` never (the
+                       attempt failed; a new one uses new keys). A key is only ever sent
+                       with one request (a service that de-duplicates by key would answer
+                       a second request with the first one's result)
+    without it         at least once (see `rollkeep.effects`): an intent is durable only at
+                       the next checkpoint, so a restore from a checkpoint alone may have no
+                       record of a call, send the same attempt again and call with the same
+                       key, under either policy, and with another request (the same holds
+                       for a restore whose journal was set aside)
     always             every key called is this run's and names the sibling, turn and index
                        it was called for (a resent key: an attempt up to the caller's); every
                        trained sibling's reward is the judge's answer to its requests (no
@@ -67,6 +69,7 @@ class Judge:
     def __init__(self, error_rate: float = 0.0) -> None:
         self.error_rate = error_rate
         self.calls: Counter[str] = Counter()
+        self.requests: dict[str, set[int]] = {}  # key -> the digests of the requests sent with it
 
     @staticmethod
     def answer(body: bytes) -> float:
@@ -76,6 +79,7 @@ class Judge:
     def call(self, key: str, body: bytes) -> tuple[bool, bytes]:
         """Receive one call: (ok, the result's JSON or the error's text)."""
         self.calls[key] += 1
+        self.requests.setdefault(key, set()).add(xxhash.xxh3_64_intdigest(body))
         if self.error_rate and xxhash.xxh3_64_intdigest(b"judge-error/" + body) / 2.0**64 < self.error_rate:
             return False, JUDGE_ERROR.encode()
         return True, msgspec.json.encode({"reward": self.answer(body)})
@@ -154,7 +158,7 @@ class EffectBook:
     vanished: Counter = field(default_factory=Counter)  # key -> weak restores that had no record of it
     seen: list[str] = field(default_factory=list)  # what was wrong, as it was seen
     answered: int = 0  # calls answered from the record
-    resent: int = 0  # calls sent again with a recorded key (`retry`)
+    unknown: int = 0  # attempts failed as effect_unknown, in any process (the scheduler's guard at the seal too)
 
     def called(self, key: str, *, gid: str, gen: int, attempt: int, turn: int, index: int) -> None:
         """A call was made with `key` for the attempt (gid, gen, attempt) at (turn, index)."""
@@ -169,15 +173,16 @@ class EffectBook:
         self.lost[key] += 1
 
     def restored(self, records: EffectStore, calls: Counter, *, weak: bool) -> None:
-        """A process starts from `records`; `weak`: from a checkpoint alone (the journal off,
-        or set aside), where what happened after the cut is not known."""
+        """A process starts from `records`: a called key they hold no outcome of was not
+        durable at the crash. `weak`: from a checkpoint alone (the journal off, or set
+        aside), where even a call's intent may be lost."""
         by_key = {r.key: r for _, rs in records for r in rs}
         for key in calls:
             rec = by_key.get(key)
-            if rec is not None and rec.ok is None:
+            if rec is None or rec.ok is None:
                 self.lost[key] += 1
-            elif rec is None and weak:
-                self.vanished[key] += 1
+                if rec is None and weak:
+                    self.vanished[key] += 1
 
     def trained(self, gid: str, gen: int, row: Row, *, turns: int, calls: int) -> None:
         """A sibling is trained on: its reward must be the judge's."""
@@ -186,10 +191,15 @@ class EffectBook:
             self.seen.append(f"effects: {gid}/{gen} was trained with reward {row.reward}, the judge's answer to "
                              f"its requests is {want}")
 
-    def problems(self, calls: Counter) -> list[str]:
-        """What was seen, and every key called more often than the invariant allows."""
+    def problems(self, judge: Judge) -> list[str]:
+        """What was seen; every key called more often than the invariant allows; every key
+        sent with two requests (a service that de-duplicates by key would answer the second
+        with the first's result), unless a restore may have lost its intent."""
         out = list(self.seen)
-        for key, n in sorted(calls.items()):
+        for key, digests in sorted(judge.requests.items()):
+            if len(digests) > 1 and not self.vanished[key]:
+                out.append(f"effects: key {key} was sent with {len(digests)} different requests")
+        for key, n in sorted(judge.calls.items()):
             allowed = 1 + (self.lost[key] if self.policy == RETRY else 0) + self.vanished[key]
             if n > allowed:
                 why = (f"{self.lost[key]} lost outcome(s), {self.vanished[key]} restore(s) without its record"

@@ -6,10 +6,12 @@ failures and hangs past the deadline, random checkpoint cadence and retention, d
 and 0-3 crashes -- at a random ledger event or at the n-th hit of a named crash point (the
 first schedules walk through every point in turn, the journal's and the row log's flushes
 among them), each a kill or a power cut; the journal on in most schedules, off in the
-rest. After the
-run: exactly-once from the trace and the final checkpoint, the restore chain and audit on
-it, and in deterministic mode the same trainer digest as the same plan run without crashes
-or faults. A violation is shrunk to the fewest crashes and faults that still show it
+rest; calls to the outside (a judge, `simulate.effects`) in half of them, of either policy,
+with one more crash at an effect's event in half of those. After the run: exactly-once
+from the trace and the final checkpoint, the restore chain and audit on it, the effects'
+invariant (each key called once but where a lost outcome allows a resend, every reward the
+judge's), and in deterministic mode the same trainer digest as the same plan run without
+crashes or faults. A violation is shrunk to the fewest crashes and faults that still show it
 (FoundationDB's and SQLite's way of testing themselves; docs/design.md §10).
 """
 

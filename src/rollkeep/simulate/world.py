@@ -34,6 +34,13 @@ durable (row log first) every `journal_ms` of simulated time or once `flush_even
 `covering` around each publication and the position in the checkpoint's meta. Crashes land
 inside those flushes too (`journal.*` and `rowlog.*` crash points, disk faults, torn
 appends at a power cut).
+
+With `Plan.effects` the attempts call a judge outside the process (`simulate.effects`), as
+the runner's `controller.effects` carries out `rollkeep.effects.call`: a single-turn
+attempt's reward stage between the engine's answer and `on_result`, an episode's
+environment at each step; a new call waits, in simulated time, for the journal cycle that
+makes its intent durable. Each process starts from the records a restore gives
+(`start.open_effects`), which tell the effects' check what a crash left unknown.
 """
 
 from __future__ import annotations
@@ -54,8 +61,8 @@ import xxhash
 from ..core import crashpoints
 from ..core.checkpoint.cut import save_files
 from ..core.checkpoint.store import CheckpointStore
-from ..core.custody.events import DATA, INFRA, Event
-from ..core.custody.trace_schema import Restored, RunFailed, RunFinished, RunStarted
+from ..core.custody.events import DATA, INFRA, Event, Failed
+from ..core.custody.trace_schema import EffectAnswered, Restored, RunFailed, RunFinished, RunStarted
 from ..core.errors import ExternalError, FilesystemError
 from ..core.journal.groupcommit import GroupCommit
 from ..core.restore import start
@@ -286,10 +293,8 @@ class World:
         what it called until then must hold too."""
         calls = self.judge.calls
         out.effect_calls, out.effect_resent = sum(calls.values()), sum(n - 1 for n in calls.values())
-        out.effect_answered = self.book.answered
-        out.effect_unknown = sum(1 for line in parse_trace(out.trace)[0] if line.get("event") == "failed"
-                                 and line.get("error", "").startswith(EFFECT_UNKNOWN))
-        out.problems.extend(self.book.problems(calls))
+        out.effect_answered, out.effect_unknown = self.book.answered, self.book.unknown
+        out.problems.extend(self.book.problems(self.judge))
 
     def _crashed(self, crash: SimCrash) -> None:
         self.out.crashes += 1
@@ -392,6 +397,8 @@ class World:
     def _count_event(self, ev: Event) -> None:
         """The crash sink: a crash after the n-th ledger event of the run, then the crash point."""
         self._events += 1
+        if isinstance(ev, Failed) and ev.error.startswith(EFFECT_UNKNOWN):
+            self.book.unknown += 1  # (from the events, not the trace: a power cut may lose its line)
         self._maybe_crash(None, self._events)
         crash_point(ev)
 
@@ -419,6 +426,7 @@ class _Process:
         self.seq = itertools.count()
         self.cancelled: set[tuple[str, int, int]] = set()
         self.streaming: set[tuple[str, int, int]] = set()  # attempts dispatched with `stream`
+        self.calling: dict[tuple[str, int, int], str] = {}  # attempt -> the key of its call to the judge in flight
         self.engine_version = 0
         self.next_flush = world.now + _FLUSH_S
         self.journal_s = world.plan.journal_ms / 1000
@@ -435,6 +443,7 @@ class _Process:
                     self._dispatch(cmd.request, cmd.stream)
                 elif isinstance(cmd, Cancel):
                     self.cancelled.update(cmd.attempts)
+                    self._cut_off(cmd.attempts)
                 elif isinstance(cmd, Train):
                     self.later(_between(script.train_s, w.plan.seed, "train", cmd.step), lambda c=cmd: self._train(c))
                 elif isinstance(cmd, Cut):
@@ -710,6 +719,8 @@ class _Process:
                        f"process (on_unknown={w.plan.on_unknown})")
         elif isinstance(decision, Answer):
             w.book.answered += 1
+            w.trace.emit(EffectAnswered(group_id=key[0], generation=key[1], attempt=key[2], kind=JUDGE,
+                                        key=decision.key))
             self._outcome(key, decision.key, decision.ok, decision.result, then)
         elif w.journal is not None and not decision.again:
             w.trace.flush()  # the trace first (the journal is never ahead of it): releases the intent
@@ -735,7 +746,12 @@ class _Process:
             self._journal_cycle()
             self._when_durable(key, seq, then)
 
-        self.later(_between(self.w.plan.script.fsync_s, self.w.plan.seed, "fsync", seq, self.w.now), kicked)
+        self._kick(kicked)
+
+    def _kick(self, cycle: Callable[[], None] | None = None) -> None:
+        """The journal's thread woken (`JournalThread.kick`): its cycle runs a moment later."""
+        self.later(_between(self.w.plan.script.fsync_s, self.w.plan.seed, "fsync", self.w.now),
+                   cycle or self._journal_cycle)
 
     def _call(self, key, decision: Call, turn: int, index: int, body: bytes, then: Callable[[bytes], None]) -> None:
         """The call itself: the judge (outside the process) receives it now and its answer
@@ -746,16 +762,36 @@ class _Process:
         gid, gen, attempt = key
         w.book.called(decision.key, gid=gid, gen=gen, attempt=attempt, turn=turn, index=index)
         ok, result = w.judge.call(decision.key, body)
+        self.calling[key] = decision.key
         latency = _between(w.plan.script.judge_s, w.plan.seed, "judge", decision.key, w.judge.calls[decision.key])
-        self.later(latency, lambda: self._called(key, decision.key, ok, result, then))
+        self.later(latency, lambda: self._called(key, decision, ok, result, then))
 
-    def _called(self, key, effect: str, ok: bool, result: bytes, then: Callable[[bytes], None]) -> None:
-        if key in self.cancelled or not self.sched.on_effect_done(key, effect, ok, result):
-            self.w.book.cut_off(effect)  # the call happened; no process knows what it returned
-            if key not in self.cancelled:
-                self._fail(key, "the attempt is no longer in flight")
+    def _called(self, key, decision: Call, ok: bool, result: bytes, then: Callable[[bytes], None]) -> None:
+        """The judge's answer arrived: recorded as the outcome, whose journal cycle is
+        kicked, not awaited (a crash before it leaves the intent without outcome)."""
+        w, effect = self.w, decision.key
+        if key in self.cancelled:  # (counted as cut off when it was cancelled)
             return
+        del self.calling[key]
+        if decision.again:
+            w.trace.emit(EffectAnswered(group_id=key[0], generation=key[1], attempt=key[2], kind=JUDGE, key=effect,
+                                        resent=True))
+        if not self.sched.on_effect_done(key, effect, ok, result):
+            w.book.cut_off(effect)
+            self._fail(key, "the attempt is no longer in flight")
+            return
+        if w.journal is not None:
+            w.trace.flush()
+            self._kick()
         self._outcome(key, effect, ok, result, then)
+
+    def _cut_off(self, attempts) -> None:
+        """Cancelled attempts whose call to the judge is in flight: the call happened (or is
+        happening) and its outcome will never be recorded, so a later attempt of the
+        sibling may send its key again (`retry`) while it is still out there."""
+        for key in attempts:
+            if key in self.calling:
+                self.w.book.cut_off(self.calling.pop(key))
 
     def _outcome(self, key, effect: str, ok: bool, result: bytes, then: Callable[[bytes], None]) -> None:
         if ok:
