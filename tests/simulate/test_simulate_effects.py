@@ -185,13 +185,12 @@ def test_an_episodes_reward_is_the_judges_answer_to_its_last_step():
     assert expected_reward("e0.1", 1, cut, turns=2, calls=1) == Judge.answer(digest(step_request("e0.1", 1, 0, "3 4"))[0])
 
 
-# -- what the simulation found in the core
+# -- what the simulation found in the core (fixed: JournalWriter._prepare fsyncs the journal
+# directory once it made older segments durable, so a segment created by a flush killed before
+# its fsyncs, which a restore read and acted on -- an effect's resend under retry --, survives a
+# power cut)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "core: JournalWriter._prepare fsyncs the older segments a restore read, not the journal "
-    "directory naming them, so a segment created by a flush killed before its fsyncs is read "
-    "(and acted on: an effect's resend under retry) and then lost at a power cut"))
 def test_records_a_restore_read_survive_a_power_cut_once_the_next_writer_is_open():
     fs = MemFS(random.Random(0))
     fs.makedirs_durable(Path("/r"))

@@ -516,6 +516,8 @@ class JournalWriter:
                 found=f"a segment starting at seq {seg.first_seq}",
                 remedy="start the writer at summary.last_seq + 1 of a read of the journal",
             )
+        if older:  # and the names of those segments: one created by a flush killed before its fsyncs
+            fs.fsync(self.directory)  # was read by the restore, and a power cut would lose it
         if not older and next_seq > 1:
             self.segment_path = self._start_segment(next_seq)
             self._file = fs.open_append(self.segment_path)
