@@ -22,18 +22,14 @@ from typing import Any
 from ..cluster import EnginePool
 from ..config import Config, semantic
 from ..core.checkpoint.store import CheckpointStore
-from ..core.custody.events import DATA
-from ..core.custody.trace_schema import Eval, LeaseReleased, RunFailed, RunFinished
+from ..core.custody.trace_schema import Eval, RunFailed, RunFinished
 from ..core.errors import FilesystemError
-from ..core.rollout.effects import REWARD_TURN
 from ..core.rollout.source import PromptSource
 from ..core.schedule import (
     Cancel,
     Cut,
     Dispatch,
     Evaluate,
-    Failure,
-    Generated,
     Note,
     Reason,
     Refit,
@@ -41,11 +37,9 @@ from ..core.schedule import (
     Stop,
     Train,
     WakeAt,
-    classify,
     crash_point,
     cutting,
 )
-from ..effects import bind as bind_effects
 from ..engines import Engine
 from ..engines.base import capabilities_of
 from ..envs import LEASE, EnvSpec
@@ -53,14 +47,14 @@ from ..progress import RunProgress
 from ..trace import Trace
 from ..trainers import Trainer
 from ..version import rollkeep_version
+from .attempts import Attempts
 from .build import start_replicas
-from .effects import Effects, run_key
-from .episodes import release, run_episode
 from .journaling import JournalThread
+from .leases import Leases
 from .metrics import MetricsLog, StepMeter, progress_fields
 from .startup import limits, open_run
 from .summary import RunResult, checkpoint_note, error_text, restarts_in_trace, summary_lines
-from .usercode import Stopped, UserCode, UserStop, guarded_save, guarded_step, score
+from .usercode import Stopped, UserCode, guarded_save, guarded_step
 
 _TRACE_FLUSH_S = 0.05  # buffered trace lines reach the file at least this often
 
@@ -93,10 +87,8 @@ class Runner:
         self._failure: str | None = None  # the external failure that stopped it (no engine replica)
         self.user_stop: Stopped | None = None  # user code stopped it: `train` raises its error (exit 2)
         self._code = UserCode(self._on_user_stop)  # the threads of reward functions and environments
-        self._effects: Effects | None = None  # calls to the outside, recorded (`_start`)
-        self._reward_slots = asyncio.Semaphore(cfg.reward.max_concurrent)
-        self._env_open = asyncio.Event()  # the cut's environment phase lets environment steps start
-        self._env_open.set()
+        self._leases: Leases | None = None  # an environment that recovers by lease (`_start`)
+        self._attempts: Attempts | None = None  # what each Dispatch awaits (`_start`)
 
     # ================================================================== start and drive
 
@@ -108,9 +100,11 @@ class Runner:
                           streams=capabilities_of(self.engine).streams, env=self.env,
                           evaluates=self.evaluator is not None, crash=crash_point)
         self.sched, self.trace, self._metrics, self._progress, self._journal = opened
-        self._effects = Effects(self.sched, run=run_key(self.run_dir, self.cfg.seed), code=self._code,
-                                max_result_bytes=self.cfg.effects.max_result_bytes, journal=self._journal,
-                                flush=self.trace.flush, emit=self.trace.emit)
+        if self.env is not None and self.env.recovery == LEASE:
+            self._leases = Leases(self.env, sched=self.sched, code=self._code, trace=self.trace, journal=self._journal,
+                                  spawn=lambda coro: self._tg.create_task(coro), wake=self._wake)
+        self._attempts = Attempts(self.cfg, engine=self.engine, env=self.env, sched=self.sched, code=self._code,
+                                  trace=self.trace, journal=self._journal, leases=self._leases)
         if isinstance(self.engine, EnginePool):
             self.engine.attach(self.trace.emit, self._on_no_replica, trace=self.trace)
         self._meter = StepMeter(time.perf_counter(), self.sched.tokens_generated)  # the RL loop starts now
@@ -156,13 +150,9 @@ class Runner:
             if self._journal is not None:
                 self._journal.check()  # a failed journal flush stops the run (exit 5), even with no event to sink
             wake_at = None
-            for sibling, handle in self.sched.prefixes.take_released():  # leases of episodes that end here
-                self._tg.create_task(self._release(sibling, handle=handle))
             cmds = self.sched.poll(loop.time())
-            if self.sched.env_gate_open:  # (closed by the poll that began a cut's environment phase)
-                self._env_open.set()
-            else:
-                self._env_open.clear()
+            if self._leases is not None:
+                self._leases.after_poll()
             for cmd in cmds:
                 if isinstance(cmd, Dispatch):
                     self._tasks[cmd.key] = self._tg.create_task(self._generate(cmd))
@@ -224,53 +214,21 @@ class Runner:
     # ================================================================== commands
 
     async def _generate(self, cmd: Dispatch) -> None:
-        """One attempt. Only the engine's declared failures are failures (`classify`);
-        anything else is a bug and stops the run, never a silent retry; UserStop reports
-        nothing (the stop abandons it)."""
-        req, key = cmd.request, cmd.key
-        loop, sched = asyncio.get_running_loop(), self.sched
-        progress = (lambda c: sched.on_progress(key, c, loop.time())) if cmd.stream else None
-        effects = self._effects.scope(key, timeout=self.cfg.reward.timeout_s)
-        bind_effects(effects)  # this task's context: its user code's `rollkeep.effects` calls are this attempt's
-        built: list = []  # the episode's environment, once built
+        """One attempt (`attempts.Attempts`), reported: sealed or failed; nothing after a
+        user code stop (`_on_user_stop`)."""
+        key, sched = cmd.key, self.sched
         try:
-            try:
-                if self.env is not None:  # a multi-turn episode: the environment gives the reward
-                    completion, reward = await run_episode(
-                        self.engine, self.env, req, progress,
-                        lambda traj, turn, snapshot: sched.on_turn(key, traj, turn, snapshot), code=self._code,
-                        effects=effects, built=built,
-                        gate=_EnvGate(self, key) if self.env.recovery == LEASE else None)
-                else:
-                    completion = await (self.engine.generate(req, progress) if progress is not None
-                                        else self.engine.generate(req))
-                    effects.at(REWARD_TURN, self.cfg.reward.timeout_s)
-                    reward = await score(self._code, self.cfg.reward, req.prompt, completion, self._reward_slots)
-                outcome = Generated(completion, reward, completion.replica)
-            except UserStop:
-                return  # the run is stopping (`_on_user_stop`)
-            except Exception as e:
-                if (outcome := classify(e)) is None:
-                    raise
-            if effects.failed is not None:  # whatever the user code made of it (it may have caught the error)
-                outcome = Failure(DATA, effects.failed, getattr(outcome, "replica", 0))
+            done = await self._attempts.run(cmd)
+            if done is None:
+                return
+            outcome, built = done
             current = sched.ledger.is_current(*key)
-            sched.on_result(key, outcome, loop.time())
-            if built and self.env.recovery == LEASE and current and (isinstance(outcome, Generated)
-                                                                     or outcome.kind == DATA):
-                self._tg.create_task(self._release(key[:2], env=built[0]))  # the episode is over for good
+            sched.on_result(key, outcome, asyncio.get_running_loop().time())
+            if self._leases is not None:
+                self._leases.ended(key, built, outcome, current)
         finally:
             self._tasks.pop(key, None)
             self._wake.set()
-
-    async def _release(self, sibling: tuple[str, int], env: Any = None, handle: bytes | None = None) -> None:
-        """End an episode's lease (`episodes.release`) once what ended it is durable: a kill
-        before then resumes the episode from its handle, which must still hold."""
-        if self._journal is not None:
-            self.trace.flush()
-            await self._journal.durable()
-        error = await release(self.env, self._code, env, handle)
-        self.trace.emit(LeaseReleased(group_id=sibling[0], generation=sibling[1], live=env is not None, error=error))
 
     async def _train(self, cmd: Train) -> None:
         t0 = time.perf_counter()
@@ -279,7 +237,7 @@ class Runner:
         record = self._meter.record(cmd.batch, metrics, began=t0, now=time.perf_counter(),
                                     tokens=self.sched.tokens_generated, counts=self.sched.counts(),
                                     pool=self.engine.stats() if isinstance(self.engine, EnginePool) else None)
-        record.update(self._effects.stats())  # (nothing when no call went outside)
+        record.update(self._attempts.effects.stats())  # (nothing when no call went outside)
         self._metrics.write(cmd.step, record)
         if self.on_step is not None:
             self.on_step(cmd.step, record)
@@ -331,22 +289,6 @@ class Runner:
                     stack.callback(closable.close)
             if self._journal is not None:  # closed first (a finished run closed it before `run_finished`)
                 stack.callback(self._journal.close, report=not failed)
-
-
-class _EnvGate:
-    """The cut's environment phase, an episode's side (`Scheduler.env_step_begin`): a step
-    starts once the scheduler lets it; its end wakes the loop, which may then cut."""
-
-    def __init__(self, runner: Runner, key: tuple[str, int, int]) -> None:
-        self.runner, self.key = runner, key
-
-    async def begin(self) -> None:
-        while not self.runner.sched.env_step_begin(self.key):
-            await self.runner._env_open.wait()
-
-    def end(self) -> None:
-        self.runner.sched.env_step_end(self.key)
-        self.runner._wake.set()
 
 
 def _signals(loop: asyncio.AbstractEventLoop, handler: Any) -> None:
