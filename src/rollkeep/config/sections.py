@@ -331,6 +331,16 @@ class _GRPOSection(_TrainerSection):
     """Dual clip (verl's `clip_ratio_c`, usually 3): a token with negative advantage A loses
     at most -c x A however large its ratio grows (the clipped objective is unbounded there);
     null = off. Must be > 1."""
+    world_size: int = Field(1, ge=1, le=64)
+    """Data-parallel training ranks: 1 trains in the controller's process; N > 1 starts N
+    rank processes on this machine (gloo on CPU, nccl on GPU) that shard the model and the
+    AdamW state with FSDP2 and write sharded checkpoints (docs/design.md §14). The loss is
+    the one-process loss for every `loss_type` (to round-off); a run resumes on any number
+    of ranks, so this may change between restarts."""
+    step_timeout_s: float = Field(600.0, gt=0.0)
+    """With `world_size` > 1: seconds a rank may take over one operation (a step, a
+    checkpoint write, a load) before the run stops as failed (exit 5, naming the rank) with
+    its last checkpoint intact."""
 
 
 class TorchTrainerConfig(_GRPOSection):

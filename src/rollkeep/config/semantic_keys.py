@@ -67,6 +67,8 @@ _NOT_SEMANTIC = (
     "engine.unavailable_timeout_s",
     "trainer.step_sleep_ms",
     "trainer.micro_batch_size",
+    "trainer.world_size",
+    "trainer.step_timeout_s",
     "rollout.timeout_s",
     "rollout.max_infra_attempts",
     "rollout.max_data_attempts",

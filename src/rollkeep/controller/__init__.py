@@ -49,11 +49,16 @@ def train(
     check_allowed_changes(allow_config_change)
     try:
         parts = build(cfg)  # installs the run's reward.fn (rollkeep.tasks.use_rewards)
-        for note in parts.notes:  # what the config asks for but will not happen, said once
-            print(f"warning: {note}", file=sys.stderr, flush=True)
-        with for_run(cfg):  # the metrics log of this run reads its logger settings here
-            return _run(cfg, parts, allow_config_change=allow_config_change,
-                        allow_dataset_change=allow_dataset_change, resume_from=resume_from, on_step=on_step)
+        try:
+            for note in parts.notes:  # what the config asks for but will not happen, said once
+                print(f"warning: {note}", file=sys.stderr, flush=True)
+            with for_run(cfg):  # the metrics log of this run reads its logger settings here
+                return _run(cfg, parts, allow_config_change=allow_config_change,
+                            allow_dataset_change=allow_dataset_change, resume_from=resume_from, on_step=on_step)
+        finally:
+            close = getattr(parts.trainer, "close", None)  # trainer ranks (trainer.world_size > 1) stop
+            if close is not None:
+                close()
     finally:
         use_rewards(None)  # the next run in this process starts from the built-in rewards
 

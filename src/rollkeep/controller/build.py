@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 from ..cluster import EnginePool, ReplicaGone, open_engine
@@ -157,7 +158,7 @@ def _build_torch(cfg: Config, dataset: Dataset, source: PromptSource, eval_rows,
     model = GPT(model_cfg)
     e = cfg.engine
     trainer = make_trainer(cfg.trainer, model=model, tokenizer=tokenizer, temperature=e.temperature,
-                           seed=cfg.seed, max_completion_length=e.max_new_tokens)
+                           seed=cfg.seed, max_completion_length=e.max_new_tokens, log_dir=_rank_logs(cfg))
     # Deterministic runs sample in float64: a batch of other size than the one the
     # uninterrupted run had must not flip a token on a last-bit difference.
     engine = open_engine(cfg, EngineRecipe(e, {"model": copy.deepcopy(model), "tokenizer": tokenizer,
@@ -177,7 +178,7 @@ def _build_hf(cfg: Config, dataset: Dataset, source: PromptSource, eval_rows, en
     if not torch.cuda.is_available():
         torch.set_num_threads(1)  # as for the built-in model: engine and trainer side by side
     trainer = make_trainer(cfg.trainer, temperature=cfg.engine.temperature, seed=cfg.seed,
-                           max_completion_length=cfg.engine.max_new_tokens)
+                           max_completion_length=cfg.engine.max_new_tokens, log_dir=_rank_logs(cfg))
     # float64 sampling when deterministic: a different batch composition must not flip a
     # token (see _build_torch)
     context = {"dtype": torch.float64} if cfg.engine.name == "hf" and cfg.deterministic else {}
@@ -194,6 +195,11 @@ def _build_hf(cfg: Config, dataset: Dataset, source: PromptSource, eval_rows, en
                               greedy=lambda m, t, p, max_new_tokens: greedy_texts(
                                   m, t, p, max_new_tokens=max_new_tokens, chat_template=chat))
     return Parts(dataset, source, eval_rows, engine, trainer, getattr(trainer, "tokenizer", None), evaluator)
+
+
+def _rank_logs(cfg: Config) -> Path:
+    """Where trainer ranks (`trainer.world_size` > 1) write their output."""
+    return Path(cfg.run_dir) / "ranks"
 
 
 async def start_replicas(engine: Engine, cfg: Config) -> None:

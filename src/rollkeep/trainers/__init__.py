@@ -16,19 +16,23 @@ __all__ = ["Batch", "TrainGroup", "Trainer", "TrainerSnapshot", "make_trainer"]
 
 
 def make_trainer(cfg: Any, **context: Any) -> Trainer:
-    """Build the trainer named by `cfg.name` from its own config section only."""
+    """Build the trainer named by `cfg.name` from its own config section only. `log_dir`
+    (in `context`): where the ranks of `world_size` > 1 write their logs."""
+    log_dir = context.pop("log_dir", None)
     if cfg.name == "toy":
         from .toy import ToyTrainer
 
         return ToyTrainer(step_sleep_ms=cfg.step_sleep_ms)
-    if cfg.name == "torch":
-        from .grpo import TorchTrainer
+    if cfg.name in ("torch", "hf"):
+        if cfg.name == "torch":
+            from .grpo import TorchTrainer
 
-        return TorchTrainer(cfg, **context)
-    if cfg.name == "hf":
-        from .hf import HFTrainer
+            trainer: Trainer = TorchTrainer(cfg, **context)
+        else:
+            from .hf import HFTrainer
 
-        return HFTrainer(cfg, **context)
+            trainer = HFTrainer(cfg, **context)
+        return trainer if cfg.world_size == 1 else _sharded(cfg, trainer, context, log_dir)
     if cfg.name == "custom":
         return _custom(cfg, context)
     raise ValueError(f"unknown trainer {cfg.name!r}")  # the config model already refuses it
@@ -68,3 +72,18 @@ def _custom(cfg: Any, context: dict[str, Any]) -> Trainer:
             found=f"no {', '.join(missing)} on {type(trainer).__name__}",
             remedy="see docs/library.md, 'Bring your own trainer', for the protocol")
     return trainer
+
+
+def _sharded(cfg: Any, local: Any, context: dict[str, Any], log_dir: Any) -> Trainer:
+    """`trainer.world_size` ranks (`ranks.ShardedTrainer`) around the one-process trainer
+    `local`, which keeps the controller's whole copy of the model."""
+    import dataclasses
+
+    from .ranks import ShardedTrainer
+
+    spec = {"trainer": cfg.model_dump(mode="json"), "seed": context["seed"], "temperature": context["temperature"],
+            "max_completion_length": context.get("max_completion_length")}
+    if cfg.name == "torch":
+        spec["gpt"] = dataclasses.asdict(local.model.cfg)
+    return ShardedTrainer(local, world_size=cfg.world_size, step_timeout_s=cfg.step_timeout_s, spec=spec,
+                          log_dir=log_dir)

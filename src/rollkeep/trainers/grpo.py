@@ -57,10 +57,16 @@ from ..models.tokenizer import PAD
 from .adamw import make_adamw
 from .base import Batch
 from .batching import MicroBatch, _chunks, collate, model_tokens
+from .shards import SHARD_DIR, read_shards
+from .shards import split as split_shards
 from .grpo_loss import LOSS_TYPES, LossType, grpo_loss, token_logprobs
 from .grpo_snapshot import (
     _REMEDY_SHAPE,
     ALL_FILES,
+    OPTIMIZER_FILE,
+    SHARDED_FILES,
+    SHARDED_FORMAT,
+    Verified,
     MODEL_FILE,
     REFERENCE_FILE,
     RNG_FILE,
@@ -199,34 +205,36 @@ class GRPOTrainer:
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         """`ppo_epochs` AdamW updates on `batch`, rows in batch order (deterministic)."""
-        # 1. Flatten the groups into sequences, in batch order, each with its advantage.
-        rows, advs = [], []
-        for g in batch.groups:
-            if len(g.advantages) != len(g.rows):
-                raise ValueError(
-                    f"group {g.group_id} has {len(g.rows)} rows but {len(g.advantages)} "
-                    "advantages: one per generation index"
-                )
-            rows.extend(g.rows)
-            advs.extend(g.advantages)
-        if self.scale_rewards == "batch":  # stored group-centred; the std is the batch's
-            advs = list(batch_scaled(advs, [r.reward for r in rows]))
+        rows, advs = flatten(batch, self.scale_rewards)
         # Model tokens only: environment tokens (negative versions) are masked out of the
         # loss, so they must not dilute its normalisation either.
         n_tokens = sum(model_tokens(r.versions) for r in rows)
+        totals, lr = self.update(micro_chunks(rows, advs, self.micro_batch_size), n_rows=len(rows),
+                                 n_tokens=n_tokens)
+        return step_metrics(totals, rows, advs, n_tokens, lr, self.ppo_epochs if n_tokens else 1)
+
+    def update(self, chunks: Sequence[tuple[Sequence[Any], Sequence[float]]], *, n_rows: int,
+               n_tokens: int, n_micro: int | None = None, passes: int = 0) -> tuple[dict[str, float], float]:
+        """The PPO epochs of one RL step over `chunks`, micro-batches of (rows, advantages)
+        that are this process's part of a batch of `n_rows` sequences, `n_tokens` model
+        tokens and `n_micro` micro-batches (default: these are the whole batch). Each
+        micro-batch's loss and stats are its part of the batch's (whole-batch counts), so
+        parts add up across micro-batches and across ranks. `passes`: forward/backward
+        passes to run per epoch at least (a rank runs as many as the busiest one; the extra
+        ones weigh nothing). Returns the totals summed over epochs, and the rate used."""
         if self.kl_coef > 0 and self._reference is None:
             self.set_reference()  # default reference: the weights before the first RL step
+        n_micro = len(chunks) if n_micro is None else n_micro
 
-        # 2. Collate micro-batches once (and the reference log-probs, which never change).
+        # Collate micro-batches once (and the reference log-probs, which never change).
         micro: list[tuple[MicroBatch, Tensor | None]] = []
-        for start in range(0, len(rows), self.micro_batch_size):
-            chunk = rows[start : start + self.micro_batch_size]
+        for chunk, chunk_advs in chunks:
             mb = collate(
                 [r.prompt_ids for r in chunk],
                 [r.completion_ids for r in chunk],
                 pad_id=self.pad_id,
                 old_logp=[r.logprobs for r in chunk],
-                advantages=advs[start : start + self.micro_batch_size],
+                advantages=list(chunk_advs),
                 versions=[r.versions for r in chunk],
                 device=self.device,
             )
@@ -237,9 +245,8 @@ class GRPOTrainer:
                     ref_logp = token_logprobs(ref_logits, mb.targets, self.temperature)
             micro.append((mb, ref_logp))
 
-        # 3. PPO epochs: one optimizer step each over the whole batch. Each micro-batch's
-        #    loss and stats are its part of the batch's (whole-batch counts passed in), so
-        #    they add up; a micro-batch without tokens adds nothing.
+        # PPO epochs: one optimizer step each over the whole batch; a micro-batch without
+        # tokens adds nothing (in lockstep it still runs, weighing nothing).
         totals = dict.fromkeys(
             ("loss", "clip_frac", "dual_clip_frac", "ratio_mean", "kl", "grad_norm"), 0.0
         )
@@ -247,8 +254,12 @@ class GRPOTrainer:
         lr = self._set_lr()
         for _ in range(self.ppo_epochs if n_tokens else 0):  # no tokens: nothing to learn
             self.optimizer.zero_grad(set_to_none=True)
-            for mb, ref_logp in micro:
-                if mb.tokens == 0:
+            for i in range(max(passes, len(micro))):
+                if i >= len(micro):
+                    self._backward(self._idle_loss())
+                    continue
+                mb, ref_logp = micro[i]
+                if mb.tokens == 0 and not passes:
                     continue
                 logits = self.logits_fn(self.model, mb.input_ids, mb.attention_mask)
                 logp = token_logprobs(logits, mb.targets, self.temperature)  # (B, T)
@@ -257,26 +268,29 @@ class GRPOTrainer:
                     clip_eps=self.clip_eps, ref_logp=ref_logp, kl_coef=self.kl_coef,
                     loss_type=self.loss_type, dual_clip=self.dual_clip,
                     max_completion_length=self.max_completion_length,
-                    batch_sequences=len(rows), batch_tokens=n_tokens, micro_batches=len(micro),
+                    batch_sequences=n_rows, batch_tokens=n_tokens, micro_batches=n_micro,
                 )
-                loss.backward()
+                self._backward(loss)
                 totals["loss"] += loss.item()
                 for k, v in stats.items():
                     totals[k] += v.item()
-            grad_norm = nn.utils.clip_grad_norm_(self._params, self.grad_clip)
-            totals["grad_norm"] += grad_norm.item()
+            totals["grad_norm"] += self._clip_grad_norm()
             self.optimizer.step()
         self.rl_steps += 1
         self._set_lr()
+        return totals, lr
 
-        # 4. Metrics (documented in the module docstring).
-        epochs = self.ppo_epochs if n_tokens else 1
-        metrics = {k: v / epochs for k, v in totals.items()}
-        metrics["tokens"] = float(n_tokens)
-        metrics["reward_mean"] = sum(r.reward for r in rows) / max(1, len(rows))
-        metrics["advantage_abs_mean"] = sum(abs(a) for a in advs) / max(1, len(advs))
-        metrics["lr"] = float(lr)
-        return metrics
+    # The seams a data-parallel rank overrides (rollkeep.trainers.rank): how a loss part is
+    # backpropagated, what an idle pass computes, how the gradient norm is taken.
+
+    def _backward(self, loss: Tensor) -> None:
+        loss.backward()
+
+    def _idle_loss(self) -> Tensor:
+        raise AssertionError("a single process never runs an idle pass")
+
+    def _clip_grad_norm(self) -> float:
+        return float(nn.utils.clip_grad_norm_(self._params, self.grad_clip).item())
 
     def set_reference(self) -> None:
         """Freeze a copy of the current weights as the KL reference (kl_coef > 0 only)."""
@@ -291,6 +305,14 @@ class GRPOTrainer:
         n_tokens = sum(len(t) for _, t in sequences)
         if n_tokens == 0:
             raise ValueError("sft_step needs at least one target token")
+        total, grad_norm = self.sft_update(list(_chunks(sequences, self.micro_batch_size)),
+                                           n_tokens=n_tokens, lr=lr)
+        return {"loss": total / n_tokens, "tokens": float(n_tokens), "grad_norm": grad_norm, "lr": float(lr)}
+
+    def sft_update(self, chunks: Sequence[Sequence[tuple[list[int], list[int]]]], *, n_tokens: int,
+                   lr: float, passes: int = 0) -> tuple[float, float]:
+        """The supervised step over `chunks`, this process's micro-batches of a batch of
+        `n_tokens` target tokens (`passes` as in `update`). Returns (summed nll, grad norm)."""
         if self._sft_optimizer is None:
             self._sft_optimizer = self._adamw(lr)
         for group in self._sft_optimizer.param_groups:
@@ -299,19 +321,20 @@ class GRPOTrainer:
         self.model.train()
         self._sft_optimizer.zero_grad(set_to_none=True)
         total = 0.0
-        for chunk in _chunks(sequences, self.micro_batch_size):
+        for chunk in chunks:
             mb = collate(
                 [p for p, _ in chunk], [t for _, t in chunk], pad_id=self.pad_id, device=self.device
             )
             logits = self.logits_fn(self.model, mb.input_ids, mb.attention_mask)
             nll = -(token_logprobs(logits, mb.targets, 1.0) * mb.loss_mask).sum()
-            (nll / n_tokens).backward()
+            self._backward(nll / n_tokens)
             total += nll.item()
-        grad_norm = nn.utils.clip_grad_norm_(self._params, self.grad_clip)
+        for _ in range(passes - len(chunks)):
+            self._backward(self._idle_loss())
+        grad_norm = self._clip_grad_norm()
         self._sft_optimizer.step()
         self.sft_steps += 1
-        return {"loss": total / n_tokens, "tokens": float(n_tokens),
-                "grad_norm": grad_norm.item(), "lr": float(lr)}
+        return total, grad_norm
 
     # -- weights for the engine -----------------------------------------------------------
 
@@ -351,29 +374,41 @@ class GRPOTrainer:
             reference=reference,
         )
 
-    def load(self, dir: Path, *, step: int | None = None) -> None:
-        """Restore the files a snapshot saved into `dir` bit-exactly. Checks everything,
-        then changes state (nothing in `dir`). With `step`, every file must declare that
-        step (`rl_steps` is the weight version)."""
-        # 1. Check every file against this trainer; nothing changes yet.
+    def verify(self, dir: Path, *, step: int | None = None) -> Verified:
+        """Read and check every file `load` restores from (a one-process checkpoint, or the
+        shards of a sharded one, `shards`), against this trainer's model; nothing changes.
+        Raises CheckpointError naming the file and the tensor."""
         files = TrainerFiles(dir)
-        for name in files:
-            if name not in ALL_FILES:
-                raise _bad(name, f"Unknown trainer file {name!r}", expected=f"only {ALL_FILES}")
         meta = _read_meta(files)
-        state = self.model.state_dict()
-        unique, ties = _unique_state(state)
+        sharded = meta["format"] == SHARDED_FORMAT
+        allowed = SHARDED_FILES if sharded else ALL_FILES
+        for name in files:
+            if name not in allowed and not (sharded and name.startswith(SHARD_DIR + "/")):
+                raise _bad(name, f"Unknown trainer file {name!r}", expected=f"only {allowed}")
+        unique, ties = _unique_state(self.model.state_dict())
         if meta["ties"] != ties:
             raise _bad(
                 STATE_FILE, "The checkpoint's tied weights differ from this model's",
                 field="ties", expected=json.dumps(ties), found=json.dumps(meta["ties"]),
                 remedy=_REMEDY_SHAPE,
             )
-        model = _read_tensors(files, MODEL_FILE)
-        _check_tensors(model, unique, MODEL_FILE)
-        opt_states = _read_optimizers(files, meta, self._params)
-        rng = _read_tensors(files, RNG_FILE)
-        _check_tensors(rng, {"cpu": torch.get_rng_state()}, RNG_FILE)
+        if sharded:
+            model, optimizer, other = split_shards(read_shards(files.dir, world_size=meta["world_size"],
+                                                               step=meta["rl_steps"]))
+            if other:
+                raise _bad(SHARD_DIR, f"Unexpected tensor {other[0]!r} in the shards", field=other[0],
+                           expected="model.* and optimizer.* tensors", found=other[0], remedy=_REMEDY_SHAPE)
+            rng = _read_tensors(files, RNG_FILE)
+            _check_tensors(rng, {f"rank{r}": torch.get_rng_state() for r in range(meta["world_size"])},
+                           RNG_FILE)
+        else:
+            model = _read_tensors(files, MODEL_FILE)
+            optimizer = _read_tensors(files, OPTIMIZER_FILE)
+            cpu = _read_tensors(files, RNG_FILE)
+            _check_tensors(cpu, {"cpu": torch.get_rng_state()}, RNG_FILE)
+            rng = {"rank0": cpu["cpu"]}
+        _check_tensors(model, unique, MODEL_FILE if not sharded else SHARD_DIR)
+        opt_states = _read_optimizers(optimizer, meta, self._params)
         reference = None
         if meta["reference"]:
             reference = _read_tensors(files, REFERENCE_FILE)
@@ -383,8 +418,19 @@ class GRPOTrainer:
                        "there is no reference", field="reference", expected="true",
                        found="false")
         _check_steps(files, meta, step)  # well-formed files, but all of one step?
+        return Verified(meta, model, opt_states, rng, reference)
 
-        # 2. Apply.
+    def load(self, dir: Path, *, step: int | None = None) -> None:
+        """Restore the files a snapshot saved into `dir` bit-exactly. Checks everything,
+        then changes state (nothing in `dir`). With `step`, every file must declare that
+        step (`rl_steps` is the weight version)."""
+        self.restore(self.verify(dir, step=step))  # every file checked before anything changes
+
+    def restore(self, v: Verified) -> None:
+        """Apply what `verify` read, bit-exactly."""
+        meta, model, opt_states, rng, reference = v.meta, v.model, v.optimizers, v.rng, v.reference
+        state = self.model.state_dict()
+        ties = meta["ties"]
         with torch.no_grad():
             self.model.load_state_dict({k: model[ties.get(k, k)] for k in state}, strict=True)
         self.optimizer.load_state_dict(_torch_optimizer_state(self.optimizer, opt_states["rl"]))
@@ -395,7 +441,7 @@ class GRPOTrainer:
             )
         else:
             self._sft_optimizer = None
-        torch.set_rng_state(rng["cpu"])
+        torch.set_rng_state(rng["rank0"])
         self.rl_steps, self.sft_steps = meta["rl_steps"], meta["sft_steps"]
         self._set_lr()
         self._reference = None
@@ -416,6 +462,39 @@ def _frozen_copy(model: nn.Module) -> nn.Module:
 def _raw_bytes(t: Tensor) -> memoryview:
     flat = t.detach().cpu().contiguous().reshape(-1)
     return memoryview(flat.view(torch.uint8).numpy())
+
+
+def flatten(batch: Batch, scale_rewards: str) -> tuple[list[Any], list[float]]:
+    """A batch's rows in batch order, each with the advantage it is trained on (under
+    `scale_rewards: batch`, divided by the batch's reward std here)."""
+    rows, advs = [], []
+    for g in batch.groups:
+        if len(g.advantages) != len(g.rows):
+            raise ValueError(
+                f"group {g.group_id} has {len(g.rows)} rows but {len(g.advantages)} "
+                "advantages: one per generation index"
+            )
+        rows.extend(g.rows)
+        advs.extend(g.advantages)
+    if scale_rewards == "batch":  # stored group-centred; the std is the batch's
+        advs = list(batch_scaled(advs, [r.reward for r in rows]))
+    return rows, advs
+
+
+def micro_chunks(rows: Sequence[Any], advs: Sequence[float], size: int) -> list[tuple[Sequence[Any], Sequence[float]]]:
+    """Consecutive micro-batches of `size` sequences (the last may be shorter)."""
+    return [(rows[s : s + size], advs[s : s + size]) for s in range(0, len(rows), size)]
+
+
+def step_metrics(totals: dict[str, float], rows: Sequence[Any], advs: Sequence[float], n_tokens: int,
+                 lr: float, epochs: int) -> dict[str, float]:
+    """The metrics of `train_step` (module docstring) from the summed totals of `update`."""
+    metrics = {k: v / epochs for k, v in totals.items()}
+    metrics["tokens"] = float(n_tokens)
+    metrics["reward_mean"] = sum(r.reward for r in rows) / max(1, len(rows))
+    metrics["advantage_abs_mean"] = sum(abs(a) for a in advs) / max(1, len(advs))
+    metrics["lr"] = float(lr)
+    return metrics
 
 
 # ---------------------------------------------------------------------------------------

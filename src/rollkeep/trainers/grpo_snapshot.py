@@ -49,6 +49,9 @@ from ..core.checkpoint.cut import STEP_KEY, declared_step_of, step_metadata
 from ..core.errors import CheckpointError
 from ..core.io.untrusted import loads_json, read_regular
 from .base import check_step
+from .shards import FORMAT as SHARDED_FORMAT
+
+MAX_WORLD_SIZE = 64  # trainer.world_size's bound
 
 __all__ = ["GRPOSnapshot", "OptimizerState", "TrainerFiles"]
 
@@ -64,6 +67,7 @@ STATE_FILE = "trainer.json"
 RNG_FILE = "rng.safetensors"
 REFERENCE_FILE = "reference.safetensors"
 ALL_FILES = (MODEL_FILE, OPTIMIZER_FILE, STATE_FILE, RNG_FILE, REFERENCE_FILE)
+SHARDED_FILES = (STATE_FILE, RNG_FILE, REFERENCE_FILE)  # and shards/*: `shards`
 OPTIMIZER_NAMES = ("rl", "sft")
 
 
@@ -118,6 +122,20 @@ class GRPOSnapshot:
         st_save_file({"cpu": self.rng}, dir / RNG_FILE, metadata=bound)
         if self.reference is not None:
             st_save_file(self.reference, dir / REFERENCE_FILE, metadata=bound)
+
+
+@dataclass(frozen=True)
+class Verified:
+    """What `GRPOTrainer.verify` read and checked: trainer.json, the model's unique tensors,
+    the optimizer states ({opt: {param_index: {name: value}}}), the generator state of each
+    rank that wrote it (`rank0`, … ; a one-process checkpoint's is `rank0`) and the
+    reference's tensors."""
+
+    meta: dict[str, Any]
+    model: dict[str, Tensor]
+    optimizers: dict[str, dict[int, dict[str, Any]]]
+    rng: dict[str, Tensor]
+    reference: dict[str, Tensor] | None
 
 
 class TrainerFiles:
@@ -261,19 +279,24 @@ def _read_meta(files: TrainerFiles) -> dict[str, Any]:
         raise _bad(STATE_FILE, f"{STATE_FILE} is not valid JSON", found=str(err)) from None
     shape = {"format": str, "rl_steps": int, "sft_steps": int, "ties": dict,
              "reference": bool, "optimizers": dict}
-    if isinstance(meta, dict) and STEP_KEY in meta:  # absent in files written before the binding
-        shape[STEP_KEY] = int
     if not isinstance(meta, dict):
         raise _bad(STATE_FILE, f"{STATE_FILE} is not a JSON object", found=type(meta).__name__)
+    if STEP_KEY in meta:  # absent in files written before the binding
+        shape[STEP_KEY] = int
+    if meta.get("format") == SHARDED_FORMAT:  # trainer.world_size > 1 (`shards`)
+        shape.update({STEP_KEY: int, "world_size": int})
     for key, typ in shape.items():
         value = meta.get(key)
         if not isinstance(value, typ) or (typ is int and (isinstance(value, bool) or value < 0)):
             raise _bad(STATE_FILE, f"Field {key!r} is missing or of the wrong type", field=key,
                        expected=typ.__name__ + (" >= 0" if typ is int else ""),
                        found=repr(value)[:80])
-    if meta["format"] != FORMAT:
+    if meta["format"] not in (FORMAT, SHARDED_FORMAT):
         raise _bad(STATE_FILE, "Unsupported trainer checkpoint format", field="format",
-                   expected=FORMAT, found=repr(meta["format"]))
+                   expected=f"{FORMAT} or {SHARDED_FORMAT}", found=repr(meta["format"]))
+    if meta["format"] == SHARDED_FORMAT and not 1 <= meta["world_size"] <= MAX_WORLD_SIZE:
+        raise _bad(STATE_FILE, "world_size is out of range", field="world_size",
+                   expected=f"1 ... {MAX_WORLD_SIZE}", found=str(meta["world_size"]))
     if set(meta) != set(shape):
         raise _bad(STATE_FILE, "Unknown fields", expected=str(sorted(shape)),
                    found=str(sorted(set(meta) - set(shape))))
@@ -301,8 +324,8 @@ def _check_steps(files: TrainerFiles, meta: Mapping[str, Any], step: int | None)
                    expected=str(meta["rl_steps"]), found=str(meta[STEP_KEY]))
     check_step(STATE_FILE, meta["rl_steps"], step)
     for name in files:
-        if not name.endswith(".safetensors"):
-            continue
+        if not name.endswith(".safetensors") or name.startswith("shards/"):
+            continue  # (a shard is bound by its own step tensor: `shards.read_shards`)
         try:
             declared = declared_step_of(files.path(name))  # the header only
         except (OSError, ValueError) as err:
@@ -312,11 +335,11 @@ def _check_steps(files: TrainerFiles, meta: Mapping[str, Any], step: int | None)
 
 
 def _read_optimizers(
-    files: TrainerFiles, meta: Mapping[str, Any], params: Sequence[Tensor]
+    tensors: Mapping[str, Tensor], meta: Mapping[str, Any], params: Sequence[Tensor]
 ) -> dict[str, dict[int, dict[str, Any]]]:
-    """optimizer.safetensors (+ scalars) -> {opt: {param_index: {name: value}}}, checked:
-    known optimizers, indices in range, moments shaped like their parameter, 0-d steps."""
-    tensors = _read_tensors(files, OPTIMIZER_FILE)
+    """optimizer.safetensors' tensors (+ scalars) -> {opt: {param_index: {name: value}}},
+    checked: known optimizers, indices in range, moments shaped like their parameter, 0-d
+    steps."""
     out: dict[str, dict[int, dict[str, Any]]] = {opt: {} for opt in meta["optimizers"]}
     values = list(tensors.items())
     for opt, entry in meta["optimizers"].items():
