@@ -27,7 +27,7 @@ from typing import Any
 from ..config import ADDED_KEYS, Config, dump_yaml, load_config
 from ..config import semantic as semantic_of
 from ..core.checkpoint.store import CheckpointStore
-from ..core.custody.trace_schema import Restored, RunStarted
+from ..core.custody.trace_schema import Restored, RunStarted, TrainerStarted
 from ..core.errors import UserInputError
 from ..core.restore import chain as restore
 from ..core.restore import start
@@ -142,6 +142,9 @@ def open_run(
                           checkpoint=None if restored is None else restored.name, pid=os.getpid(),
                           config_fingerprint=fingerprint(semantic), cleaned_tmp=leftovers,
                           abandoned_checkpoints=abandoned))
+    info = getattr(trainer, "info", None)  # trainer.world_size > 1: the ranks (started by now)
+    trace.emit(TrainerStarted(**info()) if info is not None else
+               TrainerStarted(world_size=1, pids=[os.getpid()], backend="in-process"))
     counts = sched.start(begun.continues(), epochs=source.epochs, replayed=begun.tail is not None,
                          lost=None if begun.tail is None else begun.tail.lost)
     progress = RunProgress(cfg.logger.progress, total_steps=cfg.train.total_steps, start_step=ledger.version)

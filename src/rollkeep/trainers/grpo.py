@@ -57,22 +57,20 @@ from ..models.tokenizer import PAD
 from .adamw import make_adamw
 from .base import Batch
 from .batching import MicroBatch, _chunks, collate, model_tokens
-from .shards import SHARD_DIR, read_shards
-from .shards import split as split_shards
 from .grpo_loss import LOSS_TYPES, LossType, grpo_loss, token_logprobs
 from .grpo_snapshot import (
     _REMEDY_SHAPE,
     ALL_FILES,
-    OPTIMIZER_FILE,
-    SHARDED_FILES,
-    SHARDED_FORMAT,
-    Verified,
     MODEL_FILE,
+    OPTIMIZER_FILE,
     REFERENCE_FILE,
     RNG_FILE,
+    SHARDED_FILES,
+    SHARDED_FORMAT,
     STATE_FILE,
     GRPOSnapshot,
     TrainerFiles,
+    Verified,
     _bad,
     _check_steps,
     _check_tensors,
@@ -84,6 +82,8 @@ from .grpo_snapshot import (
     _torch_optimizer_state,
     _unique_state,
 )
+from .shards import SHARD_DIR, read_shards
+from .shards import split as split_shards
 
 # GRPOSnapshot, grpo_loss and token_logprobs are defined in grpo_snapshot and grpo_loss;
 # they were public here before the split and stay importable from here.

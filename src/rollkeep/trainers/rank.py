@@ -36,11 +36,16 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
+from ..core import crashpoints
 from .grpo import GRPOTrainer, hyperparameters
 from .rankwire import Closed, pack_tensor, recv, send, unpack_row, unpack_tensor
 from .shards import MODEL_PREFIX, OPTIMIZER_PREFIX, SHARD_DIR, step_key
 
-__all__ = ["RankTrainer", "main"]
+__all__ = ["RANK_POINTS", "RankTrainer", "main"]
+
+# The crash points of a rank: one before each op it serves.
+RANK_POINTS = tuple(crashpoints.register(f"rank.{op}") for op in
+                    ("train", "sft", "set_reference", "weights", "snapshot", "save", "load"))
 
 
 class RankTrainer(GRPOTrainer):
@@ -267,6 +272,7 @@ def _serve(trainer: RankTrainer, sock: socket.socket) -> None:
         except Closed:
             return
         op, t0 = msg.get("op"), time.perf_counter()
+        crashpoints.hit(f"rank.{op}")  # (tests kill or stop a rank here: ranks._rank_env)
         try:
             reply: dict[str, Any] = {"ok": True}
             if op == "train":

@@ -49,6 +49,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
+from ..core import crashpoints
 from ..core.checkpoint.cut import STEP_KEY, step_metadata
 from ..core.errors import ExternalError
 from .base import Batch
@@ -136,7 +137,7 @@ class RankGroup:
                 if log_dir is not None:
                     log_dir.mkdir(parents=True, exist_ok=True)
                     log = open(log_dir / f"rank{r}.log", "ab")  # noqa: SIM115 (the child holds it)
-                env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+                env = _rank_env(r)
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "rollkeep.trainers.rank", json.dumps(rank_spec), str(theirs.fileno())],
                     pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -248,6 +249,19 @@ class RankGroup:
             except (OSError, subprocess.TimeoutExpired):
                 pass
         self.kill()
+
+
+def _rank_env(rank: int) -> dict[str, str]:
+    """A rank's environment: the controller's, gloo on loopback, and the controller's crash
+    point never armed in a rank. Tests arm one in a rank instead: ROLLKEEP_RANK_CRASH_AT
+    (a `rank.{op}` point, `rank.train:3`), ROLLKEEP_RANK_CRASH_SIGNAL (KILL, or STOP for a
+    rank that hangs) in rank ROLLKEEP_RANK_CRASH_RANK (default 1)."""
+    env = {k: v for k, v in os.environ.items() if k not in (crashpoints.ENV_VAR, crashpoints.SIGNAL_VAR)}
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if os.environ.get("ROLLKEEP_RANK_CRASH_AT") and rank == int(os.environ.get("ROLLKEEP_RANK_CRASH_RANK", "1")):
+        env[crashpoints.ENV_VAR] = os.environ["ROLLKEEP_RANK_CRASH_AT"]
+        env[crashpoints.SIGNAL_VAR] = os.environ.get("ROLLKEEP_RANK_CRASH_SIGNAL", "KILL")
+    return env
 
 
 def _free_port() -> int:

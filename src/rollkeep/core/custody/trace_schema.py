@@ -90,6 +90,9 @@ class CheckpointPublished(RunEvent, tag="checkpoint_published"):
     write_seconds: float = 0.0  # encode + fsync + publish, off the loop
     env_wait_seconds: float = 0.0  # the environment phase before the cut (lease environments)
     env_steps_retired: int = 0  # environment steps it did not wait for (env.cut_timeout_s)
+    # trainer.world_size > 1: per rank, the bytes of its shard and the seconds it took to write it
+    shard_bytes: list[int] = []
+    shard_write_seconds: list[float] = []
 
 
 class CheckpointSkipped(RunEvent, tag="checkpoint_skipped"):
@@ -189,6 +192,15 @@ class RunFinished(RunEvent, tag="run_finished"):
     journal_flush_p99_s: float | None = None
 
 
+class TrainerStarted(RunEvent, tag="trainer_started"):
+    """Who trains: one process (`backend` "in-process", the controller's pid) or
+    `world_size` rank processes (`backend` gloo | nccl, their pids, rank order)."""
+
+    world_size: int
+    pids: list[int]
+    backend: str
+
+
 class RunFailed(RunEvent, tag="run_failed"):
     step: int | None
     error: str
@@ -197,7 +209,7 @@ class RunFailed(RunEvent, tag="run_failed"):
 RUN_EVENTS: tuple[type[RunEvent], ...] = (
     RunStarted, Restored, CheckpointPublished, CheckpointSkipped, Eval, EngineReplicaStarted, EngineReplicaDied,
     RunFinished, RunFailed, ServerFenced, ServerLost, ServerBack, EffectAnswered,
-    LeaseReleased,
+    LeaseReleased, TrainerStarted,
 )
 
 
@@ -208,7 +220,7 @@ def name(event_type: type[Any]) -> str:
 
 (RUN_STARTED, RESTORED, CHECKPOINT_PUBLISHED, CHECKPOINT_SKIPPED, EVAL, ENGINE_REPLICA_STARTED,
  ENGINE_REPLICA_DIED, RUN_FINISHED, RUN_FAILED, SERVER_FENCED, SERVER_LOST, SERVER_BACK,
- EFFECT_ANSWERED, LEASE_RELEASED) = (name(t) for t in RUN_EVENTS)
+ EFFECT_ANSWERED, LEASE_RELEASED, TRAINER_STARTED) = (name(t) for t in RUN_EVENTS)
 (STEP_COMMITTED, DROPPED, SEALED, DISPATCHED, TAKEN, ADMITTED, FAILED, EVICTED, ABANDONED, PROGRESSED,
  TURN_SEALED, EFFECT_INTENT, EFFECT_DONE) = (
     name(t) for t in (StepCommitted, Dropped, Sealed, Dispatched, Taken, Admitted, Failed, Evicted, Abandoned,

@@ -87,7 +87,9 @@ def write(taken: TakenCut, *, store: CheckpointStore, journal: GroupCommit | Non
     return CheckpointPublished(
         step=taken.cmd.step, name=published.name, bytes=published.bytes, cut_hold_seconds=c.hold_seconds,
         trainer_snapshot_seconds=taken.snapshot_seconds, write_seconds=time.perf_counter() - t0, cut_time=c.time,
-        env_wait_seconds=taken.cmd.env_wait_s, env_steps_retired=taken.cmd.env_retired)
+        env_wait_seconds=taken.cmd.env_wait_s, env_steps_retired=taken.cmd.env_retired,
+        shard_bytes=list(getattr(taken.snapshot, "shard_bytes", [])),  # (a sharded trainer's, once saved)
+        shard_write_seconds=list(getattr(taken.snapshot, "write_seconds", [])))
 
 
 def checkpoint_meta(source: PromptSource, semantic: dict[str, Any], run_id: str, *, writer: str,
