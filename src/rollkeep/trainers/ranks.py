@@ -215,7 +215,7 @@ class RankGroup:
             remedy="run the same command again: it resumes from the last checkpoint, on any trainer.world_size"))
 
     def _hung(self, pending: list[_Rank], op: str) -> None:
-        names = ", ".join(f"rank {rk.rank} (pid {rk.pid or rk.proc.pid})" for rk in pending)
+        names = ", ".join(f"rank {rk.rank} (pid {rk.pid or rk.proc.pid}{_state(rk.proc.pid)})" for rk in pending)
         self._fail(TrainerRankFailed(
             f"trainer {names} did not finish {op} within trainer.step_timeout_s = {self.timeout_s:g} s",
             field="trainer.step_timeout_s", expected=f"{op} within {self.timeout_s:g} s", found="no answer",
@@ -249,6 +249,16 @@ class RankGroup:
             except (OSError, subprocess.TimeoutExpired):
                 pass
         self.kill()
+
+
+def _state(pid: int) -> str:
+    """", stopped" for a process the kernel says is stopped (SIGSTOP, a debugger), which
+    tells the rank that hangs from the ranks waiting for it in a collective."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+    return {"T": ", stopped", "t": ", stopped", "Z": ", exited", "D": ", in uninterruptible I/O"}.get(state, "")
 
 
 def _rank_env(rank: int) -> dict[str, str]:
