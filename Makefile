@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= configs/arith.yaml
 ARGS   ?=
 
-.PHONY: install run test bench chaos lint clean vllm-cpu test-vllm
+.PHONY: install run test bench chaos lint clean vllm-cpu test-vllm test-ranks
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -23,6 +23,10 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadgroup --durations=15
+
+# The slower tier of runs on several trainer ranks (kill storms, chaos, Ctrl-C; `make test` skips them).
+test-ranks: $(STAMP)
+	ROLLKEEP_TEST_RANKS=1 $(PY) -m pytest -p no:cacheprovider -n 2 tests/controller/test_rank_kills.py
 
 bench: $(STAMP)
 	$(PY) -m rollkeep bench $(ARGS)

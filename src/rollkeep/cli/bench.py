@@ -8,7 +8,7 @@ import math
 import time
 from typing import Any
 
-SUITES = ("core", "preemption", "speedup", "waste", "restart", "cluster", "remote", "effects", "all")
+SUITES = ("core", "preemption", "speedup", "waste", "restart", "cluster", "remote", "effects", "ranks", "all")
 
 HELP = """\
 Run the benchmark suite and print what it measured, side by side, in one invocation:
@@ -52,6 +52,10 @@ Run the benchmark suite and print what it measured, side by side, in one invocat
               the call's own; calls per trained sibling under --kills SIGKILLs, and keys
               called again after their outcome was recorded (must be 0); the cut's hold
               and its environment phase with 0, 64 and 1,024 live episodes
+  ranks       training on several ranks (FSDP2 on gloo, the built-in GPT at the main job's
+              size and 8x it): step time on 1 and 2 ranks; sharded checkpoint bytes,
+              snapshot, write and restore by world size 1, 2, 3; rank 0's peak memory while
+              the weights are published
 
 Medians over --repeats; ratios against sibling (preemption), lookahead 0 (speedup) and
 in_order (waste).
@@ -66,6 +70,7 @@ examples:
   rollkeep bench --suite cluster --json c.json            # ~4 minutes (pip install 'rollkeep[ray]')
   rollkeep bench --suite remote --json s.json             # ~2 minutes: server mode vs in-process
   rollkeep bench --suite effects --kills 8 --json e.json  # ~2 minutes: calls to the outside
+  rollkeep bench --suite ranks --repeats 5 --json k.json  # ~1 minute: trainer ranks
 """
 
 
@@ -202,6 +207,16 @@ def run(args: argparse.Namespace) -> int:
         for row in effect_rows(results["effects"]):
             t.add_row(*row)
         _print(("effects: the journal's record of each call, calls under kills, the cut's environment phase", t))
+    if "ranks" in suites:
+        from ..bench.ranks import ranks_bench
+        from ..bench.ranks import table_rows as rank_rows
+
+        print(f"== training on several ranks ({repeats} step(s) per median)")
+        results["ranks"] = ranks_bench(repeats=repeats, quick=args.quick, log=_note)
+        t = _table("measure", "job", "result")
+        for row in rank_rows(results["ranks"]):
+            t.add_row(*row)
+        _print(("trainer ranks (FSDP2, gloo): step time, sharded checkpoints, weight publication", t))
     results["settings"]["seconds"] = time.monotonic() - t0
     if args.json:
         with open(args.json, "w") as f:

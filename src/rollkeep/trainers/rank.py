@@ -174,7 +174,7 @@ class RankTrainer(GRPOTrainer):
         for key in msg["optimizer_keys"]:  # "{opt}.state.{i}.{name}", as verified
             opt_name, _, i, name = key.split(".")
             p = self._params[int(i)]
-            t = torch.zeros((), dtype=torch.float32) if name == "step" else torch.zeros_like(p)
+            t = torch.zeros((), dtype=torch.float32) if name == "step" else torch.zeros_like(p)  # (step: 0-d, CPU)
             fresh.setdefault((opt_name, int(i)), {})[name] = t
             template[OPTIMIZER_PREFIX + key] = t
         with torch.no_grad():
@@ -191,7 +191,7 @@ class RankTrainer(GRPOTrainer):
                     for key, t in template.items():
                         f, name = (fm, key[len(MODEL_PREFIX):]) if key.startswith(MODEL_PREFIX) else \
                             (fo, key[len(OPTIMIZER_PREFIX):])
-                        whole = f.get_tensor(name)
+                        whole = f.get_tensor(name).to(t.device)
                         if isinstance(t, DTensor):  # this rank's slice, computed here (no communication)
                             whole = distribute_tensor(whole, t.device_mesh, t.placements, src_data_rank=None)
                             t.to_local().copy_(whole.to_local())
@@ -199,7 +199,8 @@ class RankTrainer(GRPOTrainer):
                             t.copy_(whole)
         for opt_name, opt in (("rl", self.optimizer), ("sft", self._sft_optimizer)):
             if opt is not None:
-                opt.state = {p: fresh[(opt_name, i)] for i, p in enumerate(self._params) if (opt_name, i) in fresh}
+                opt.state.clear()  # (torch's optimizers keep a defaultdict: kept, refilled)
+                opt.state.update({p: fresh[(opt_name, i)] for i, p in enumerate(self._params) if (opt_name, i) in fresh})
         torch.set_rng_state(unpack_tensor(msg["rng"]))
         self.rl_steps, self.sft_steps = msg["rl_steps"], msg["sft_steps"]
         self._set_lr()
@@ -292,8 +293,9 @@ def _serve(trainer: RankTrainer, sock: socket.socket) -> None:
                 def stream(name: str, whole: Tensor) -> None:
                     if rank == 0:
                         send(sock, {"ok": True, "more": True, "name": name, "tensor": pack_tensor(whole)})
+                base = _rss_peak(reset=True)
                 trainer.gather(stream)
-                reply["ties"] = trainer.unique_state()[1]
+                reply |= {"ties": trainer.unique_state()[1], "peak_extra_bytes": max(0, _rss_peak() - base)}
             elif op == "snapshot":
                 trainer.take_snapshot()
                 reply["rng"] = pack_tensor(torch.get_rng_state())
@@ -310,6 +312,20 @@ def _serve(trainer: RankTrainer, sock: socket.socket) -> None:
             reply = {"ok": False, "error": f"{type(e).__name__}: {e}"[:2000], "traceback": traceback.format_exc()[-8000:]}
         reply["seconds"] = time.perf_counter() - t0
         send(sock, reply)
+
+
+def _rss_peak(*, reset: bool = False) -> int:
+    """This process's peak resident bytes since the last reset (Linux: VmHWM; reset by
+    writing 5 to clear_refs, after which the peak is the current size); 0 elsewhere."""
+    try:
+        if reset:
+            Path("/proc/self/clear_refs").write_text("5")
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def _die_with_parent(parent: int) -> None:

@@ -141,7 +141,7 @@ class RankGroup:
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "rollkeep.trainers.rank", json.dumps(rank_spec), str(theirs.fileno())],
                     pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                    env=env)
+                    env=env, start_new_session=True)  # a terminal's Ctrl-C is the controller's to handle
                 theirs.close()
                 if log is not subprocess.DEVNULL:
                     log.close()
@@ -197,10 +197,31 @@ class RankGroup:
                     on_frame(msg)
                     continue
                 if not msg.get("ok"):
+                    dead = self._dead_peer(rk)  # a peer's death surfaces in the others as a gloo error
+                    if dead is not None:
+                        self._died(dead, op)
                     self._fail(RankRaised(f"trainer rank {rk.rank} raised during {op}: {msg.get('error')}\n"
                                           f"--- the rank's traceback ---\n{msg.get('traceback', '')}"))
                 replies[rk.rank] = msg
         return [replies[r] for r in range(self.world_size)]
+
+    def _dead_peer(self, raised: _Rank, wait_s: float = 5.0) -> _Rank | None:
+        """A rank other than `raised` that has died, waiting up to `wait_s` for one to be
+        reaped (a SIGKILLed peer's process ends within moments of its sockets closing)."""
+        deadline = time.monotonic() + wait_s
+        others = [rk for rk in self._ranks if rk is not raised]
+        while others:
+            for rk in others:
+                if rk.proc.poll() is not None:
+                    return rk
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            try:
+                others[0].proc.wait(timeout=min(0.2, left))
+            except subprocess.TimeoutExpired:
+                pass
+        return None
 
     def _died(self, rk: _Rank, op: str) -> None:
         try:
@@ -323,6 +344,7 @@ class ShardedTrainer:
         self._spec, self._log_dir = spec, log_dir
         self._group: RankGroup | None = None
         self.last_step_seconds: list[float] = []
+        self.publish_peak_extra_bytes = 0
 
     @property
     def sft_steps(self) -> int:
@@ -421,6 +443,7 @@ class ShardedTrainer:
             got.add(name)
 
         replies = self.ranks.call("weights", on_frame=each)
+        self.publish_peak_extra_bytes = int(replies[0].get("peak_extra_bytes", 0))  # rank 0's, over the gather
         missing = set(_unique_state(target)[0]) - got
         if missing:
             raise RankRaised(f"trainer rank 0 gathered no {sorted(missing)[:3]}")

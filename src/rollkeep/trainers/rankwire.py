@@ -60,7 +60,10 @@ def _read(sock: socket.socket, n: int, deadline: float | None) -> bytes:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([sock], [], [], left)[0]:
                 raise Overdue()
-        chunk = sock.recv(min(n - len(buf), 1 << 22))
+        try:
+            chunk = sock.recv(min(n - len(buf), 1 << 22))
+        except ConnectionResetError:  # the other end died with data unread
+            raise Closed() from None
         if not chunk:
             raise Closed()
         buf += chunk
