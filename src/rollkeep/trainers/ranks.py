@@ -419,11 +419,12 @@ class ShardedTrainer:
             self.ranks.call("set_reference")
 
     def _rank_metrics(self) -> dict[str, float]:
-        """Step time per rank (`trainer/rank{r}_step_s`), the slowest rank and its time."""
+        """Step time per rank (`rank{r}_step_s`), the slowest rank and its time (the metrics
+        log prefixes them `trainer/`)."""
         secs = self.last_step_seconds
         slowest = max(range(len(secs)), key=secs.__getitem__)
-        return {**{f"trainer/rank{r}_step_s": s for r, s in enumerate(secs)},
-                "trainer/slowest_rank": float(slowest), "trainer/slowest_rank_step_s": secs[slowest]}
+        return {**{f"rank{r}_step_s": s for r, s in enumerate(secs)},
+                "slowest_rank": float(slowest), "slowest_rank_step_s": secs[slowest]}
 
     # -- weights --------------------------------------------------------------------------
 
