@@ -193,8 +193,12 @@ class RankGroup:
                     self._hung([rk], op)
                 except ValueError as e:
                     self._fail(RankRaised(f"trainer rank {rk.rank} sent a malformed frame during {op}: {e}"))
-                if msg.get("more") and on_frame is not None:
-                    on_frame(msg)
+                if msg.get("more"):  # a streamed frame before the reply
+                    try:
+                        if on_frame is not None:
+                            on_frame(msg)
+                    except Exception as e:
+                        self._fail(e if isinstance(e, RankRaised) else RankRaised(f"{op}: {type(e).__name__}: {e}"))
                     continue
                 if not msg.get("ok"):
                     dead = self._dead_peer(rk)  # a peer's death surfaces in the others as a gloo error
