@@ -349,6 +349,7 @@ class ShardedTrainer:
         self._group: RankGroup | None = None
         self.last_step_seconds: list[float] = []
         self.publish_peak_extra_bytes = 0
+        self._stale = False  # the ranks stepped since the last pull
 
     @property
     def sft_steps(self) -> int:
@@ -412,13 +413,14 @@ class ShardedTrainer:
         for group in local._sft_optimizer.param_groups:
             group["lr"] = lr
         local.sft_steps += 1
-        self._pull()
+        self._stale = True  # pulled when read: a warm start's weights are read at its end only
         self.last_step_seconds = [float(r["seconds"]) for r in replies]
         return {"loss": replies[0]["total"] / n_tokens, "tokens": float(n_tokens),
                 "grad_norm": replies[0]["grad_norm"], "lr": float(lr)}
 
     def set_reference(self) -> None:
         if self.local.kl_coef > 0:
+            self._fresh()
             self.local.set_reference()
             self.ranks.call("set_reference")
 
@@ -448,6 +450,7 @@ class ShardedTrainer:
             got.add(name)
 
         replies = self.ranks.call("weights", on_frame=each)
+        self._stale = False
         self.publish_peak_extra_bytes = int(replies[0].get("peak_extra_bytes", 0))  # rank 0's, over the gather
         missing = set(_unique_state(target)[0]) - got
         if missing:
@@ -456,15 +459,24 @@ class ShardedTrainer:
             raise RankRaised("the trainer ranks built other initial weights than the controller's model "
                              f"(ties {replies[0].get('ties')})")
 
+    def _fresh(self) -> None:
+        """The controller's copy holds the ranks' weights (after warm-start steps, which
+        do not pull each time)."""
+        if self._stale:
+            self._pull()
+
     def weights(self) -> dict[str, Tensor]:
+        self._fresh()
         return self.local.weights()
 
     def weights_sha256(self) -> str:
+        self._fresh()
         return self.local.weights_sha256()
 
     # -- checkpoint -----------------------------------------------------------------------
 
     def snapshot(self) -> ShardedSnapshot:
+        self._fresh()
         local = self.local
         replies = self.ranks.call("snapshot")
         unique, ties = _unique_state(local.model.state_dict())
