@@ -510,6 +510,12 @@ class ClusterConfig(_Section):
     replica_timeout_s: float = Field(120.0, gt=0, le=86_400)
     """With no replica alive for this long (at start or after deaths), the run stops with
     a final checkpoint and exit 5."""
+    trainer_cpus: float = Field(1.0, ge=0.0, le=1024)
+    """With `trainer.world_size` > 1: CPUs Ray reserves for each trainer rank, which then
+    runs as a Ray actor on the controller's node (rather than a child process)."""
+    trainer_gpus: float = Field(0.0, ge=0.0, le=64)
+    """With `trainer.world_size` > 1: GPUs Ray reserves for each trainer rank (1 on a GPU
+    node: each rank then sees its own device)."""
 
 
 class JournalConfig(_Section):

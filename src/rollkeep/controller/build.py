@@ -158,7 +158,7 @@ def _build_torch(cfg: Config, dataset: Dataset, source: PromptSource, eval_rows,
     model = GPT(model_cfg)
     e = cfg.engine
     trainer = make_trainer(cfg.trainer, model=model, tokenizer=tokenizer, temperature=e.temperature,
-                           seed=cfg.seed, max_completion_length=e.max_new_tokens, log_dir=_rank_logs(cfg))
+                           seed=cfg.seed, max_completion_length=e.max_new_tokens, **_ranks(cfg))
     # Deterministic runs sample in float64: a batch of other size than the one the
     # uninterrupted run had must not flip a token on a last-bit difference.
     engine = open_engine(cfg, EngineRecipe(e, {"model": copy.deepcopy(model), "tokenizer": tokenizer,
@@ -178,7 +178,7 @@ def _build_hf(cfg: Config, dataset: Dataset, source: PromptSource, eval_rows, en
     if not torch.cuda.is_available():
         torch.set_num_threads(1)  # as for the built-in model: engine and trainer side by side
     trainer = make_trainer(cfg.trainer, temperature=cfg.engine.temperature, seed=cfg.seed,
-                           max_completion_length=cfg.engine.max_new_tokens, log_dir=_rank_logs(cfg))
+                           max_completion_length=cfg.engine.max_new_tokens, **_ranks(cfg))
     # float64 sampling when deterministic: a different batch composition must not flip a
     # token (see _build_torch)
     context = {"dtype": torch.float64} if cfg.engine.name == "hf" and cfg.deterministic else {}
@@ -197,9 +197,14 @@ def _build_hf(cfg: Config, dataset: Dataset, source: PromptSource, eval_rows, en
     return Parts(dataset, source, eval_rows, engine, trainer, getattr(trainer, "tokenizer", None), evaluator)
 
 
-def _rank_logs(cfg: Config) -> Path:
-    """Where trainer ranks (`trainer.world_size` > 1) write their output."""
-    return Path(cfg.run_dir) / "ranks"
+def _ranks(cfg: Config) -> dict[str, Any]:
+    """Where trainer ranks (`trainer.world_size` > 1) write their output, and where they
+    run: Ray actors with `cluster.backend: ray`, child processes otherwise."""
+    from ..trainers.ranks import RayPlacement
+
+    c = cfg.cluster
+    return {"log_dir": Path(cfg.run_dir) / "ranks",
+            "ray": RayPlacement(c.trainer_cpus, c.trainer_gpus) if c.backend == "ray" else None}
 
 
 async def start_replicas(engine: Engine, cfg: Config) -> None:

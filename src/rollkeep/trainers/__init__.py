@@ -16,9 +16,11 @@ __all__ = ["Batch", "TrainGroup", "Trainer", "TrainerSnapshot", "make_trainer"]
 
 
 def make_trainer(cfg: Any, **context: Any) -> Trainer:
-    """Build the trainer named by `cfg.name` from its own config section only. `log_dir`
-    (in `context`): where the ranks of `world_size` > 1 write their logs."""
+    """Build the trainer named by `cfg.name` from its own config section only. In
+    `context`, for `world_size` > 1: `log_dir` (where the ranks write their logs) and `ray`
+    (a `ranks.RayPlacement`: the ranks as Ray actors)."""
     log_dir = context.pop("log_dir", None)
+    ray = context.pop("ray", None)
     if cfg.name == "toy":
         from .toy import ToyTrainer
 
@@ -32,7 +34,7 @@ def make_trainer(cfg: Any, **context: Any) -> Trainer:
             from .hf import HFTrainer
 
             trainer = HFTrainer(cfg, **context)
-        return trainer if cfg.world_size == 1 else _sharded(cfg, trainer, context, log_dir)
+        return trainer if cfg.world_size == 1 else _sharded(cfg, trainer, context, log_dir, ray)
     if cfg.name == "custom":
         return _custom(cfg, context)
     raise ValueError(f"unknown trainer {cfg.name!r}")  # the config model already refuses it
@@ -74,9 +76,10 @@ def _custom(cfg: Any, context: dict[str, Any]) -> Trainer:
     return trainer
 
 
-def _sharded(cfg: Any, local: Any, context: dict[str, Any], log_dir: Any) -> Trainer:
+def _sharded(cfg: Any, local: Any, context: dict[str, Any], log_dir: Any, ray: Any) -> Trainer:
     """`trainer.world_size` ranks (`ranks.ShardedTrainer`) around the one-process trainer
-    `local`, which keeps the controller's whole copy of the model."""
+    `local`, which keeps the controller's whole copy of the model; `ray`: a
+    `ranks.RayPlacement` (the ranks as Ray actors), None for child processes."""
     import dataclasses
 
     from .ranks import ShardedTrainer
@@ -86,4 +89,4 @@ def _sharded(cfg: Any, local: Any, context: dict[str, Any], log_dir: Any) -> Tra
     if cfg.name == "torch":
         spec["gpt"] = dataclasses.asdict(local.model.cfg)
     return ShardedTrainer(local, world_size=cfg.world_size, step_timeout_s=cfg.step_timeout_s, spec=spec,
-                          log_dir=log_dir)
+                          log_dir=log_dir, ray=ray)

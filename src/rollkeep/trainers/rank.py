@@ -338,11 +338,11 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv if argv is None else argv
-    spec = json.loads(argv[1])
-    _die_with_parent(spec["parent"])
-    sock = socket.socket(fileno=int(argv[2]))
+def run(spec: dict[str, Any], sock: socket.socket) -> None:
+    """Join the process group, build, say hello, serve until `exit` or the socket closes."""
+    if spec.get("crash"):  # a crash point armed in this rank by a test (ranks._crash)
+        os.environ[crashpoints.ENV_VAR], os.environ[crashpoints.SIGNAL_VAR] = spec["crash"]
+        crashpoints._reload_from_env()
     torch.set_num_threads(spec["threads"])
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{spec['port']}", rank=spec["rank"],
@@ -359,6 +359,37 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         sock.close()
         dist.destroy_process_group()
+
+
+class RankActor:
+    """A rank as a Ray actor (`cluster.backend: ray`): its process is Ray's worker; the rank
+    runs on a thread of it, connected to the controller over loopback TCP (the controller
+    listens, the rank connects and names itself with the group's token). Ray ends it with
+    the driver."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        import threading
+
+        host, port, token = spec["connect"]
+        sock = socket.create_connection((host, port), timeout=60)
+        sock.settimeout(None)
+        send(sock, {"token": token, "rank": spec["rank"]})
+        self._thread = threading.Thread(target=self._run, args=(spec, sock), name="rollkeep-rank", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _run(spec: dict[str, Any], sock: socket.socket) -> None:
+        try:
+            run(spec, sock)
+        finally:
+            os._exit(0)  # the rank is done: so is its worker (Ray would otherwise reuse it)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv if argv is None else argv
+    spec = json.loads(argv[1])
+    _die_with_parent(spec["parent"])
+    run(spec, socket.socket(fileno=int(argv[2])))
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ from .grpo_snapshot import REFERENCE_FILE, RNG_FILE, STATE_FILE, _unique_state
 from .rankwire import Closed, Overdue, pack_row, pack_tensor, recv, send, unpack_tensor
 from .shards import FORMAT
 
-__all__ = ["RankGroup", "RankRaised", "ShardedSnapshot", "ShardedTrainer", "TrainerRankFailed", "split_rows"]
+__all__ = ["RankGroup", "RankRaised", "RayPlacement", "ShardedSnapshot", "ShardedTrainer", "TrainerRankFailed", "split_rows"]
 
 
 class TrainerRankFailed(ExternalError):
@@ -109,9 +109,49 @@ def split_rows(rows: Sequence[Any], advs: Sequence[float], *, world_size: int, m
 @dataclass
 class _Rank:
     rank: int
-    proc: subprocess.Popen
+    proc: Any  # subprocess.Popen, or an _Actor: poll(), wait(timeout), kill()
     sock: socket.socket
     pid: int = 0
+
+
+class _Actor:
+    """A Ray actor rank seen as a process: alive while its pid is (it runs on this node)."""
+
+    def __init__(self, ray: Any, handle: Any) -> None:
+        self._ray, self._handle, self.pid = ray, handle, 0
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self.pid:
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                self.returncode = -1  # (Ray reaped it: how it ended is Ray's to say)
+            except PermissionError:
+                pass
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = time.monotonic() + (timeout or 0.0)
+        while self.poll() is None:
+            if time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired("ray actor", timeout or 0.0)
+            time.sleep(0.05)  # (a bounded wait for the kernel, not a synchronisation)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            self._ray.kill(self._handle, no_restart=True)
+            self.returncode = -signal.SIGKILL
+
+
+@dataclass(frozen=True)
+class RayPlacement:
+    """`cluster.backend: ray`: each rank a Ray actor with these resources, on the
+    controller's node (the ranks meet over loopback)."""
+
+    cpus: float
+    gpus: float
 
 
 class RankGroup:
@@ -120,39 +160,90 @@ class RankGroup:
     every reply; one op at a time (the lock), so the ranks' collectives pair up."""
 
     def __init__(self, spec: dict[str, Any], *, world_size: int, timeout_s: float,
-                 log_dir: Path | None = None) -> None:
+                 log_dir: Path | None = None, ray: RayPlacement | None = None) -> None:
         self.world_size, self.timeout_s = world_size, timeout_s
         self.backend = "gloo"
         self._lock = threading.Lock()
         self._failed: Exception | None = None
         self._ranks: list[_Rank] = []
-        port = _free_port()
-        threads = max(1, (os.cpu_count() or 1) // world_size)
+        threads = max(1, (os.cpu_count() or 1) // world_size) if ray is None else max(1, int(ray.cpus))
+        port = _free_port()  # rank 0's, for the process group's rendezvous
+        specs = [{**spec, "rank": r, "world_size": world_size, "port": port, "threads": threads,
+                  "parent": os.getpid(), "timeout_s": max(60.0, timeout_s), "crash": _crash(r)}
+                 for r in range(world_size)]
         try:
-            for r in range(world_size):
-                ours, theirs = socket.socketpair()
-                rank_spec = {**spec, "rank": r, "world_size": world_size, "port": port, "threads": threads,
-                             "parent": os.getpid(), "timeout_s": max(60.0, timeout_s)}
-                log = subprocess.DEVNULL
-                if log_dir is not None:
-                    log_dir.mkdir(parents=True, exist_ok=True)
-                    log = open(log_dir / f"rank{r}.log", "ab")  # noqa: SIM115 (the child holds it)
-                env = _rank_env(r)
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "rollkeep.trainers.rank", json.dumps(rank_spec), str(theirs.fileno())],
-                    pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                    env=env, start_new_session=True)  # a terminal's Ctrl-C is the controller's to handle
-                theirs.close()
-                if log is not subprocess.DEVNULL:
-                    log.close()
-                self._ranks.append(_Rank(r, proc, ours))
+            if ray is None:
+                for s in specs:
+                    self._ranks.append(self._process(s, log_dir))
+            else:
+                self._ranks = self._actors(specs, ray)
             hello = self._collect("start", max(120.0, timeout_s))
             for rk, msg in zip(self._ranks, hello, strict=True):
                 rk.pid = int(msg["pid"])
-            self.backend = str(hello[0].get("backend", "gloo"))
+                if isinstance(rk.proc, _Actor):
+                    rk.proc.pid = rk.pid
+            self.backend = str(hello[0].get("backend", "gloo")) + ("" if ray is None else " (ray)")
         except BaseException:
             self.kill()
             raise
+
+    @staticmethod
+    def _process(spec: dict[str, Any], log_dir: Path | None) -> _Rank:
+        """Rank `spec["rank"]` as a child process, talking over a socket pair."""
+        ours, theirs = socket.socketpair()
+        log: Any = subprocess.DEVNULL
+        if log_dir is not None:
+            log_dir.mkdir(parents=True, exist_ok=True)
+            log = open(log_dir / f"rank{spec['rank']}.log", "ab")  # noqa: SIM115 (the child holds it)
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "rollkeep.trainers.rank", json.dumps(spec), str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env=_rank_env(), start_new_session=True)  # a terminal's Ctrl-C is the controller's to handle
+        finally:
+            theirs.close()
+            if log is not subprocess.DEVNULL:
+                log.close()
+        return _Rank(spec["rank"], proc, ours)
+
+    def _actors(self, specs: list[dict[str, Any]], placement: RayPlacement) -> list[_Rank]:
+        """The ranks as Ray actors on this node, each connecting back to a loopback
+        listener and naming itself with a token."""
+        from ..cluster.ray_actors import import_ray
+        from .rank import RankActor
+
+        ray = import_ray()
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        token = os.urandom(16).hex()
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        cls = ray.remote(num_cpus=placement.cpus, num_gpus=placement.gpus, max_restarts=0,
+                         max_task_retries=0)(RankActor)
+        ranks: dict[int, _Rank] = {}
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            address = ["127.0.0.1", listener.getsockname()[1], token]
+            handles = [cls.options(scheduling_strategy=here).remote({**s, "connect": address}) for s in specs]
+            deadline = time.monotonic() + max(120.0, self.timeout_s)
+            while len(ranks) < len(specs):
+                listener.settimeout(max(0.0, deadline - time.monotonic()))
+                try:
+                    conn, _ = listener.accept()
+                except TimeoutError:
+                    for h in handles:
+                        ray.kill(h, no_restart=True)
+                    raise TrainerRankFailed(
+                        f"{len(specs) - len(ranks)} of {len(specs)} trainer ranks did not start as Ray actors",
+                        field="cluster.trainer_cpus", expected=f"{len(specs)} actors of {placement.cpus:g} CPUs, "
+                        f"{placement.gpus:g} GPUs on this node", found=f"{len(ranks)} started",
+                        remedy="give the Ray node the resources (or lower cluster.trainer_cpus / trainer_gpus)") from None
+                conn.settimeout(None)
+                hello = recv(conn, time.monotonic() + 30)
+                if hello.get("token") != token or hello.get("rank") not in range(len(specs)):
+                    conn.close()  # not one of ours
+                    continue
+                r = int(hello["rank"])
+                ranks[r] = _Rank(r, _Actor(ray, handles[r]), conn)
+        return [ranks[r] for r in range(len(specs))]
 
     @property
     def pids(self) -> list[int]:
@@ -233,6 +324,7 @@ class RankGroup:
         except subprocess.TimeoutExpired:
             code = None
         how = ("still running but closed its socket" if code is None else
+               "its Ray actor's process ended" if isinstance(rk.proc, _Actor) else
                f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}")
         self._fail(TrainerRankFailed(
             f"trainer rank {rk.rank} (pid {rk.pid or rk.proc.pid}) died during {op}: {how}",
@@ -286,17 +378,21 @@ def _state(pid: int) -> str:
     return {"T": ", stopped", "t": ", stopped", "Z": ", exited", "D": ", in uninterruptible I/O"}.get(state, "")
 
 
-def _rank_env(rank: int) -> dict[str, str]:
-    """A rank's environment: the controller's, gloo on loopback, and the controller's crash
-    point never armed in a rank. Tests arm one in a rank instead: ROLLKEEP_RANK_CRASH_AT
-    (a `rank.{op}` point, `rank.train:3`), ROLLKEEP_RANK_CRASH_SIGNAL (KILL, or STOP for a
-    rank that hangs) in rank ROLLKEEP_RANK_CRASH_RANK (default 1)."""
+def _rank_env() -> dict[str, str]:
+    """A rank process's environment: the controller's, gloo on loopback, and the
+    controller's crash point never armed in a rank (`_crash` arms a rank's own)."""
     env = {k: v for k, v in os.environ.items() if k not in (crashpoints.ENV_VAR, crashpoints.SIGNAL_VAR)}
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    if os.environ.get("ROLLKEEP_RANK_CRASH_AT") and rank == int(os.environ.get("ROLLKEEP_RANK_CRASH_RANK", "1")):
-        env[crashpoints.ENV_VAR] = os.environ["ROLLKEEP_RANK_CRASH_AT"]
-        env[crashpoints.SIGNAL_VAR] = os.environ.get("ROLLKEEP_RANK_CRASH_SIGNAL", "KILL")
     return env
+
+
+def _crash(rank: int) -> list[str] | None:
+    """The crash point tests arm in one rank: ROLLKEEP_RANK_CRASH_AT (a `rank.{op}` point,
+    `rank.train:3`) with ROLLKEEP_RANK_CRASH_SIGNAL (KILL, or STOP for a rank that hangs) in
+    rank ROLLKEEP_RANK_CRASH_RANK (default 1)."""
+    if os.environ.get("ROLLKEEP_RANK_CRASH_AT") and rank == int(os.environ.get("ROLLKEEP_RANK_CRASH_RANK", "1")):
+        return [os.environ["ROLLKEEP_RANK_CRASH_AT"], os.environ.get("ROLLKEEP_RANK_CRASH_SIGNAL", "KILL")]
+    return None
 
 
 def _free_port() -> int:
@@ -340,12 +436,12 @@ class ShardedTrainer:
     `world_size` ranks (module docstring). The ranks start on first use."""
 
     def __init__(self, local: GRPOTrainer, *, world_size: int, step_timeout_s: float,
-                 spec: dict[str, Any], log_dir: Path | None = None) -> None:
+                 spec: dict[str, Any], log_dir: Path | None = None, ray: RayPlacement | None = None) -> None:
         self.local, self.world_size, self.timeout_s = local, world_size, step_timeout_s
         self.name = local.name
         self.tokenizer = getattr(local, "tokenizer", None)
         self.model = local.model
-        self._spec, self._log_dir = spec, log_dir
+        self._spec, self._log_dir, self._ray = spec, log_dir, ray
         self._group: RankGroup | None = None
         self.last_step_seconds: list[float] = []
         self.publish_peak_extra_bytes = 0
@@ -363,7 +459,7 @@ class ShardedTrainer:
     def ranks(self) -> RankGroup:
         if self._group is None:
             self._group = RankGroup(self._spec, world_size=self.world_size, timeout_s=self.timeout_s,
-                                    log_dir=self._log_dir)
+                                    log_dir=self._log_dir, ray=self._ray)
             self._pull(check=True)  # the ranks built the controller's initial weights
         return self._group
 
