@@ -1,5 +1,6 @@
 """One data-parallel trainer rank (`trainer.world_size` > 1): a process of its own, started
-by the controller (`ranks.RankGroup`) as `python -m rollkeep.trainers.rank SPEC FD`.
+by the controller (`ranks.RankGroup`) as `python -m rollkeep.trainers.rank SPEC FD`, or a
+Ray actor (`RankActor`, `cluster.backend: ray`) that connects back to the controller.
 
 It joins the gloo (CPU) or nccl (GPU) process group, builds the same model the controller
 builds (same seed: the same initial weights, which the controller checks), shards it with
