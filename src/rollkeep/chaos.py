@@ -14,6 +14,10 @@ replica's process in that many of the runs, once it has sealed an attempt, befor
 controller's own kill: the pool fails its attempts as infra, Ray restarts it, and the
 checks above must hold all the same.
 
+With trainer ranks (`trainer.world_size` > 1), `rank_kills` SIGKILLs one rank process at
+a random instant in that many of the runs (instead of the controller): the controller
+stops with exit 5 naming the rank, and the next run resumes as after any kill.
+
 Kills alternate between two kinds: SIGKILL at a random instant, and a named crash point
 (`ROLLKEEP_CRASH_AT`): a ledger transition after a random number of occurrences, or a step
 of checkpoint publication (deliberately mid-write), chosen at random. Each kill is sized
@@ -102,6 +106,7 @@ class ChaosReport:
     seconds: float = 0.0
     unspent: int = 0  # kills not attempted: the run had its final checkpoint already
     replica_kills: int = 0  # engine replica processes SIGKILLed (cluster.backend: ray)
+    rank_kills: int = 0  # trainer rank processes SIGKILLed (trainer.world_size > 1)
 
     @property
     def passed(self) -> bool:
@@ -114,7 +119,8 @@ class ChaosReport:
             f"({sum(k.kind == 'timer' and k.killed for k in self.kills)} at random instants, "
             f"{sum(k.kind == 'crash point' and k.killed for k in self.kills)} at crash points)"
             + (f"; {self.unspent} not attempted: the run had reached its final checkpoint" if self.unspent else "")
-            + (f"; and {self.replica_kills} engine replica(s) killed" if self.replica_kills else ""),
+            + (f"; and {self.replica_kills} engine replica(s) killed" if self.replica_kills else "")
+            + (f"; {self.rank_kills} of them trainer ranks" if self.rank_kills else ""),
         ]
         out += [f"  - {k.kind:11} {k.detail:32} {'killed' if k.killed else 'finished first'}"
                 f" ({'a fresh start' if k.resumed_from is None else f'resumed from step {k.resumed_from}'})"
@@ -194,12 +200,49 @@ def _kill_a_replica(proc: subprocess.Popen, trace: Path, mark: int, rng: random.
     return False
 
 
+def _ranks_of(controller: int) -> list[int]:
+    """The pids of `controller`'s trainer rank processes (its children running
+    rollkeep.trainers.rank), from /proc."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError):
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == controller and b"rollkeep.trainers.rank" in (entry / "cmdline").read_bytes():
+                out.append(int(entry.name))
+    return sorted(out)
+
+
+def _kill_a_rank(proc: subprocess.Popen, delay: float, rng: random.Random, timeout: float) -> int | None:
+    """Poll (a supervisor) until the run's trainer ranks are up, let it run `delay` more
+    seconds, then SIGKILL one rank at random; its pid, or None if the run ended first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if _ranks_of(proc.pid):
+            try:
+                proc.wait(timeout=delay)
+                return None  # it ended first
+            except subprocess.TimeoutExpired:
+                pass
+            ranks = _ranks_of(proc.pid)
+            if not ranks:
+                return None
+            pid = rng.choice(ranks)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            return pid
+        time.sleep(0.01)
+    return None
+
+
 def run_chaos(
     config: str | None,
     overrides: list[str],
     *,
     kills: int,
     replica_kills: int = 0,
+    rank_kills: int = 0,
     seed: int = 0,
     workdir: Path | None = None,
     timeout: float = 600.0,
@@ -207,8 +250,19 @@ def run_chaos(
 ) -> ChaosReport:
     t0 = time.monotonic()
     rng = random.Random(seed)
-    _check_counts(kills, replica_kills)
+    _check_counts(kills, replica_kills, rank_kills)
     cfg = load_config(config, overrides)
+    if rank_kills and getattr(cfg.trainer, "world_size", 1) < 2:
+        raise UserInputError(
+            f"--rank-kills {rank_kills} needs trainer ranks", field="trainer.world_size",
+            expected="2 or more (each rank its own process, which chaos kills)",
+            found=f"{getattr(cfg.trainer, 'world_size', 1)}: the trainer runs inside the controller's process",
+            remedy="add trainer.world_size=2 (torch or hf trainer), or leave --rank-kills out")
+    if rank_kills and cfg.cluster.backend == "ray":
+        raise UserInputError(
+            f"--rank-kills {rank_kills} kills rank processes of the controller", field="cluster.backend",
+            expected="local (the ranks are the controller's children)", found="ray (the ranks are Ray actors)",
+            remedy="use --replica-kills for Ray, or cluster.backend=local")
     if replica_kills and cfg.cluster.backend != "ray":
         raise UserInputError(
             f"--replica-kills {replica_kills} needs engine replicas on Ray",
@@ -266,7 +320,8 @@ def run_chaos(
         left = max(1 - done / total_steps, 1 / total_steps)
         share = min(0.5 * left, max(interval * rng.uniform(1, 2), left / (kills - i + 1) * rng.uniform(0.5, 1.5)))
         crash_at = None
-        if i % 2 == 1:  # every other kill is a named crash point
+        by_rank = report.rank_kills < rank_kills and rng.random() < (rank_kills - report.rank_kills) / (kills - i)
+        if i % 2 == 1 and not by_rank:  # every other kill is a named crash point
             flushes = finished.get("journal_flushes") or 0
             if flushes >= 4 and rng.random() < 1 / 3:  # inside a group commit
                 crash_at = f"{rng.choice(JOURNAL_POINTS)}:{max(1, round(0.5 * left * rng.random() * flushes))}"
@@ -286,7 +341,12 @@ def run_chaos(
         if report.replica_kills < replica_kills and _kill_a_replica(proc, trace, mark, rng, timeout):
             report.replica_kills += 1
             log(f"chaos: run {i + 1}: killed an engine replica")
-        if crash_at is None:
+        rank_pid = None
+        if by_rank:
+            delay = share * duration
+            rank_pid = _kill_a_rank(proc, delay, rng, timeout)
+            detail = f"rank pid {rank_pid} after {delay:.3f} s"
+        elif crash_at is None:
             delay = share * duration
             if _wait_started(proc, trace, mark, timeout):
                 try:
@@ -301,14 +361,15 @@ def run_chaos(
         except subprocess.TimeoutExpired:
             proc.kill()
             _, err = proc.communicate()
-        killed = proc.returncode == -signal.SIGKILL
+        killed = proc.returncode == -signal.SIGKILL or (rank_pid is not None and proc.returncode == 5)
+        report.rank_kills += rank_pid is not None and killed
         if not killed and proc.returncode != 0:
             raise RollkeepError(f"run {i + 1} failed with exit code {proc.returncode}",
                                 found=err.decode(errors="replace")[-2000:],
                                 remedy="this is a bug unless the config is wrong")
         lines, _ = read_trace(trace) if trace.exists() else ([], 0)
         runs = [x for x in lines if x["event"] == RUN_STARTED]
-        report.kills.append(Kill("timer" if crash_at is None else "crash point", detail, killed,
+        report.kills.append(Kill("rank" if by_rank else "timer" if crash_at is None else "crash point", detail, killed,
                                  runs[-1].get("resumed_from_step") if runs else None))
         log(f"chaos: kill {i + 1}/{kills}: {report.kills[-1].kind} {detail}: "
             f"{'killed' if killed else 'finished first'}")
@@ -327,8 +388,8 @@ def run_chaos(
     return report
 
 
-def _check_counts(kills: int, replica_kills: int) -> None:
-    for flag, n in (("--kills", kills), ("--replica-kills", replica_kills)):
+def _check_counts(kills: int, replica_kills: int, rank_kills: int = 0) -> None:
+    for flag, n in (("--kills", kills), ("--replica-kills", replica_kills), ("--rank-kills", rank_kills)):
         if n < 0:
             raise UserInputError(
                 f"{flag} {n} is negative",
@@ -337,6 +398,10 @@ def _check_counts(kills: int, replica_kills: int) -> None:
                 found=str(n),
                 remedy=f"pass {flag} 0 or more",
             )
+    if rank_kills > kills:
+        raise UserInputError(f"--rank-kills {rank_kills} is more than --kills {kills}", field="--rank-kills",
+                             expected=f"at most --kills ({kills}): a rank kill is one of the kills",
+                             found=str(rank_kills), remedy="raise --kills or lower --rank-kills")
 
 
 def _check_workdir(root: Path, *, given: bool) -> None:

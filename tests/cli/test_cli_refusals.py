@@ -70,6 +70,12 @@ def test_d15_simulate_at_the_bound_runs(capsys, monkeypatch) -> None:
     (["--kills", "-1"], "--kills -1 is negative"),
     (["--replica-kills", "-2"], "--replica-kills -2 is negative"),
     (["--replica-kills", "3"], "--replica-kills 3 needs engine replicas on Ray"),
+    (["--rank-kills", "-1"], "--rank-kills -1 is negative"),
+    (["--kills", "2", "--rank-kills", "3"], "--rank-kills 3 is more than --kills 2"),
+    (["--kills", "2", "--rank-kills", "1"], "--rank-kills 1 needs trainer ranks"),
+    (["--kills", "2", "--rank-kills", "1", "engine.name=torch", "trainer.name=torch", "trainer.world_size=2",
+      "cluster.backend=ray"],
+     "--rank-kills 1 kills rank processes of the controller"),
 ])
 def test_d15_chaos_kill_counts_it_cannot_honour_are_exit_2(tmp_path, capsys, nothing_runs, flags, said) -> None:
     # --kills -1 and --replica-kills 3 on the local backend used to report PASS with no kill.

@@ -67,13 +67,14 @@ def test_the_deterministic_two_rank_run_killed_and_resumed_ends_byte_identical(t
     check(cfg, final_sha(reference))
 
 
-def test_chaos_on_two_ranks_ends_byte_identical(tmp_path) -> None:
+def test_chaos_on_two_ranks_with_rank_kills_ends_byte_identical(tmp_path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "rollkeep", "chaos", DEFAULTS, *TINY, "deterministic=true", "trainer.world_size=2",
-         "logger.progress=none", "--kills", "3", "--seed", "26", "--workdir", str(tmp_path / "chaos")],
+         "logger.progress=none", "--kills", "4", "--rank-kills", "2", "--seed", "26", "--workdir", str(tmp_path / "chaos")],
         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "(== uninterrupted run)" in out.stdout and "duplicates: 0   lost: 0" in out.stdout
+    assert "2 of them trainer ranks" in out.stdout, out.stdout
 
 
 def test_ctrl_c_to_the_terminal_s_process_group_stops_gracefully_with_its_ranks(tmp_path) -> None:

@@ -19,12 +19,15 @@ and (with deterministic=true) that the final weights equal the reference's.
 Runs in RUN_DIR/chaos/{reference,killed} (wiped first). Exit 0 only on PASS.
 
 With engine replicas on Ray (cluster.backend=ray), --replica-kills R also SIGKILLs an
-engine replica's process in R of the runs, before the controller's kill.
+engine replica's process in R of the runs, before the controller's kill. With trainer
+ranks (trainer.world_size=2 or more), --rank-kills K makes K of the kills SIGKILL a rank
+at a random instant instead of the controller (which then exits 5; the next run resumes).
 
 examples:
   rollkeep chaos configs/toy.yaml --kills 10
   rollkeep chaos configs/toy.yaml deterministic=true rollout.on_dropped_prompt=shrink --kills 6 --seed 3
   rollkeep chaos configs/toy.yaml cluster.backend=ray engine.replicas=2 cluster.replica_cpus=0.5 --kills 4 --replica-kills 4
+  rollkeep chaos configs/arith.yaml trainer.world_size=2 train.total_steps=20 --kills 4 --rank-kills 2
 """
 
 
@@ -36,6 +39,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--kills", type=int, default=5, help="how many times to kill the run, 0 or more (default 5)")
     p.add_argument("--replica-kills", type=int, default=0,
                    help="with cluster.backend=ray only: SIGKILL an engine replica in this many runs (default 0)")
+    p.add_argument("--rank-kills", type=int, default=0,
+                   help="with trainer.world_size > 1: of the --kills, this many SIGKILL a trainer rank instead of "
+                        "the controller (default 0)")
     p.add_argument("--seed", type=int, default=0, help="seed of the kill schedule")
     p.add_argument("--workdir", help="where to run: a writable directory, created if missing (default RUN_DIR/chaos)")
     p.add_argument("--json", help="also write the report as JSON to this file")
@@ -51,8 +57,8 @@ def run(args: argparse.Namespace) -> int:
     if config is not None and "=" in config:
         overrides.insert(0, config)
         config = None
-    report = run_chaos(config, overrides, kills=args.kills, replica_kills=args.replica_kills, seed=args.seed,
-                       workdir=args.workdir)
+    report = run_chaos(config, overrides, kills=args.kills, replica_kills=args.replica_kills,
+                       rank_kills=args.rank_kills, seed=args.seed, workdir=args.workdir)
     for line in report.lines():
         print(line)
     if args.json:
