@@ -24,9 +24,12 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadgroup --durations=15
 
-# The slower tier of runs on several trainer ranks (kill storms, chaos, Ctrl-C; `make test` skips them).
+# The slower tier of runs on several trainer ranks (kill storms, chaos, a hang, bad shards, Ray
+# ranks, a transformers model; `make test` skips them and keeps the rank unit tests).
+RANK_TIER := tests/controller/test_rank_kills.py tests/controller/test_rank_runs.py \
+	tests/cluster/test_ray_ranks.py tests/trainers/test_ranks_hf.py
 test-ranks: $(STAMP)
-	ROLLKEEP_TEST_RANKS=1 $(PY) -m pytest -p no:cacheprovider -n 2 tests/controller/test_rank_kills.py
+	ROLLKEEP_TEST_RANKS=1 $(PY) -m pytest -p no:cacheprovider -n 2 --dist loadgroup $(RANK_TIER)
 
 bench: $(STAMP)
 	$(PY) -m rollkeep bench $(ARGS)

@@ -243,21 +243,3 @@ def test_the_hf_engine_runs_on_two_replicas(tmp_path, ray_address) -> None:
     report = check(cfg)
     assert report.steps == 4 and report.trained == 16
     assert set(replicas_that_sealed(cfg)) == {0, 1}
-
-
-def test_trainer_ranks_as_ray_actors_a_rank_death_then_a_resume_on_local_ranks(tmp_path, ray_address) -> None:
-    """`trainer.world_size: 2` with `cluster.backend: ray`: the ranks are Ray actors; one
-    SIGKILLed mid-step stops the run (exit 5) naming it; the rerun on 3 local ranks and
-    the local engine ends exactly once."""
-    on = [*TORCH, *on_ray(ray_address, 1), "trainer.world_size=2", "cluster.trainer_cpus=0.5"]
-    cfg = config(tmp_path / "run", *on)
-    died = subprocess.run([sys.executable, "-m", "rollkeep", "train", DEFAULTS, *FAST, *on, f"run_dir={cfg.run_dir}"],
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "ROLLKEEP_RANK_CRASH_AT": "rank.train:3"})
-    assert died.returncode == 5, died.stderr
-    assert "trainer rank 1" in died.stderr and "its Ray actor's process ended" in died.stderr, died.stderr
-    started = events(cfg, "trainer_started")
-    assert started[0]["backend"] == "gloo (ray)" and len(started[0]["pids"]) == 2
-    run_to_end(config(tmp_path / "run", *TORCH, "trainer.world_size=3"))
-    check(cfg)
-    assert events(cfg, "trainer_started")[-1]["backend"] == "gloo"

@@ -1,8 +1,8 @@
-"""Whole runs on several trainer ranks (`trainer.world_size`): a rank that hangs stops the
-run (exit 5) naming it, and the rerun finishes exactly once; a damaged, missing or
-foreign shard is refused (exit 3) with nothing changed; a 2-rank run exports from one
-process. The kill storms (controller and ranks, resumes on 1, 2 and 3 ranks, chaos,
-Ctrl-C) are the slower tier: tests/controller/test_rank_kills.py (`make test-ranks`)."""
+"""Whole runs on several trainer ranks (`trainer.world_size`), the slower tier (`make
+test-ranks`; CI runs it after `make test`): a rank that hangs stops the run (exit 5)
+naming it, and the rerun finishes exactly once; a damaged, missing or foreign shard is
+refused (exit 3) with nothing changed; a 2-rank run exports from one process. The kill
+storms are in test_rank_kills.py."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ from run_harness import (
     run_to_end,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    not os.environ.get("ROLLKEEP_TEST_RANKS"), reason="the slower tier: make test-ranks (ROLLKEEP_TEST_RANKS=1)")]
 
 TINY = [
     "engine.name=torch", "trainer.name=torch", "engine.max_new_tokens=4",

@@ -77,7 +77,7 @@ def test_the_split_keeps_bnpo_micro_batches_whole_and_balances_tokens() -> None:
 
 
 def test_sharded_checkpoints_load_on_any_number_of_ranks(closing, tmp_path) -> None:
-    """A 2-rank checkpoint loads on 1 and 3 ranks and a 1-rank one on 2, with the same
+    """A 2-rank checkpoint loads on 1 and 3 ranks and a 1-rank one on 3, with the same
     weights (byte-identical) and the same next step (to round-off); the shards are
     safetensors bound to their step, with no pickle beside them."""
     two = build(2, kl_coef=0.1)
@@ -104,10 +104,8 @@ def test_sharded_checkpoints_load_on_any_number_of_ranks(closing, tmp_path) -> N
 
     (tmp_path / "one").mkdir()
     one.snapshot().save(tmp_path / "one")
-    back = build(2, kl_coef=0.1)
-    closing(back)
-    back.load(tmp_path / "one", step=2)
-    assert back.weights_sha256() == one.weights_sha256()
+    three.load(tmp_path / "one", step=2)  # a one-process checkpoint on 3 ranks
+    assert three.weights_sha256() == one.weights_sha256()
 
 
 def test_a_bad_shard_is_refused_before_any_rank_loads(closing, tmp_path) -> None:
@@ -157,37 +155,3 @@ def test_a_rank_that_raises_is_a_bug_and_one_that_dies_is_named(closing) -> None
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(TrainerRankFailed, match=rf"trainer rank 1 \(pid {pid}\) died during train: killed by SIGKILL"):
         other.train_step(mixed_batch(other.model))
-
-
-def test_a_transformers_model_on_two_ranks_takes_the_one_process_step(closing, tmp_path) -> None:
-    """`trainer.name: hf` on 2 ranks (GPT-2's decoder layers sharded, its tied head in
-    the root): the step equals one process's, and its sharded checkpoint loads in one."""
-    pytest.importorskip("transformers")
-    from hf_fixture import make_tiny_hf_model
-
-    from rollkeep.config import HFTrainerConfig
-
-    path = make_tiny_hf_model(tmp_path / "model")
-    conf = json.loads((path / "config.json").read_text())
-    conf.update(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # no dropout: one RNG per rank otherwise
-    (path / "config.json").write_text(json.dumps(conf))
-
-    def hf(world_size: int):
-        cfg = HFTrainerConfig(model_path=str(path), world_size=world_size, micro_batch_size=2, lr=3e-4,
-                              step_timeout_s=120)
-        return make_trainer(cfg, temperature=1.0, seed=0, max_completion_length=8)
-
-    one, two = hf(1), hf(2)
-    closing(two)
-    assert two.weights_sha256() == one.weights_sha256()
-    batch = Batch(1, tuple(group(f"e0.{g}", [row([4, 5 + g], [6 + k, 7, 2], [-1.0, -2.0, -0.5], float(k % 2))
-                                             for k in range(3)], (1.0, -1.0, 0.5)) for g in range(2)))
-    m1, m2 = one.train_step(batch), two.train_step(batch)
-    assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-5, abs=1e-6)
-    assert m2["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-5)
-    assert max_diff(one, two) <= 1e-6
-    (tmp_path / "ck").mkdir()
-    two.snapshot().save(tmp_path / "ck")
-    again = hf(1)
-    again.load(tmp_path / "ck", step=1)
-    assert again.weights_sha256() == two.weights_sha256()

@@ -42,7 +42,7 @@ from .grpo import GRPOTrainer, hyperparameters
 from .rankwire import Closed, pack_tensor, recv, send, unpack_row, unpack_tensor
 from .shards import MODEL_PREFIX, OPTIMIZER_PREFIX, SHARD_DIR, step_key
 
-__all__ = ["RANK_POINTS", "RankTrainer", "main"]
+__all__ = ["RANK_POINTS", "RankActor", "RankTrainer", "main", "run"]
 
 # The crash points of a rank: one before each op it serves.
 RANK_POINTS = tuple(crashpoints.register(f"rank.{op}") for op in
@@ -91,11 +91,13 @@ class RankTrainer(GRPOTrainer):
         """The KL reference: a whole, unsharded frozen copy on every rank (no collectives
         in its forward; it costs one model's memory per rank)."""
         if self.kl_coef > 0:
-            full = self.gather()
-            ref = self._make_plain()
-            ref.load_state_dict(full, strict=True)
-            ref.requires_grad_(False)
-            self._reference = ref.to(self.device).eval()
+            self._reference = self._frozen(self.gather())
+
+    def _frozen(self, state: dict[str, Tensor]) -> nn.Module:
+        ref = self._make_plain()
+        ref.load_state_dict(state, strict=True)
+        ref.requires_grad_(False)
+        return ref.to(self.device).eval()
 
     # -- whole tensors, snapshot, save, load ------------------------------------------------
 
@@ -210,10 +212,8 @@ class RankTrainer(GRPOTrainer):
             from safetensors.torch import load_file
 
             saved = load_file(str(dir / "reference.safetensors"))
-            ref = self._make_plain()
-            ref.load_state_dict({k: saved[msg["ties"].get(k, k)] for k in ref.state_dict()}, strict=True)
-            ref.requires_grad_(False)
-            self._reference = ref.to(self.device).eval()
+            names = self.model.state_dict().keys()
+            self._reference = self._frozen({k: saved[msg["ties"].get(k, k)] for k in names})
 
 
 def _layers(model: nn.Module) -> list[nn.Module]:

@@ -31,14 +31,13 @@ import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..core.errors import CheckpointError
 
-__all__ = ["FORMAT", "SHARD_DIR", "read_shards", "shard_name", "step_key"]
+__all__ = ["FORMAT", "SHARD_DIR", "read_shards", "shard_name", "split", "step_key"]
 
 FORMAT = "rollkeep.grpo.sharded/1"
 SHARD_DIR = "shards"
@@ -149,7 +148,3 @@ def split(tensors: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, T
             other.append(key)
     return model, optimizer, other
 
-
-def meta_shape() -> dict[str, Any]:
-    """The extra trainer.json field of the sharded format, with its type."""
-    return {"world_size": int}
