@@ -84,6 +84,7 @@ def _sharded(cfg: Any, local: Any, context: dict[str, Any], log_dir: Any, ray: A
 
     from .ranks import ShardedTrainer
 
+    local.model.to("cpu")  # the controller's copy: the devices are the ranks'
     spec = {"trainer": cfg.model_dump(mode="json"), "seed": context["seed"], "temperature": context["temperature"],
             "max_completion_length": context.get("max_completion_length")}
     if cfg.name == "torch":
