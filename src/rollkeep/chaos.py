@@ -345,7 +345,7 @@ def run_chaos(
         if by_rank:
             delay = share * duration
             rank_pid = _kill_a_rank(proc, delay, rng, timeout)
-            detail = f"rank pid {rank_pid} after {delay:.3f} s"
+            detail = f"pid {rank_pid} after {delay:.3f} s"
         elif crash_at is None:
             delay = share * duration
             if _wait_started(proc, trace, mark, timeout):
