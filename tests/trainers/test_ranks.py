@@ -17,6 +17,7 @@ from test_grpo import TOK, group, mixed_batch, row
 from rollkeep.config import TorchModelConfig, TorchTrainerConfig
 from rollkeep.core.errors import CheckpointError
 from rollkeep.models.gpt import GPT, GPTConfig
+from rollkeep.models.tokenizer import EOS
 from rollkeep.trainers import Batch, make_trainer
 from rollkeep.trainers.ranks import RankRaised, TrainerRankFailed, split_rows
 
@@ -63,6 +64,19 @@ def test_two_ranks_take_the_one_process_step(closing, loss_type) -> None:
     assert max_diff(one, two) <= 1e-6
     assert max_diff(one, build(1)) > 1e-4  # (it moved)
     assert {"rank0_step_s", "rank1_step_s", "slowest_rank", "slowest_rank_step_s"} <= set(m2)
+
+
+def test_two_ranks_take_the_one_process_warm_start_step(closing) -> None:
+    """The supervised step too: each sequence once, on one rank, normalised by the whole
+    batch's target tokens (micro-batches larger than a rank's share included)."""
+    one, two = build(1, micro_batch_size=64), build(2, micro_batch_size=64)
+    closing(two)
+    for step in range(1, 4):
+        seqs = [(TOK.encode(f"{i:02d}+{step}="), TOK.encode(str(i + step), bos=False) + [EOS]) for i in range(40)]
+        m1, m2 = one.sft_step(seqs, lr=1e-3), two.sft_step(seqs, lr=1e-3)
+        assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-5) and m2["tokens"] == m1["tokens"]
+        assert m2["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-5)
+    assert max_diff(one, two) <= 1e-6 and two.sft_steps == 3
 
 
 def test_the_split_keeps_bnpo_micro_batches_whole_and_balances_tokens() -> None:

@@ -442,12 +442,17 @@ class ShardedTrainer:
         self.local, self.world_size, self.timeout_s = local, world_size, step_timeout_s
         self.name = local.name
         self.tokenizer = getattr(local, "tokenizer", None)
-        self.model = local.model
         self._spec, self._log_dir, self._ray = spec, log_dir, ray
         self._group: RankGroup | None = None
         self.last_step_seconds: list[float] = []
         self.publish_peak_extra_bytes = 0
         self._stale = False  # the ranks stepped since the last pull
+
+    @property
+    def model(self) -> Any:
+        """The controller's whole copy of the model, holding the ranks' current weights."""
+        self._fresh()
+        return self.local.model
 
     @property
     def sft_steps(self) -> int:
@@ -499,10 +504,10 @@ class ShardedTrainer:
         n_tokens = sum(len(t) for _, t in sequences)
         if n_tokens == 0:
             raise ValueError("sft_step needs at least one target token")
-        runs = _runs([len(t) for _, t in sequences], self.world_size)
         mbs = local.micro_batch_size
-        parts = [[[[list(p), list(t)] for p, t in sequences[i:i + mbs]] for i in range(run.start, run.stop, mbs)]
-                 for run in runs]
+        parts = [[[[list(p), list(t)] for p, t in sequences[i:min(i + mbs, run.stop)]]
+                  for i in range(run.start, run.stop, mbs)]
+                 for run in _runs([len(t) for _, t in sequences], self.world_size)]
         passes = max(len(p) for p in parts)
         replies = self.ranks.call("sft", [{"chunks": p, "n_tokens": n_tokens, "lr": lr, "passes": passes}
                                           for p in parts])
