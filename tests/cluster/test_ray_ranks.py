@@ -27,7 +27,7 @@ def test_trainer_ranks_as_ray_actors_a_rank_death_then_a_resume_on_local_ranks(t
     assert died.returncode == 5, died.stderr
     assert "trainer rank 1" in died.stderr and "its Ray actor's process ended" in died.stderr, died.stderr
     started = events(cfg, "trainer_started")
-    assert started[0]["backend"] == "gloo (ray)" and len(started[0]["pids"]) == 2
+    assert started[0]["backend"] == "gloo" and started[0]["placement"] == "ray" and len(started[0]["pids"]) == 2
     run_to_end(config(tmp_path / "run", *TORCH, "trainer.world_size=3"))
     check(cfg)
-    assert events(cfg, "trainer_started")[-1]["backend"] == "gloo"
+    assert events(cfg, "trainer_started")[-1]["placement"] == "process"

@@ -153,6 +153,15 @@ def test_a_bad_shard_is_refused_before_any_rank_loads(closing, tmp_path) -> None
         fresh.load(ckpts[2], step=1)  # the whole directory of another step
 
 
+    # A rank's save that meets a failing disk (here: a file where the shards' directory
+    # goes) is an OSError, as the store expects of any trainer (it undoes the checkpoint;
+    # the run's exit 5), not a bug.
+    (tmp_path / "disk").mkdir()
+    (tmp_path / "disk" / "shards").write_text("in the way")
+    with pytest.raises(OSError, match="trainer rank 0 during save"):
+        two.snapshot().save(tmp_path / "disk")
+
+
 def test_a_rank_that_raises_is_a_bug_and_one_that_dies_is_named(closing) -> None:
     two = build(2)
     closing(two)

@@ -393,6 +393,7 @@ class GRPOTrainer:
                 remedy=_REMEDY_SHAPE,
             )
         if sharded:
+            _check_steps(files, meta, step)  # before reading every shard: a directory of another step costs nothing
             model, optimizer, other = split_shards(read_shards(files.dir, world_size=meta["world_size"],
                                                                step=meta["rl_steps"]))
             if other:
@@ -417,7 +418,8 @@ class GRPOTrainer:
             raise _bad(REFERENCE_FILE, f"{REFERENCE_FILE} is present but {STATE_FILE} says "
                        "there is no reference", field="reference", expected="true",
                        found="false")
-        _check_steps(files, meta, step)  # well-formed files, but all of one step?
+        if not sharded:
+            _check_steps(files, meta, step)  # well-formed files, but all of one step?
         return Verified(meta, model, opt_states, rng, reference)
 
     def load(self, dir: Path, *, step: int | None = None) -> None:

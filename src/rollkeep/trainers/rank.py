@@ -310,9 +310,39 @@ def _serve(trainer: RankTrainer, sock: socket.socket) -> None:
             else:
                 raise ValueError(f"unknown op {op!r}")
         except Exception as e:
-            reply = {"ok": False, "error": f"{type(e).__name__}: {e}"[:2000], "traceback": traceback.format_exc()[-8000:]}
+            reply = _error(e)
+        except BaseException as e:  # DCP reports a failed save or load as a CheckpointException (a BaseException)
+            if isinstance(e, SystemExit | KeyboardInterrupt):
+                raise
+            reply = _error(e)
         reply["seconds"] = time.perf_counter() - t0
         send(sock, reply)
+
+
+def _error(e: BaseException) -> dict[str, Any]:
+    """The reply for an op that raised; with the OSError behind it (a full disk, a failed
+    fsync: `errno`, `strerror`, `filename`), which the controller raises as an OSError."""
+    reply: dict[str, Any] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:2000],
+                             "traceback": traceback.format_exc()[-8000:]}
+    cause = _os_error(e)
+    if cause is not None and cause.errno is not None:
+        reply |= {"errno": cause.errno, "strerror": cause.strerror or str(cause),
+                  "filename": None if cause.filename is None else str(cause.filename)}
+    return reply
+
+
+def _os_error(e: BaseException | None, depth: int = 0) -> OSError | None:
+    """The OSError `e` is, wraps (`__cause__`, `__context__`) or, for DCP's
+    CheckpointException, one of its ranks' failures holds."""
+    if e is None or depth > 8:
+        return None
+    if isinstance(e, OSError):
+        return e
+    failures = [f[0] if isinstance(f, tuple) else f for f in getattr(e, "failures", {}).values()]  # (exc, stack)
+    for inner in (*failures, e.__cause__, e.__context__):
+        if isinstance(inner, BaseException) and (found := _os_error(inner, depth + 1)) is not None:
+            return found
+    return None
 
 
 def _rss_peak(*, reset: bool = False) -> int:

@@ -55,7 +55,7 @@ from ..core.errors import ExternalError
 from .base import Batch
 from .batching import model_tokens
 from .grpo import GRPOTrainer, flatten, micro_chunks, step_metrics
-from .grpo_snapshot import REFERENCE_FILE, RNG_FILE, STATE_FILE, _unique_state
+from .grpo_snapshot import REFERENCE_FILE, RNG_FILE, STATE_FILE, _optimizer_state, _unique_state
 from .rankwire import Closed, Overdue, pack_row, pack_tensor, recv, send, unpack_tensor
 from .shards import FORMAT
 
@@ -162,7 +162,7 @@ class RankGroup:
     def __init__(self, spec: dict[str, Any], *, world_size: int, timeout_s: float,
                  log_dir: Path | None = None, ray: RayPlacement | None = None) -> None:
         self.world_size, self.timeout_s = world_size, timeout_s
-        self.backend = "gloo"
+        self.backend, self.placement = "gloo", "process"
         self._lock = threading.Lock()
         self._failed: Exception | None = None
         self._ranks: list[_Rank] = []
@@ -182,7 +182,8 @@ class RankGroup:
                 rk.pid = int(msg["pid"])
                 if isinstance(rk.proc, _Actor):
                     rk.proc.pid = rk.pid
-            self.backend = str(hello[0].get("backend", "gloo")) + ("" if ray is None else " (ray)")
+            self.backend = str(hello[0].get("backend", "gloo"))
+            self.placement = "process" if ray is None else "ray"
         except BaseException:
             self.kill()
             raise
@@ -291,6 +292,9 @@ class RankGroup:
                     except Exception as e:
                         self._fail(e if isinstance(e, RankRaised) else RankRaised(f"{op}: {type(e).__name__}: {e}"))
                     continue
+                if not msg.get("ok") and msg.get("errno"):  # a full disk, a failed fsync: the run's exit 5
+                    self._fail(OSError(int(msg["errno"]), f"trainer rank {rk.rank} during {op}: {msg.get('strerror')}",
+                                       msg.get("filename")))
                 if not msg.get("ok"):
                     dead = self._dead_peer(rk)  # a peer's death surfaces in the others as a gloo error
                     if dead is not None:
@@ -473,7 +477,8 @@ class ShardedTrainer:
     def info(self) -> dict[str, Any]:
         """`trainer_started`'s fields (the ranks start if they have not)."""
         group = self.ranks
-        return {"world_size": self.world_size, "pids": group.pids, "backend": group.backend}
+        return {"world_size": self.world_size, "pids": group.pids, "backend": group.backend,
+                "placement": group.placement}
 
     # -- steps ---------------------------------------------------------------------------
 
@@ -592,9 +597,8 @@ class ShardedTrainer:
         meta = {
             "format": FORMAT, STEP_KEY: local.rl_steps, "rl_steps": local.rl_steps, "sft_steps": local.sft_steps,
             "ties": ties, "reference": reference is not None, "world_size": self.world_size,
-            "optimizers": {name: {"param_groups": [json.loads(json.dumps(
-                {k: v for k, v in g.items() if k != "params"})) for g in opt.param_groups], "scalars": {}}
-                for name, opt in optimizers.items()},
+            "optimizers": {name: {"param_groups": _optimizer_state(opt).param_groups, "scalars": {}}
+                           for name, opt in optimizers.items()},  # (the state itself is the ranks')
         }
         return ShardedSnapshot(local.rl_steps, self.ranks, meta, [unpack_tensor(r["rng"]) for r in replies],
                                reference)

@@ -194,11 +194,13 @@ class RunFinished(RunEvent, tag="run_finished"):
 
 class TrainerStarted(RunEvent, tag="trainer_started"):
     """Who trains: one process (`backend` "in-process", the controller's pid) or
-    `world_size` rank processes (`backend` gloo | nccl, their pids, rank order)."""
+    `world_size` ranks (`backend` gloo | nccl, their pids in rank order), each a child
+    process of the controller or a Ray actor (`placement` "process" | "ray")."""
 
     world_size: int
     pids: list[int]
     backend: str
+    placement: str = "in-process"
 
 
 class RunFailed(RunEvent, tag="run_failed"):
