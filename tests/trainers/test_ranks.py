@@ -158,7 +158,7 @@ def test_a_bad_shard_is_refused_before_any_rank_loads(closing, tmp_path) -> None
     # the run's exit 5), not a bug.
     (tmp_path / "disk").mkdir()
     (tmp_path / "disk" / "shards").write_text("in the way")
-    with pytest.raises(OSError, match="trainer rank 0 during save"):
+    with pytest.raises(OSError, match=r"trainer rank [01] during save: File exists"):  # (whichever answers first)
         two.snapshot().save(tmp_path / "disk")
 
 
