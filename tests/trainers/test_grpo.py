@@ -213,8 +213,11 @@ def test_train_step_raises_the_good_completion_and_lowers_the_bad():
         m = trainer.train_step(Batch(step, (group("e0.0", rows, (1.0, -1.0)),)))
     assert seq_logprobs(model, PROMPT, GOOD).sum() > good0 + 0.5
     assert seq_logprobs(model, PROMPT, BAD).sum() < bad0 - 0.5
-    assert set(m) == {"loss", "clip_frac", "dual_clip_frac", "ratio_mean", "kl", "grad_norm",
-                      "tokens", "reward_mean", "advantage_abs_mean", "lr"}
+    lagged = {k for k in m if k.startswith("off_policy/mismatch_kl_lag")}
+    assert set(m) - lagged == {"loss", "clip_frac", "dual_clip_frac", "ratio_mean", "kl", "grad_norm",
+                               "tokens", "reward_mean", "advantage_abs_mean", "lr", "off_policy/mismatch_kl",
+                               "off_policy/ratio_mean", "off_policy/ratio_max", "off_policy/capped_share"}
+    assert m["off_policy/mismatch_kl"] < 1e-9 and abs(m["off_policy/ratio_mean"] - 1.0) < 1e-5  # on-policy
     assert m["dual_clip_frac"] == 0.0  # dual clip off by default
     assert m["tokens"] == 4.0 and m["reward_mean"] == 0.5 and m["advantage_abs_mean"] == 1.0
     assert m["lr"] == 1e-2 and m["kl"] == 0.0

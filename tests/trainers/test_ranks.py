@@ -46,21 +46,25 @@ def closing():
         t.close()
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo", "bnpo"])
-def test_two_ranks_take_the_one_process_step(closing, loss_type) -> None:
-    """Loss, token statistics, gradient norm and the updated weights (which carry the
-    gradients through AdamW) equal one process's, to float32 round-off; over two PPO
-    epochs with a KL reference, so every term of the loss is exercised."""
+@pytest.mark.parametrize(("loss_type", "off_policy"),
+                         [("dapo", "none"), ("grpo", "tis"), ("dr_grpo", "mis"), ("bnpo", "none")])
+def test_two_ranks_take_the_one_process_step(closing, loss_type, off_policy) -> None:
+    """Loss, token statistics, off-policy statistics, gradient norm and the updated
+    weights (which carry the gradients through AdamW) equal one process's, to float32
+    round-off; over two PPO epochs with a KL reference, so every term of the loss is
+    exercised."""
     # (a moderate lr: Adam's g / sqrt(v) amplifies the round-off of gradients near 0)
-    one = build(1, loss_type=loss_type, kl_coef=0.1, ppo_epochs=2, lr=3e-4)
-    two = build(2, loss_type=loss_type, kl_coef=0.1, ppo_epochs=2, lr=3e-4)
+    kw = dict(loss_type=loss_type, kl_coef=0.1, ppo_epochs=2, lr=3e-4, off_policy=off_policy, is_cap=1.3,
+              is_level="sequence" if off_policy == "mis" else "token")
+    one, two = build(1, **kw), build(2, **kw)
     closing(two)
     assert two.weights_sha256() == one.weights_sha256()  # the same initial weights
     batch = mixed_batch(one.model)
     m1, m2 = one.train_step(batch), two.train_step(batch)
     for k, v in m1.items():
         assert m2[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
-    assert m1["clip_frac"] > 0 and m1["kl"] > 0  # the clip and the KL term were active
+    assert m1["kl"] > 0 and m1["off_policy/mismatch_kl"] > 0  # the KL term was active, the batch off-policy
+    assert m1["clip_frac" if off_policy == "none" else "off_policy/capped_share"] > 0  # the clip / the cap
     assert max_diff(one, two) <= 1e-6
     assert max_diff(one, build(1)) > 1e-4  # (it moved)
     assert {"rank0_step_s", "rank1_step_s", "slowest_rank", "slowest_rank_step_s"} <= set(m2)

@@ -77,6 +77,14 @@ class DataConfig(_Section):
     """Passes over the dataset before the source is exhausted; null = unbounded."""
     generated: GeneratedDataConfig = GeneratedDataConfig()
     """The built-in dataset's settings (ignored when `path` is set)."""
+    chat_template: bool = False
+    """Render prompts and multi-turn episodes with the model tokenizer's chat template: the
+    prompt is a user turn and the generation prompt, in the engine, the warm start and
+    evaluation alike; each environment response is a user turn, and the template's tokens
+    after the model's turn, the response and the next generation prompt are environment
+    tokens (masked out of the loss). Needs an engine with a Hugging Face tokenizer (hf,
+    vllm, remote): an error with toy or torch. (`engine.chat_template` renders the prompt
+    alone.)"""
 
 
 # ------------------------------------------------------------------------------ engines
@@ -328,9 +336,40 @@ class _GRPOSection(_TrainerSection):
     (TRL `"dr_grpo"`), `bnpo` token mean per micro-batch, averaged over micro-batches (TRL
     `"bnpo"`; `micro_batch_size` then changes the update)."""
     dual_clip: float | None = Field(None, gt=1.0)
-    """Dual clip (verl's `clip_ratio_c`, usually 3): a token with negative advantage A loses
-    at most -c x A however large its ratio grows (the clipped objective is unbounded there);
-    null = off. Must be > 1."""
+    """Dual clip (verl's `clip_ratio_c`): a token with negative advantage A loses at most
+    -c x A however large its ratio grows (the clipped objective is unbounded there); null =
+    off. Must be > 1. verl applies it always (`clip_ratio_c` defaults to 3 and cannot be
+    turned off), so a run ported from verl sets 3; TRL's `delta` is the same cap when it is
+    > 1 + `clip_eps` (at or below that, TRL caps the ratio, not the loss)."""
+    kl_clamp: float | None = Field(None, gt=0.0)
+    """Upper bound on each token's k3 KL estimate (verl clamps it to 10 in `low_var_kl`);
+    null = no clamp (TRL). A clamped token's KL term has no gradient."""
+    log_ratio_clamp: float | None = Field(None, gt=0.0)
+    """Bound c on every log-ratio, the PPO ratio's and the KL's: clamped to [-c, c] (verl
+    clamps both to 20); null = no clamp (TRL). A clamped token's term has no gradient."""
+    off_policy: Literal["none", "tis", "mis"] = "none"
+    """Off-policy correction for tokens sampled by another policy than the trainer's (a
+    version behind with lookahead, or another engine's kernels and dtype): `none` takes the
+    PPO ratio against the behaviour log-probs (the clip is the only correction; verl's
+    bypass mode); `tis` takes the ratio against the step's starting weights and weighs
+    each token's loss by min(w, `is_cap`), w = their probability over the behaviour's
+    (truncated importance sampling: TRL `vllm_importance_sampling_mode: token_truncate` /
+    `sequence_truncate`, verl `rollout_correction.rollout_is`); `mis` drops the tokens (or
+    sequences) whose w exceeds `is_cap` (masked importance sampling: TRL `token_mask` /
+    `sequence_mask`). Formulas in `rollkeep.trainers.off_policy`; the `off_policy/*`
+    metrics are logged in every mode."""
+    is_cap: float = Field(2.0, gt=1.0)
+    """With `off_policy: tis | mis`: the importance weight's cap (tis) or mask threshold (mis),
+    > 1 (TRL's `vllm_importance_sampling_cap`, default 3; verl's `rollout_is_threshold`,
+    default 2)."""
+    is_level: Literal["token", "sequence"] = "token"
+    """With `off_policy: tis | mis`: `token` weighs each token by its own ratio; `sequence` weighs
+    every token of a sequence by the product of its tokens' ratios."""
+    autocast: Literal["none", "bf16"] = "none"
+    """Mixed precision: `bf16` runs the forward passes under torch.autocast(bfloat16), as
+    GPU runs usually do, while the master weights, gradients and AdamW state stay in the
+    trainer's dtype (float32); `none` computes in the weights' dtype. Log-probs, losses and
+    statistics are float32 either way."""
     world_size: int = Field(1, ge=1, le=64)
     """Data-parallel training ranks: 1 trains in the controller's process; N > 1 starts N
     rank processes on this machine (gloo on CPU, nccl on GPU) that shard the model and the
@@ -361,6 +400,11 @@ class HFTrainerConfig(_GRPOSection):
     """Local directory of the transformers model and tokenizer (required)."""
     lr: float = Field(1e-5, gt=0.0)
     """AdamW learning rate (a pretrained model wants a small one)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """The dtype of the master weights and the AdamW state, whatever the checkpoint's
+    (Qwen and Llama ship bf16, and transformers would load them so): at lr 1e-5 most bf16
+    updates round away, so keep float32 and use `autocast: bf16` for speed. The engines
+    get the weights cast to the dtype they serve (`engine.dtype`)."""
     micro_batch_size: int = Field(8, ge=1)
     """Sequences per forward/backward pass (gradient accumulation; memory only, except under
     `loss_type: bnpo`, where it changes the loss and is a semantic key)."""

@@ -376,7 +376,8 @@ def step_record(batch: Any, metrics: dict[str, float], *, train_seconds: float, 
         "step_seconds": step_seconds,
         "tokens_generated_per_s": generated_per_s[0],
         "tokens_generated_per_s_run": generated_per_s[1],
-        **{f"trainer/{k}": float(v) for k, v in metrics.items()},
+        # A trainer's metric with a namespace of its own (`off_policy/...`) keeps it.
+        **{(k if "/" in k else f"trainer/{k}"): float(v) for k, v in metrics.items()},
         **{f"custody/{k}": v for k, v in counts.items()},
     }
 

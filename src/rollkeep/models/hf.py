@@ -11,9 +11,11 @@ from ..core.errors import UserInputError
 _EXPECTED = "a local directory with a transformers model (config.json and weights) and its tokenizer"
 
 
-def load_pretrained(model_path: str, *, field: str) -> tuple[Any, Any]:
+def load_pretrained(model_path: str, *, field: str, dtype: str | None = None) -> tuple[Any, Any]:
     """The tokenizer and the causal LM of a local directory (never downloads). Errors name
-    the config key `field` (engine.model_path or trainer.model_path)."""
+    the config key `field` (engine.model_path or trainer.model_path). `dtype` ("float32",
+    "bfloat16", ...): the model's parameters in that dtype; None: the checkpoint's
+    (transformers 5's `dtype="auto"`)."""
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as e:
@@ -51,7 +53,8 @@ def load_pretrained(model_path: str, *, field: str) -> tuple[Any, Any]:
         )
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, use_safetensors=True)
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, use_safetensors=True,
+                                                     **({} if dtype is None else {"dtype": _torch_dtype(dtype)}))
     except Exception as e:
         raise UserInputError(
             f"{field} {str(path)!r}: transformers could not load a causal LM and its tokenizer",
@@ -59,6 +62,15 @@ def load_pretrained(model_path: str, *, field: str) -> tuple[Any, Any]:
             remedy="check that the directory is complete and its model type is a causal LM",
         ) from e
     return tokenizer, model
+
+
+def _torch_dtype(name: str) -> Any:
+    import torch
+
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"not a floating-point torch dtype: {name!r}")
+    return dtype
 
 
 def greedy_texts(model: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: int,
@@ -73,9 +85,9 @@ def greedy_texts(model: Any, tokenizer: Any, prompts: list[str], *, max_new_toke
     import torch
 
     if chat_template:
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}],
-                                               add_generation_prompt=True, tokenize=False) for p in prompts]
-        encoded = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        from .chat import prompt_ids
+
+        encoded = [prompt_ids(tokenizer, p) for p in prompts]
     else:
         encoded = [tokenizer.encode(p, add_special_tokens=True) for p in prompts]
     params = inspect.signature(model.forward).parameters

@@ -33,6 +33,7 @@ class MicroBatch:
     old_logp: Tensor  # (B, T) float32: behaviour log-probs at completion targets, else 0
     advantages: Tensor  # (B,) float32
     tokens: int  # model-written completion tokens = loss_mask.sum()
+    versions: Tensor | None = None  # (B, T) int64: the version each completion target was sampled under, else -1
 
 
 def model_tokens(versions: Sequence[int] | np.ndarray) -> int:
@@ -61,6 +62,7 @@ def collate(
     real = np.zeros((B, T + 1), dtype=np.int64)
     loss_mask = np.zeros((B, T), dtype=np.float32)
     behaviour = np.zeros((B, T), dtype=np.float32)
+    stamped = np.full((B, T), -1, dtype=np.int64)
     for b, (p, c) in enumerate(zip(prompts, completions, strict=True)):
         P, C = len(p), len(c)
         if P == 0:
@@ -74,6 +76,7 @@ def collate(
             if len(v) != C:
                 raise ValueError(f"sequence {b} has {C} completion tokens but {len(v)} versions")
             loss_mask[b, P - 1 : P - 1 + C] *= v >= 0  # environment tokens: context, not actions
+            stamped[b, P - 1 : P - 1 + C] = v
         if old_logp is not None:
             behaviour[b, P - 1 : P - 1 + C] = old_logp[b]
     adv = np.zeros(B, dtype=np.float32) if advantages is None else np.asarray(advantages, np.float32)
@@ -85,6 +88,7 @@ def collate(
         old_logp=torch.from_numpy(behaviour).to(device),
         advantages=torch.from_numpy(adv).to(device),
         tokens=int(sum(len(c) for c in completions)) if versions is None else int(loss_mask.sum()),
+        versions=None if versions is None else torch.from_numpy(stamped).to(device),
     )
 
 

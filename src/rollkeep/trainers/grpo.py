@@ -16,7 +16,9 @@ whole batch under every `loss_type`: they describe the tokens, not the weighting
                         from the behaviour policy (stale batch, or too large a step)
     dual_clip_frac      fraction of completion tokens the dual clip caps (A < 0 and
                         ratio > c); 0 when `dual_clip` is off. Disjoint from clip_frac
-    ratio_mean          token-mean of the ratio; ~1 on-policy, drifts with staleness
+    ratio_mean          token-mean of the ratio; ~1 on-policy, drifts with staleness (under
+                        `off_policy: tis | mis` the ratio is against the step's own
+                        starting weights, so 1 in the first PPO epoch)
     kl                  token-mean k3 estimate of KL(policy || reference); 0 without one
     grad_norm           global gradient norm before clipping to `grad_clip`
     tokens              model-written completion tokens in the batch (Σ L_i; a
@@ -28,6 +30,9 @@ whole batch under every `loss_type`: they describe the tokens, not the weighting
     lr                  the AdamW learning rate used: `lr`, or less during the linear
                         warmup (`lr_warmup_steps`) and the linear decay (`lr_decay_steps`,
                         to `lr_final_ratio` x `lr`); `GRPOTrainer.step_lr` has the formula
+    off_policy/*        how far the behaviour policy was from the trainer's weights
+                        (mismatch KL, importance ratios, per version lag), in every
+                        `off_policy` mode: `off_policy` has the list and the formulas
 
 Metrics returned by `sft_step` (the supervised warm start)
 ----------------------------------------------------------
@@ -44,7 +49,7 @@ import hashlib
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn as nn
@@ -54,6 +59,7 @@ from ..config import TorchTrainerConfig
 from ..core.rollout.advantages import SCALE_REWARDS, ScaleRewards, batch_scaled
 from ..models.gpt import GPT
 from ..models.tokenizer import PAD
+from . import off_policy
 from .adamw import make_adamw
 from .base import Batch
 from .batching import MicroBatch, _chunks, collate, model_tokens
@@ -82,6 +88,7 @@ from .grpo_snapshot import (
     _torch_optimizer_state,
     _unique_state,
 )
+from .off_policy import IS_LEVELS, OFF_POLICY_MODES, IsLevel, OffPolicy
 from .shards import SHARD_DIR, read_shards
 from .shards import split as split_shards
 
@@ -89,6 +96,8 @@ from .shards import split as split_shards
 # they were public here before the split and stay importable from here.
 __all__ = ["GRPOSnapshot", "GRPOTrainer", "TorchTrainer", "grpo_loss", "token_logprobs"]
 
+Autocast = Literal["none", "bf16"]
+AUTOCASTS: tuple[str, ...] = ("none", "bf16")
 LogitsFn = Callable[[nn.Module, Tensor, Tensor], Tensor]  # (model, ids, mask) -> logits
 
 
@@ -127,6 +136,12 @@ class GRPOTrainer:
         lr_warmup_steps: int = 0,
         lr_decay_steps: int = 0,
         lr_final_ratio: float = 0.1,
+        autocast: Autocast = "none",
+        off_policy: OffPolicy = "none",
+        is_cap: float = 2.0,
+        is_level: IsLevel = "token",
+        kl_clamp: float | None = None,
+        log_ratio_clamp: float | None = None,
     ) -> None:
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0 to define log-probs, got {temperature}")
@@ -142,6 +157,14 @@ class GRPOTrainer:
         if lr_warmup_steps < 0 or lr_decay_steps < 0 or not 0.0 <= lr_final_ratio <= 1.0:
             raise ValueError("lr_warmup_steps and lr_decay_steps must be >= 0 and lr_final_ratio "
                              f"in [0, 1], got {lr_warmup_steps}, {lr_decay_steps}, {lr_final_ratio}")
+        if autocast not in AUTOCASTS:
+            raise ValueError(f"unknown autocast {autocast!r}; expected one of {AUTOCASTS}")
+        if off_policy not in OFF_POLICY_MODES or is_level not in IS_LEVELS or not is_cap > 1.0:
+            raise ValueError(f"off_policy must be one of {OFF_POLICY_MODES}, is_level one of {IS_LEVELS} and "
+                             f"is_cap > 1, got {off_policy!r}, {is_level!r}, {is_cap}")
+        for name, c in (("kl_clamp", kl_clamp), ("log_ratio_clamp", log_ratio_clamp)):
+            if c is not None and not c > 0:
+                raise ValueError(f"{name} must be > 0 (or None), got {c}")
         if scale_rewards not in SCALE_REWARDS:
             raise ValueError(f"unknown scale_rewards {scale_rewards!r}; expected one of "
                              f"{SCALE_REWARDS}")
@@ -158,6 +181,9 @@ class GRPOTrainer:
         # Only `batch` concerns the trainer: the other modes are final in the ledger.
         self.scale_rewards = scale_rewards
         self.max_completion_length = max_completion_length
+        self.autocast = autocast
+        self.off_policy, self.is_cap, self.is_level = off_policy, is_cap, is_level
+        self.kl_clamp, self.log_ratio_clamp = kl_clamp, log_ratio_clamp
         torch.manual_seed(seed)  # dropout is the only randomness; its state is checkpointed
 
         self._params = [p for p in model.parameters() if p.requires_grad]  # ties counted once
@@ -241,18 +267,20 @@ class GRPOTrainer:
             ref_logp = None
             if self._reference is not None and self.kl_coef > 0:
                 with torch.no_grad():
-                    ref_logits = self.logits_fn(self._reference, mb.input_ids, mb.attention_mask)
-                    ref_logp = token_logprobs(ref_logits, mb.targets, self.temperature)
+                    ref_logp = token_logprobs(self._forward(self._reference, mb), mb.targets, self.temperature)
             micro.append((mb, ref_logp))
 
         # PPO epochs: one optimizer step each over the whole batch; a micro-batch without
         # tokens adds nothing (in lockstep it still runs, weighing nothing).
         totals = dict.fromkeys(
             ("loss", "clip_frac", "dual_clip_frac", "ratio_mean", "kl", "grad_norm"), 0.0
-        )
+        ) | off_policy.zero_sums()
+        # The off-policy weights (and proximal log-probs) of each micro-batch, from the first
+        # epoch's forward pass: the weights before any update (off_policy module docstring).
+        corrections: dict[int, tuple[Tensor, Tensor | None]] = {}
         self.model.train()
         lr = self._set_lr()
-        for _ in range(self.ppo_epochs if n_tokens else 0):  # no tokens: nothing to learn
+        for epoch in range(self.ppo_epochs if n_tokens else 0):  # no tokens: nothing to learn
             self.optimizer.zero_grad(set_to_none=True)
             for i in range(max(passes, len(micro))):
                 if i >= len(micro):
@@ -261,14 +289,21 @@ class GRPOTrainer:
                 mb, ref_logp = micro[i]
                 if mb.tokens == 0 and not passes:
                     continue
-                logits = self.logits_fn(self.model, mb.input_ids, mb.attention_mask)
-                logp = token_logprobs(logits, mb.targets, self.temperature)  # (B, T)
+                logp = token_logprobs(self._forward(self.model, mb), mb.targets, self.temperature)  # (B, T)
+                if epoch == 0:
+                    prox = logp.detach()
+                    weights = off_policy.correction(
+                        prox, mb.old_logp, mb.loss_mask, mb.versions, mode=self.off_policy,
+                        level=self.is_level, cap=self.is_cap, trainer_version=self.rl_steps, sums=totals)
+                    corrections[i] = (prox, weights)
+                prox, weights = corrections[i]
                 loss, stats = grpo_loss(
-                    logp, mb.old_logp, mb.advantages, mb.loss_mask,
+                    logp, mb.old_logp if self.off_policy == "none" else prox, mb.advantages, mb.loss_mask,
                     clip_eps=self.clip_eps, ref_logp=ref_logp, kl_coef=self.kl_coef,
                     loss_type=self.loss_type, dual_clip=self.dual_clip,
                     max_completion_length=self.max_completion_length,
                     batch_sequences=n_rows, batch_tokens=n_tokens, micro_batches=n_micro,
+                    is_weights=weights, kl_clamp=self.kl_clamp, log_ratio_clamp=self.log_ratio_clamp,
                 )
                 self._backward(loss)
                 totals["loss"] += loss.item()
@@ -279,6 +314,12 @@ class GRPOTrainer:
         self.rl_steps += 1
         self._set_lr()
         return totals, lr
+
+    def _forward(self, model: nn.Module, mb: MicroBatch) -> Tensor:
+        """The logits of `mb` under `model`, in bf16 autocast when `autocast: bf16` (the
+        weights, gradients and AdamW state stay in their own dtype)."""
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast == "bf16"):
+            return self.logits_fn(model, mb.input_ids, mb.attention_mask)
 
     # The seams a data-parallel rank overrides (rollkeep.trainers.rank): how a loss part is
     # backpropagated, what an idle pass computes, how the gradient norm is taken.
@@ -325,8 +366,7 @@ class GRPOTrainer:
             mb = collate(
                 [p for p, _ in chunk], [t for _, t in chunk], pad_id=self.pad_id, device=self.device
             )
-            logits = self.logits_fn(self.model, mb.input_ids, mb.attention_mask)
-            nll = -(token_logprobs(logits, mb.targets, 1.0) * mb.loss_mask).sum()
+            nll = -(token_logprobs(self._forward(self.model, mb), mb.targets, 1.0) * mb.loss_mask).sum()
             self._backward(nll / n_tokens)
             total += nll.item()
         for _ in range(passes - len(chunks)):
@@ -491,7 +531,8 @@ def micro_chunks(rows: Sequence[Any], advs: Sequence[float], size: int) -> list[
 def step_metrics(totals: dict[str, float], rows: Sequence[Any], advs: Sequence[float], n_tokens: int,
                  lr: float, epochs: int) -> dict[str, float]:
     """The metrics of `train_step` (module docstring) from the summed totals of `update`."""
-    metrics = {k: v / epochs for k, v in totals.items()}
+    metrics = {k: v / epochs for k, v in totals.items() if not k.startswith(off_policy.PREFIX)}
+    metrics |= off_policy.metrics(totals)  # computed once, in the first epoch
     metrics["tokens"] = float(n_tokens)
     metrics["reward_mean"] = sum(r.reward for r in rows) / max(1, len(rows))
     metrics["advantage_abs_mean"] = sum(abs(a) for a in advs) / max(1, len(advs))
@@ -555,5 +596,11 @@ def hyperparameters(cfg: Any) -> dict[str, Any]:
         "loss_type": cfg.loss_type,
         "dual_clip": cfg.dual_clip,
         "scale_rewards": cfg.scale_rewards,
+        "autocast": cfg.autocast,
+        "off_policy": cfg.off_policy,
+        "is_cap": cfg.is_cap,
+        "is_level": cfg.is_level,
+        "kl_clamp": cfg.kl_clamp,
+        "log_ratio_clamp": cfg.log_ratio_clamp,
     }
 

@@ -103,6 +103,9 @@ def grpo_loss(
     batch_sequences: int | None = None,
     batch_tokens: int | None = None,
     micro_batches: int = 1,
+    is_weights: Tensor | None = None,
+    kl_clamp: float | None = None,
+    log_ratio_clamp: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The clipped GRPO objective of these B sequences as their part of a step's batch
     (the formulas are in the module docstring).
@@ -114,7 +117,12 @@ def grpo_loss(
     batch's micro-batches add up to those of the batch (for bnpo, by its definition).
     `max_completion_length` (L_max) is required by dr_grpo. Returns (loss, stats) with
     stats `clip_frac`, `dual_clip_frac`, `ratio_mean`, `kl` (detached scalars, each this
-    part's share of the batch's token mean). An all-zero mask gives a zero loss."""
+    part's share of the batch's token mean). An all-zero mask gives a zero loss.
+    `is_weights` (B, T), detached: the off-policy correction's importance weights
+    (`off_policy.correction`), multiplying each token's policy term. `log_ratio_clamp` c
+    bounds every log-ratio (the policy's against `old_logp`, the reference's against the
+    policy's) to [-c, c] and `kl_clamp` bounds k3 above, as verl does (c = 20, k3 <= 10);
+    None: no clamp (TRL's arithmetic). A clamped value has no gradient."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {LOSS_TYPES}")
     if loss_type == "dr_grpo" and max_completion_length is None:
@@ -131,7 +139,10 @@ def grpo_loss(
 
     # Masked positions (padding, prompt) get log-ratio 0, so whatever they hold can never
     # overflow exp() into inf * 0 = nan.
-    ratio = torch.exp(torch.where(keep, logp - old_logp, 0.0))  # (B, T)
+    log_ratio = torch.where(keep, logp - old_logp, 0.0)  # (B, T)
+    if log_ratio_clamp is not None:
+        log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)
+    ratio = torch.exp(log_ratio)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
     surrogate = torch.minimum(unclipped, clipped)
@@ -142,11 +153,15 @@ def grpo_loss(
         floor = dual_clip * adv
         dual = (adv < 0) & (floor > surrogate)
         surrogate = torch.where(adv < 0, torch.maximum(surrogate, floor), surrogate)
-    per_token = -surrogate
+    per_token = -surrogate if is_weights is None else -surrogate * is_weights
 
     if ref_logp is not None:
         d = torch.where(keep, ref_logp - logp, 0.0)
+        if log_ratio_clamp is not None:
+            d = d.clamp(-log_ratio_clamp, log_ratio_clamp)
         k3 = torch.exp(d) - d - 1.0  # unbiased, always >= 0
+        if kl_clamp is not None:
+            k3 = k3.clamp(max=kl_clamp)
         per_token = per_token + kl_coef * k3
         kl = ((k3 * mask).sum() / n_tokens).detach()
     else:

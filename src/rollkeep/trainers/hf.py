@@ -42,7 +42,7 @@ class HFTrainer(GRPOTrainer):
     ) -> None:
         """`temperature` and `max_completion_length` (dr_grpo's L_max) are the engine's
         `temperature` and `max_new_tokens`, handed over by the builder."""
-        tok, model = load_pretrained(cfg.model_path, field="trainer.model_path")
+        tok, model = load_pretrained(cfg.model_path, field="trainer.model_path", dtype=cfg.dtype)
         if torch.cuda.is_available():
             model = model.cuda()
         model.train()

@@ -234,10 +234,10 @@ def _build(spec: dict[str, Any]) -> RankTrainer:
         from ..models.hf import load_pretrained
 
         cfg: Any = HFTrainerConfig.model_validate(spec["trainer"])
-        tok, model = load_pretrained(cfg.model_path, field="trainer.model_path")
+        tok, model = load_pretrained(cfg.model_path, field="trainer.model_path", dtype=cfg.dtype)
 
         def make_plain() -> nn.Module:
-            return load_pretrained(cfg.model_path, field="trainer.model_path")[1]
+            return load_pretrained(cfg.model_path, field="trainer.model_path", dtype=cfg.dtype)[1]
 
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         logits_fn = lambda m, ids, mask: m(input_ids=ids, attention_mask=mask).logits  # noqa: E731
@@ -263,9 +263,9 @@ def _build(spec: dict[str, Any]) -> RankTrainer:
 def _serve(trainer: RankTrainer, sock: socket.socket) -> None:
     rank = trainer.rank
 
-    def summed(values: list[float]) -> list[float]:
+    def summed(values: list[float], op: Any = dist.ReduceOp.SUM) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t)
+        dist.all_reduce(t, op=op)
         return t.tolist()
 
     while True:
@@ -281,8 +281,12 @@ def _serve(trainer: RankTrainer, sock: socket.socket) -> None:
                 chunks = [([unpack_row(r) for r in rows], advs) for rows, advs in msg["chunks"]]
                 totals, lr = trainer.update(chunks, n_rows=msg["n_rows"], n_tokens=msg["n_tokens"],
                                             n_micro=msg["n_micro"], passes=msg["passes"])
-                keys = [k for k in totals if k != "grad_norm"]  # the norm is global already
+                # Parts add up across ranks, maxima are maxima; the norm is global already.
+                # (Every rank has the same keys: `update` starts from a fixed set.)
+                keys = [k for k in totals if k != "grad_norm" and not k.endswith("_max")]
+                maxed = [k for k in totals if k.endswith("_max")]
                 reply |= {"totals": dict(zip(keys, summed([totals[k] for k in keys]), strict=True))
+                          | dict(zip(maxed, summed([totals[k] for k in maxed], dist.ReduceOp.MAX), strict=True))
                           | {"grad_norm": totals["grad_norm"]}, "lr": lr}
             elif op == "sft":
                 total, norm = trainer.sft_update(msg["chunks"], n_tokens=msg["n_tokens"], lr=msg["lr"],
