@@ -20,7 +20,8 @@ same quantity):
     k3         = exp(ref - logp) - (ref - logp) - 1        (KL estimator, >= 0)
     l[i, t]    = - surrogate  +  kl_coef * k3              (the per-token loss)
 
-The dual clip (verl's `clip_ratio_c`) bounds the loss of a negative-advantage token, which
+The dual clip (verl's `clip_ratio_c`, which verl always applies, c = 3 by default; TRL's
+`delta` when c > 1 + clip_eps) bounds the loss of a negative-advantage token, which
 the clipped objective leaves unbounded (-ratio * A grows with the ratio): past ratio c the
 token's loss is the constant -c * A and it has no gradient. This is the regime that stale
 batches produce.
@@ -38,14 +39,20 @@ the engine's bound on the whole trajectory, still bounds L_i):
                                                            `micro_batch_size` sequences,
                                                            averaged over the M micro-batches
 
+With `log_ratio_clamp` c every log-ratio (logp - old, ref - logp) is first clamped to
+[-c, c], and with `kl_clamp` k3 is clamped above, as verl does (20 and 10); with
+`is_weights` (`off_policy`) the policy term -surrogate is multiplied by the token's
+importance weight before the KL term is added.
+
 (a sequence without completion tokens adds nothing and still counts in N; a micro-batch
 without any counts in M; the KL term is aggregated with the policy term, as in TRL).
 In TRL / verl terms: `dapo` is TRL's `loss_type="dapo"` (its default) and verl's
 `loss_agg_mode: token-mean` (where verl normalises by the global batch's tokens; older verl
 normalised per micro-batch, which is `bnpo`); `grpo` is TRL's `"grpo"` and verl's
-`seq-mean-token-mean`; `dr_grpo` is TRL's `"dr_grpo"` (verl's `seq-mean-token-sum-norm`
-divides by the response length per micro-batch and averages over micro-batches, i.e.
-this times the micro-batch size); `bnpo` is TRL's `"bnpo"`. `dapo` weighs every token
+`seq-mean-token-mean`; `dr_grpo` is TRL's `"dr_grpo"` and verl >= 0.9's
+`seq-mean-token-sum-norm` with `actor.loss_scale_factor` = L_max (verl's default, null,
+divides by each micro-batch's padded length instead; verl's legacy `dp_actor` gives this
+times the micro-batch size); `bnpo` is TRL's `"bnpo"`. `dapo` weighs every token
 alike, so long completions weigh more; `grpo` weighs every sequence alike, so a token of a
 short completion weighs more; `dr_grpo` weighs every token alike with a constant
 denominator, so the step size does not depend on how long this batch's completions are.
@@ -54,9 +61,10 @@ Micro-batches accumulate gradients: each micro-batch's loss is its part of the b
 loss (weights from whole-batch counts N, Σ L_i), so for `dapo`, `grpo` and `dr_grpo` the
 accumulated gradient is the whole batch's and `micro_batch_size` changes memory use, not
 the update. `bnpo` is a mean per micro-batch by definition, so there `micro_batch_size`
-changes the update (and is a semantic config key). The ratio is always taken against the
-behaviour log-probs, in every PPO epoch: in an asynchronous run the behaviour policy may be
-a few versions old, and the ratio is exactly the off-policy correction.
+changes the update (and is a semantic config key). The ratio is taken against the
+behaviour log-probs, in every PPO epoch, unless `trainer.off_policy` is `tis` or `mis`:
+then it is taken against the step's starting weights and importance weights correct for
+the behaviour policy (`off_policy` has the formulas).
 
 The KL reference is a frozen copy of the policy made by `GRPOTrainer.set_reference()`
 (call it after a warm start); if `kl_coef > 0` and it was never called, the first

@@ -37,13 +37,14 @@ policy gradient), and a masked token still counts in the `loss_type` normaliser:
 removes its gradient, not its share of the denominator. Peer settings these reproduce
 (each with its trainer recomputing the old log-probs, which rollkeep's first epoch does):
 
-    off_policy  is_level  is_cap   TRL GRPOConfig                        verl
-    tis         token     c        vllm_importance_sampling_mode:        algorithm.rollout_correction
-                                   token_truncate, ..._cap: c            rollout_is: token, rollout_is_threshold: c
-    tis         sequence  c        sequence_truncate, ..._cap: c         rollout_is: sequence, ..._threshold: c
-    mis         token     c        token_mask, ..._cap: c                (rollout_rs: token, upper threshold c)
-    mis         sequence  c        sequence_mask, ..._cap: c (TRL's      (rollout_rs: sequence, upper threshold c)
-                                   default mode, cap 3)
+    off_policy  is_level  TRL GRPOConfig (cap = is_cap)          verl (threshold = is_cap)
+    tis         token     vllm_importance_sampling_mode:         algorithm.rollout_correction.
+                          token_truncate                         rollout_is: token
+    tis         sequence  sequence_truncate                      rollout_is: sequence
+    mis         token     token_mask                             closest: rejection sampling
+    mis         sequence  sequence_mask (TRL's default, cap 3)   (rollout_rs), upper bound only
+
+(`tests/trainers/test_ports.py` checks each row against the peer's formula.)
 
 Metrics (token means over the batch's model tokens unless said otherwise)
 ------------------------------------------------------------------------
