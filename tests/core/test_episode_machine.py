@@ -105,12 +105,32 @@ def request(**kw: Any) -> GenRequest:
     return GenRequest(group_id="g0.1", generation=2, prompt=prompt, seed=99, pinned_version=None, **kw)
 
 
+class ChatTok(Tok):
+    """A chat template's tokenizer (`models.chat.ChatTemplate`'s two methods): a response
+    joins as 70 (its role marker), its ids, 71 (the next generation prompt); `fail`: the
+    template cannot render the conversation (a ChatTemplateError is a DataError)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail, self.seen = fail, []
+
+    def response_ids(self, conversation: list[str], model_ids: list[int], response: str) -> list[int]:
+        self.seen.append((list(conversation), list(model_ids)))
+        if self.fail:
+            raise DataError("chat template: it rewrites earlier turns")
+        return [70, *self.encode(response), 71]
+
+    def response_text(self, conversation: list[str], model_ids: list[int], recorded: Any) -> str:
+        if self.fail:
+            raise DataError("chat template: no response renders to these tokens")
+        return self.decode(np.asarray(recorded)[1:-1])
+
+
 def machine(req: GenRequest | None = None, *, engine: Engine | None = None, max_turns: int = 3,
-            recovery: str = "replay", **kw: Any) -> tuple[Episode, Engine]:
+            recovery: str = "replay", tokenizer: Any = None, **kw: Any) -> tuple[Episode, Engine]:
     engine = engine or Engine()
     kw = {"completion_limit": engine.completion_limit, **kw}
-    return Episode(req or request(), tokenizer=Tok(), max_turns=max_turns, label="test", recovery=recovery,
-                   **kw), engine
+    return Episode(req or request(), tokenizer=tokenizer or Tok(), max_turns=max_turns, label="test",
+                   recovery=recovery, **kw), engine
 
 
 def drive(m: Episode, engine: Engine, env: Env | None = None) -> tuple[list[Any], Done]:
@@ -385,6 +405,10 @@ def every_scenario() -> list[Episode]:
     env = Env()
     env.snapshot = lambda: "no"  # type: ignore[method-assign]
     run(*machine(recovery=SNAPSHOT), env)
+    run(*machine(tokenizer=ChatTok(fail=True)))  # a response the chat template cannot render
+    for recovery in ("replay", SNAPSHOT):  # ... nor a recorded one, replayed or restored
+        cmds, _ = uninterrupted(recovery)
+        run(*machine(continued(cmds, 1), recovery=recovery, tokenizer=ChatTok(fail=True)))
     return out
 
 
@@ -406,3 +430,49 @@ def test_an_unlisted_pair_is_refused() -> None:
     with pytest.raises(CustodyError, match="EPISODE_TABLE"):
         m._go("generate")  # (START, generate) is not a transition
     assert m.state is EpisodeState.START and m.trail == []
+
+
+# ====================================================================== a chat template
+
+
+def test_with_a_chat_template_each_response_is_rendered_from_the_conversation_and_masked() -> None:
+    """data.chat_template: the tokenizer renders the response after the conversation so far
+    (the prompt, then the model's turns and the responses); every token it gives, role
+    markers and generation prompt included, is the environment's."""
+    tok = ChatTok()
+    m, engine = machine(tokenizer=tok)
+    _, done = drive(m, engine)
+    c = done.completion
+    env_tok = c.versions == ENV_VERSION
+    assert c.completion_ids[env_tok].tolist() == [70, 1, 9, 71, 70, 2, 9, 71]
+    assert (c.logprobs[env_tok] == 0).all() and (c.versions[~env_tok] == 5).all()
+    first, second = tok.seen
+    assert first == (["1+1=", Tok().decode(c.completion_ids[:3])], c.completion_ids[:3].tolist())
+    assert second[0] == [*first[0], "1 9", Tok().decode(c.completion_ids[7:9])]
+    assert second[1] == c.completion_ids[7:9].tolist()
+
+
+@pytest.mark.parametrize("recovery", ["replay", SNAPSHOT])
+def test_with_a_chat_template_a_continued_episode_ends_as_one_never_interrupted(recovery: str) -> None:
+    m, engine = machine(max_turns=4, recovery=recovery, tokenizer=ChatTok())
+    cmds, done = drive(m, engine)
+    for k in (1, 2):
+        tok = ChatTok()
+        m2, engine2 = machine(continued(cmds, k), max_turns=4, recovery=recovery, tokenizer=tok)
+        _, again = drive(m2, engine2)
+        assert np.array_equal(again.completion.completion_ids, done.completion.completion_ids)
+        assert np.array_equal(again.completion.versions, done.completion.versions)
+        assert again.completion.text == done.completion.text  # the responses read back as their texts
+
+
+@pytest.mark.parametrize("recovery", ["replay", SNAPSHOT])
+def test_a_conversation_the_chat_template_cannot_render_is_a_data_failure(recovery: str) -> None:
+    m, engine = machine(tokenizer=ChatTok(fail=True))
+    with pytest.raises(DataError, match="episode g0.1/2: chat template: it rewrites"):
+        drive(m, engine)
+    assert m.state is EpisodeState.FAILED and last_rule(m) == "bad_render"
+    cmds, _ = uninterrupted(recovery)
+    m, engine = machine(continued(cmds, 1), recovery=recovery, tokenizer=ChatTok(fail=True))
+    with pytest.raises(DataError, match="chat template"):
+        drive(m, engine)
+    assert m.state is EpisodeState.FAILED and last_rule(m) == "bad_render"

@@ -79,6 +79,14 @@ def _cross_field_problems(get: Callable[[str], Any]) -> list[_Problem]:
             )
         )
 
+    if get("data.chat_template") is True and engine in ("toy", "torch"):
+        problems.append(_Problem("data.chat_template", "`data.chat_template: true` renders prompts and episodes with "
+                                                       "the model tokenizer's chat template: it needs `engine.name: "
+                                                       f"hf`, `vllm` or `remote` (a Hugging Face tokenizer); found "
+                                                       f"`engine.name: {engine}`, whose tokenizer has no chat "
+                                                       "template (set data.chat_template=false, or use a Hugging "
+                                                       "Face model)"))
+
     key_env = get("engine.api_key_env")
     if engine == "remote" and isinstance(key_env, str) and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key_env):
         # (never echoed: a token pasted here by mistake must not reach a log)

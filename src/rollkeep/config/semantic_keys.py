@@ -160,6 +160,7 @@ ADDED_KEYS: dict[str, Any] = {
     "trainer.scale_rewards": "group_population",
     "trainer.loss_type": "dapo",
     "trainer.dual_clip": None,
+    "data.chat_template": False,
 }
 
 #: Semantic keys a resume can never change, with the reason.

@@ -87,7 +87,7 @@ def _run(cfg: Config, parts: Parts, *, allow_config_change: tuple[str, ...], all
                 t0 = time.perf_counter()
                 step, stopped_by = run_warmup(
                     cfg, dataset=parts.dataset, trainer=parts.trainer, tokenizer=parts.tokenizer,
-                    make_env=None if parts.env is None else bounded(parts.env),
+                    make_env=None if parts.env is None else bounded(parts.env), chat=parts.chat,
                     log=lambda line: print(line, flush=True) if cfg.logger.progress != "none" else None,
                     # the run's metrics, W&B run included, under a run_id of the warm start's own
                     # (the trace, which names the RL phase's, opens only once RL starts)

@@ -8,6 +8,7 @@ temperature, the maximum completion length). What the config asks for but cannot
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -37,6 +38,7 @@ class Parts:
     evaluator: Any = None
     notes: list[str] = field(default_factory=list)  # said at start-up (`warning: ...`)
     env: EnvSpec | None = None  # the multi-turn environment (`env.*`), None = single-turn
+    chat: Any = None  # the chat template prompts are rendered with (`models.chat.ChatTemplate`), None = off
 
 
 def build_data(cfg: Config) -> tuple[Dataset, list[dict] | None]:
@@ -85,7 +87,24 @@ def _generated(cfg: Config) -> tuple[Dataset, list[dict]]:
     return SequenceDataset(train), held_out
 
 
+def with_chat_template(cfg: Config) -> Config:
+    """The config the run's parts are built from, with the chat template decided in this one
+    place: prompts are rendered with it when `data.chat_template or engine.chat_template`
+    (the engine's `chat_template` is set to that), episodes only with `data.chat_template`
+    (`EnvSpec.chat_template`). An engine section without the key cannot: ConfigError."""
+    if not cfg.data.chat_template or getattr(cfg.engine, "chat_template", False):
+        return cfg
+    if "chat_template" not in type(cfg.engine).model_fields:
+        raise ConfigError(f"data.chat_template is true but engine {cfg.engine.name} does not render prompts with a "
+                          "chat template", field="data.chat_template",
+                          expected="an engine with a Hugging Face tokenizer and `engine.chat_template` (hf, vllm, remote)",
+                          found=f"engine.name {cfg.engine.name}", remedy="set data.chat_template=false, or use "
+                          "engine.name=hf")
+    return cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"chat_template": True})})
+
+
 def build(cfg: Config) -> Parts:
+    cfg = with_chat_template(cfg)
     check_logger(cfg.logger, cfg.run_dir)  # the tb / wandb extras, before anything runs
     use_rewards(cfg.reward.fn)  # imports the user's reward modules: exit 2 on any problem
     dataset, eval_rows = build_data(cfg)
@@ -94,6 +113,8 @@ def build(cfg: Config) -> Parts:
         check_tasks(str(r.get("task", "default")) for r in eval_rows)
     source = PromptSource(dataset, seed=cfg.seed, epochs=cfg.data.epochs)
     env = resolve(cfg.env)  # imports the user's environment: exit 2 on any problem
+    if env is not None and cfg.data.chat_template:
+        env = dataclasses.replace(env, chat_template=True)  # each response joins as a chat turn
     if cfg.trainer.name in ("torch", "custom"):  # custom: the user's trainer on the built-in GPT
         parts = _build_torch(cfg, dataset, source, eval_rows, env)
     elif cfg.trainer.name == "hf":
@@ -179,6 +200,14 @@ def _build_hf(cfg: Config, dataset: Dataset, source: PromptSource, eval_rows, en
         torch.set_num_threads(1)  # as for the built-in model: engine and trainer side by side
     trainer = make_trainer(cfg.trainer, temperature=cfg.engine.temperature, seed=cfg.seed,
                            max_completion_length=cfg.engine.max_new_tokens, **_ranks(cfg))
+    chat = None
+    if getattr(cfg.engine, "chat_template", False):  # (`with_chat_template`): the warm start's and eval's prompts
+        from ..models.chat import ChatTemplate
+
+        chat = ChatTemplate(trainer.tokenizer.tok, field="data.chat_template" if cfg.data.chat_template
+                            else "engine.chat_template")
+        if env is not None and cfg.data.chat_template:
+            chat.probe()  # a template that cannot render episodes token by token: exit 2 now
     # float64 sampling when deterministic: a different batch composition must not flip a
     # token (see _build_torch)
     context = {"dtype": torch.float64} if cfg.engine.name == "hf" and cfg.deterministic else {}
@@ -189,12 +218,12 @@ def _build_hf(cfg: Config, dataset: Dataset, source: PromptSource, eval_rows, en
         from .evaluate import Evaluator
 
         rows = eval_rows[: cfg.eval.n_rows] if cfg.eval.n_rows else eval_rows
-        chat = cfg.engine.name in ("hf", "remote") and cfg.engine.chat_template
         evaluator = Evaluator(rows, model=trainer.model, tokenizer=trainer.tokenizer.tok,
                               max_new_tokens=cfg.engine.max_new_tokens, num_samples=cfg.eval.num_samples,
                               greedy=lambda m, t, p, max_new_tokens: greedy_texts(
-                                  m, t, p, max_new_tokens=max_new_tokens, chat_template=chat))
-    return Parts(dataset, source, eval_rows, engine, trainer, getattr(trainer, "tokenizer", None), evaluator)
+                                  m, t, p, max_new_tokens=max_new_tokens, chat_template=chat is not None))
+    return Parts(dataset, source, eval_rows, engine, trainer, getattr(trainer, "tokenizer", None), evaluator,
+                 chat=chat)
 
 
 def _ranks(cfg: Config) -> dict[str, Any]:

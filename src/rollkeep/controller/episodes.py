@@ -9,7 +9,9 @@ environment step for its response, reporting every finished turn (`on_turn`, whi
 scheduler records as a `turn_sealed` event) before the next model call. Any engine works: a turn is a generation
 that continues the trajectory so far (`GenRequest.prefix`), so an engine needs nothing but
 prefix continuation and its tokenizer (`capabilities_of(engine)`: `continues`,
-`episode_tokenizer` with `encode(text, bos=False)` and `decode(ids)`).
+`episode_tokenizer` with `encode(text, bos=False)` and `decode(ids)`). With
+`data.chat_template` (`EnvSpec.chat_template`) the engine's tokenizer renders each
+response as a chat turn (`models.chat.chat_episodes`).
 
 The trajectory's budget is the engine's (`completion_limit(prompt_tokens)` of its
 capabilities: its
@@ -78,7 +80,12 @@ async def run_episode(engine: Any, spec: EnvSpec, req: GenRequest, progress: Any
     at = (lambda turn: None) if effects is None else (lambda turn: effects.at(turn, spec.timeout_s))
     caps = capabilities_of(engine)
     lease = spec.recovery == LEASE
-    machine = Episode(req, tokenizer=caps.episode_tokenizer, max_turns=spec.max_turns, label=spec.label,
+    tokenizer = caps.episode_tokenizer
+    if spec.chat_template:  # responses join as chat turns (data.chat_template)
+        from ..models.chat import chat_episodes
+
+        tokenizer = chat_episodes(tokenizer, engine=getattr(engine, "name", type(engine).__name__))
+    machine = Episode(req, tokenizer=tokenizer, max_turns=spec.max_turns, label=spec.label,
                       recovery=SNAPSHOT if lease else spec.recovery, max_turn_tokens=spec.max_turn_tokens,
                       max_snapshot_bytes=spec.max_snapshot_bytes, completion_limit=caps.completion_limit)
 

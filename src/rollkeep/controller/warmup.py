@@ -19,6 +19,12 @@ the environment's responses as context, the turn (and EOS) as target. A step sam
 without `turns` is the one-turn demonstration of its `answer`. The environments are the
 run's bounded ones (`episodes.bounded`: each call within env.timeout_s); one that fails on
 a demonstration is the user's code at fault, UserCodeError (exit 2) naming the row.
+
+With the chat template on (`chat`, a `models.chat.ChatTemplate`: `data.chat_template` or
+`engine.chat_template`) the prompt is the engine's, rendered by the template; with
+`data.chat_template` every response joins the context as the engine's episodes render it
+(`ChatTemplate.response_ids`), so an example is token for token the trajectory the
+engine would have given the demonstrated turns.
 """
 
 from __future__ import annotations
@@ -66,13 +72,13 @@ def _graceful_signals() -> Iterator[list[str]]:
 
 def run_warmup(cfg: Config, *, dataset: Dataset, trainer: Any, tokenizer: Any, log=print,
                metrics: Callable[[], MetricsLog] | None = None,
-               make_env: Callable[[], Any] | None = None) -> tuple[int, str | None]:
+               make_env: Callable[[], Any] | None = None, chat: Any = None) -> tuple[int, str | None]:
     """Run the warm start (or resume it). Call only before RL has a checkpoint. Returns the
     warm-start step reached and the signal that stopped it (None when it finished); a
     stopped warm start has checkpointed that step. `metrics` opens the log its steps are
     written to (called only when a step is left to take; closed when the warm start ends).
-    `make_env` (a fresh Environment per call): rows are multi-turn demonstrations (module
-    docstring)."""
+    `make_env` (a fresh Environment per call): rows are multi-turn demonstrations; `chat`:
+    the chat template prompts are rendered with (module docstring)."""
     steps = cfg.warmup.sft_steps
     run_dir = Path(cfg.run_dir)
     if steps == 0:
@@ -122,7 +128,7 @@ def run_warmup(cfg: Config, *, dataset: Dataset, trainer: Any, tokenizer: Any, l
     with contextlib.closing(opened) if opened is not None else contextlib.nullcontext():
         with _graceful_signals() as stopped_by:
             step = _train(cfg, store, done, stopped_by, dataset=dataset, trainer=trainer, tokenizer=tokenizer,
-                          log=log, metrics=opened, make_env=make_env)
+                          log=log, metrics=opened, make_env=make_env, chat=chat)
     if stopped_by:
         return step, stopped_by[0]
     trainer.set_reference()
@@ -130,11 +136,13 @@ def run_warmup(cfg: Config, *, dataset: Dataset, trainer: Any, tokenizer: Any, l
 
 
 def demonstration(row: Any, make_env: Callable[[], Any], tokenizer: Any, *, seed: int = 0,
-                  where: str = "row") -> list[tuple[list[int], list[int]]]:
+                  where: str = "row", chat: Any = None,
+                  chat_responses: bool = False) -> list[tuple[list[int], list[int]]]:
     """The SFT examples of one row's demonstration: for turn k, (prompt + turns < k with
     EOS + the environment's responses to them, turn k + EOS), token ids. The environment
     is reset with `seed` and must not end the episode before the last turn (a
-    DatasetError names the row, `where`, and the turn)."""
+    DatasetError names the row, `where`, and the turn). `chat`: the prompt is rendered with
+    its template; `chat_responses` (data.chat_template): the responses too, as chat turns."""
     turns = [str(t) for t in row["turns"]] if "turns" in row else [str(row["answer"])]
     if not turns:
         raise DatasetError(f"warmup: {where} has an empty `turns` demonstration", field="turns",
@@ -145,7 +153,8 @@ def demonstration(row: Any, make_env: Callable[[], Any], tokenizer: Any, *, seed
         env.reset(row, seed)
     except DataError as e:
         raise _failed(e, where, "the reset") from None
-    context = tokenizer.encode(str(row["prompt"]))
+    context = tokenizer.encode(str(row["prompt"])) if chat is None else chat.prompt_ids(str(row["prompt"]))
+    conversation = [str(row["prompt"])]  # as the episode's chat template sees it
     out = []
     for k, turn in enumerate(turns):
         target = tokenizer.encode(turn, bos=False) + [tokenizer.eos_id]
@@ -162,7 +171,19 @@ def demonstration(row: Any, make_env: Callable[[], Any], tokenizer: Any, *, seed
                 field="turns", expected=f"an episode of {len(turns)} turns", found=f"done after turn {k + 1} {turn!r}",
                 remedy="fix the row's `turns` (every turn but the last must get a response)",
             )
-        context += target + tokenizer.encode(step.response, bos=False)
+        if chat_responses:
+            conversation.append(tokenizer.decode(target))  # the turn as the engine's episodes decode it
+            try:
+                response = chat.response_ids(conversation, target, step.response)
+            except DataError as e:
+                raise DatasetError(f"warmup: the demonstration of {where} does not render with the chat template "
+                                   f"at turn {k + 1}: {e}", field="turns", expected="a conversation the template "
+                                   "renders token by token", found=f"turn {turn!r}, response {step.response!r}",
+                                   remedy="fix the row's `turns`, or the template (data.chat_template)") from None
+            conversation.append(step.response)
+        else:
+            response = tokenizer.encode(step.response, bos=False)
+        context += target + response
     return out
 
 
@@ -175,7 +196,7 @@ def _failed(e: DataError, where: str, what: str) -> UserCodeError:
 
 def _train(cfg: Config, store: CheckpointStore, done: int, stopped_by: list[str], *, dataset: Dataset,
            trainer: Any, tokenizer: Any, log, metrics: MetricsLog | None,
-           make_env: Callable[[], Any] | None = None) -> int:
+           make_env: Callable[[], Any] | None = None, chat: Any = None) -> int:
     """Supervised steps `done + 1 ..`, each checkpointed on schedule, the last one and the
     one a signal stopped after always. Returns the last step taken."""
     steps = cfg.warmup.sft_steps
@@ -186,13 +207,15 @@ def _train(cfg: Config, store: CheckpointStore, done: int, stopped_by: list[str]
         idx = rng.integers(0, len(dataset), cfg.warmup.sft_batch_size)
         if make_env is None:
             seqs = [
-                (tokenizer.encode(dataset[int(i)]["prompt"]),
+                (tokenizer.encode(dataset[int(i)]["prompt"]) if chat is None
+                 else chat.prompt_ids(str(dataset[int(i)]["prompt"])),
                  tokenizer.encode(str(dataset[int(i)]["answer"]), bos=False) + [tokenizer.eos_id])
                 for i in idx
             ]
         else:  # a row's every turn: sft_batch_size counts rows
             seqs = [ex for i in idx for ex in demonstration(dataset[int(i)], make_env, tokenizer,
-                                                             seed=cfg.seed, where=f"row {int(i)}")]
+                                                             seed=cfg.seed, where=f"row {int(i)}", chat=chat,
+                                                             chat_responses=cfg.data.chat_template)]
         result = trainer.sft_step(seqs, lr=cfg.warmup.sft_lr)
         if step % cfg.checkpoint.warmup_every_steps == 0 or step == steps or stopped_by:
             store.publish(step, {}, {"phase": "warmup", "config": semantic(cfg)}, keep_last=1,

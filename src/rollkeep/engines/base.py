@@ -110,10 +110,16 @@ def capabilities_of(engine: Any) -> Capabilities:
 
 class EpisodeTokenizer:
     """A transformers tokenizer as multi-turn episodes use it: an environment's response is
-    encoded without special tokens, a turn decoded without them."""
+    encoded without special tokens, a turn decoded without them. (`data.chat_template`
+    renders responses as chat turns instead: `models.chat.chat_episodes(this)`.)"""
 
     def __init__(self, tok: Any) -> None:
         self._tok = tok
+
+    @property
+    def tok(self) -> Any:
+        """The transformers tokenizer."""
+        return self._tok
 
     def encode(self, text: str, *, bos: bool = False) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=bos))

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from ..core.errors import CustodyError, UserInputError
+from ..models.chat import prompt_ids as chat_prompt_ids
 from ..models.hf import load_pretrained, read_weights_dir
 from .base import (
     Capabilities,
@@ -113,11 +114,13 @@ class HFEngine:
         self.tokenizer, model = load_pretrained(model_path, field=field)
         if chat_template and getattr(self.tokenizer, "chat_template", None) is None:
             raise UserInputError(
-                f"engine.chat_template is true but the tokenizer in {model_path} has no chat template",
+                f"engine.chat_template (or data.chat_template) is true but the tokenizer in {model_path} has "
+                "no chat template",
                 field="engine.chat_template",
                 expected="a tokenizer with a chat template",
                 found="none",
-                remedy="set engine.chat_template=false, or add a chat template to the tokenizer",
+                remedy="set engine.chat_template=false and data.chat_template=false, or add a chat template "
+                "to the tokenizer",
             )
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if isinstance(dtype, str):
@@ -144,11 +147,10 @@ class HFEngine:
 
     async def generate(self, req: GenRequest) -> Completion:
         text = req.prompt.prompt
-        if self.chat_template:
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-            )
-        ids = self.tokenizer.encode(text, add_special_tokens=not self.chat_template)
+        if self.chat_template:  # the template writes its own special tokens (`models.chat`)
+            ids = chat_prompt_ids(self.tokenizer, text)
+        else:
+            ids = self.tokenizer.encode(text, add_special_tokens=True)
         if not ids or (self._context is not None and len(ids) >= self._context):
             raise DataError(
                 f"hf engine: prompt of {len(ids)} tokens does not fit the model's context of "

@@ -49,6 +49,7 @@ class EnvSpec:
     label: str  # `env.name` or `env.factory`, for messages
     max_turn_tokens: int | None = None  # env.max_turn_tokens: most new tokens in one model turn
     max_response_bytes: int = 1 << 16  # env.max_response_bytes (its default): the longest step response, UTF-8
+    chat_template: bool = False  # data.chat_template: each response joins as a chat turn (`models.chat`)
 
 
 def resolve(env: Any) -> EnvSpec | None:

@@ -4,7 +4,8 @@ downloaded.
 
 The tokenizer is character-level (a BPE model with no merges: every character is a token)
 over digits, arithmetic signs, letters and a little punctuation, with <pad>/<bos>/<eos>/<unk>
-and a plain-text chat template. The model is a randomly initialised two-layer GPT-2.
+and a plain-text chat template (`User:` and `Assistant:` turns). The model is a randomly
+initialised two-layer GPT-2.
 """
 
 from __future__ import annotations
@@ -14,8 +15,13 @@ from pathlib import Path
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 CHARS = string.digits + "+-*=" + string.ascii_letters + " :.,?!\n"
+#: "User: {prompt}\nAssistant:" for a prompt; an assistant turn is "Assistant:{text}<eos>\n", so a
+#: multi-turn conversation renders with the prefix property `models.chat` needs.
 CHAT_TEMPLATE = (
-    "{% for m in messages %}User: {{ m['content'] }}\n{% endfor %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}Assistant:{{ m['content'] }}{{ eos_token }}\n"
+    "{% else %}User: {{ m['content'] }}\n{% endif %}"
+    "{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
 

@@ -10,6 +10,7 @@ from typing import Any
 from ..core.errors import UserInputError
 from ..core.rollout.generation import DataError, GenRequest
 from ..engines.base import EpisodeTokenizer
+from ..models.chat import prompt_ids as chat_prompt_ids
 
 _FIELD = "engine.tokenizer_path"
 
@@ -34,9 +35,10 @@ class RemoteTokenizer:
                                  path=str(p), field=_FIELD, expected="tokenizer.json / tokenizer_config.json",
                                  found=f"{type(e).__name__}: {e}"[:300], remedy="check the directory") from None
         if chat_template and getattr(self.tok, "chat_template", None) is None:
-            raise UserInputError(f"engine.chat_template is true but the tokenizer in {p} has no chat template",
-                                 field="engine.chat_template", expected="a tokenizer with a chat template",
-                                 found="none", remedy="set engine.chat_template=false")
+            raise UserInputError(f"engine.chat_template (or data.chat_template) is true but the tokenizer in {p} "
+                                 "has no chat template", field="engine.chat_template",
+                                 expected="a tokenizer with a chat template", found="none",
+                                 remedy="set engine.chat_template=false and data.chat_template=false")
         model = _model_config(p)
         self.chat_template = chat_template
         self.vocab = max(len(self.tok), int(model.get("vocab_size") or 0))
@@ -48,10 +50,10 @@ class RemoteTokenizer:
 
     def encode_prompt(self, req: GenRequest) -> list[int]:
         text = req.prompt.prompt
-        if self.chat_template:
-            text = self.tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                tokenize=False)
-        ids = self.tok.encode(text, add_special_tokens=not self.chat_template)
+        if self.chat_template:  # the template writes its own special tokens (`models.chat`)
+            ids = chat_prompt_ids(self.tok, text)
+        else:
+            ids = self.tok.encode(text, add_special_tokens=True)
         if not ids or (self.context is not None and len(ids) >= self.context):
             raise DataError(f"remote engine: prompt of {len(ids)} tokens does not fit the model's context of "
                             f"{self.context} with room to generate ({req.group_id}/{req.generation})")

@@ -33,6 +33,14 @@ environment's response would spend what is left of the engine's budget
 reported (`Turn`, after the environment's snapshot when it recovers by one) before the
 next generation. The reward is the last step's.
 
+An environment's response joins the trajectory as the tokenizer's `encode(response,
+bos=False)`, or, for a tokenizer that renders a chat template (`data.chat_template`,
+`models.chat.ChatTemplate`), as `response_ids(conversation, model_ids, response)`: the
+template's tokens after the model's turn, the response as a chat turn and the next
+generation prompt, all of them environment tokens; a restored episode's recorded responses
+are read back through its `response_text`. A conversation the template cannot render
+token by token fails the attempt (DataError).
+
 `EPISODE_TABLE` is every transition; a pair not listed is a bug of the machine or its
 driver (CustodyError), as is an input in a state that does not wait for it.
 """
@@ -59,6 +67,11 @@ _EMPTY = Tokens(np.zeros(0, np.int32), np.zeros(0, np.float32), np.zeros(0, np.i
 
 
 class Tokenizer(Protocol):
+    """`encode(text, bos=False)`, `decode(ids)`; one that renders a chat template also has
+    `response_ids(conversation, model_ids, response)` and `response_text(conversation,
+    model_ids, recorded)` (`models.chat.ChatTemplate`; the conversation: the prompt, then
+    the model's turns and the responses alternately, ending with the model's turn)."""
+
     def encode(self, text: str, bos: bool = ...) -> Any: ...
     def decode(self, ids: Any) -> str: ...
 
@@ -163,16 +176,19 @@ EPISODE_TABLE: dict[tuple[EpisodeState, str], EpisodeState] = {
     (_E.BUILDING, "reset"): _E.RESETTING,  # a new episode, or turns to replay
     (_E.BUILDING, "no_snapshot"): _E.FAILED,  # turns to restore, but no snapshot of them
     (_E.RESTORING, "generate"): _E.GENERATING,
+    (_E.RESTORING, "bad_render"): _E.FAILED,  # a recorded response the chat template does not render
     (_E.RESETTING, "replay"): _E.REPLAYING,  # the first recorded turn
     (_E.RESETTING, "generate"): _E.GENERATING,  # no turns to replay
     (_E.REPLAYING, "replay"): _E.REPLAYING,  # it answered as recorded: the next turn
     (_E.REPLAYING, "generate"): _E.GENERATING,  # ... and that was the last
     (_E.REPLAYING, "mismatch"): _E.FAILED,  # it answered otherwise: not deterministic
+    (_E.REPLAYING, "bad_render"): _E.FAILED,  # the chat template cannot render the conversation
     (_E.GENERATING, "step"): _E.STEPPING,
     (_E.GENERATING, "nothing_generated"): _E.DONE,  # the budget is spent or the context is full
     (_E.STEPPING, "env_done"): _E.DONE,  # the environment says so: finish "stop"
     (_E.STEPPING, "max_turns"): _E.DONE,
     (_E.STEPPING, "budget"): _E.DONE,  # the response would spend what is left of the budget
+    (_E.STEPPING, "bad_render"): _E.FAILED,  # the chat template cannot render the conversation
     (_E.STEPPING, "snapshot"): _E.SNAPSHOTTING,  # the turn is finished; recovery by snapshot
     (_E.STEPPING, "report"): _E.REPORTING,  # the turn is finished
     (_E.SNAPSHOTTING, "report"): _E.REPORTING,
@@ -217,7 +233,7 @@ class Episode:
         self.texts: list[str] = []  # the turns' and responses' texts so far
         self.finish = "length"
         self.reward = 0.0  # the last step's
-        self._replay: list[tuple[str, np.ndarray]] = []  # recorded turns still to replay
+        self._replay: list[tuple[str, np.ndarray, np.ndarray]] = []  # recorded turns still to replay (text, ids, response)
         self._last: Completion | None = None  # the last generation
         self._response: np.ndarray = np.zeros(0, np.int32)
 
@@ -245,23 +261,27 @@ class Episode:
     def on_restored(self) -> EpisodeCommand:
         """Restored: the recorded responses are taken as they are."""
         self._expect("on_restored")
+        texts: list[str] = []
+        recover = getattr(self.tok, "response_text", None)  # a chat template's
         for model, recorded in self._recorded():
-            self.texts += [self.tok.decode(model), self.tok.decode(recorded)]
+            texts.append(self.tok.decode(model))
+            texts.append(self.tok.decode(recorded) if recover is None
+                         else self._rendering(recover, [self.req.prompt.prompt, *texts], model, recorded))
+        self.texts += texts
         self._go("generate")
         return self._generate()
 
     def on_reset(self) -> EpisodeCommand:
         self._expect("on_reset")
-        self._replay = [(self.tok.decode(model), recorded) for model, recorded in self._recorded()]
+        self._replay = [(self.tok.decode(model), model, recorded) for model, recorded in self._recorded()]
         return self._next_replay()
 
     def on_replayed(self, step: StepLike) -> EpisodeCommand:
         """The environment's answer to a recorded turn: it must be the recorded response."""
         self._expect("on_replayed")
-        text, recorded = self._replay.pop(0)
+        text, model, recorded = self._replay[0]
         turn = len(self.texts) // 2
-        answer = np.asarray(self.tok.encode(step.response, bos=False), np.int32)
-        if step.done or not np.array_equal(answer, recorded):
+        if step.done or not np.array_equal(self._response_ids([*self.texts, text], model, step.response), recorded):
             self._go("mismatch")
             req = self.req
             raise DataError(
@@ -269,6 +289,7 @@ class Episode:
                 f"differently: recorded response {self.tok.decode(recorded)!r}, now "
                 f"{'done' if step.done else repr(step.response)} (a `replay` environment must be a "
                 "function of row, seed and turns; declare recovery='snapshot' otherwise)")
+        self._replay.pop(0)
         self.texts += [text, step.response]
         return self._next_replay()
 
@@ -294,7 +315,7 @@ class Episode:
             self.finish = "stop" if step.done else "length"
             self._go("env_done" if step.done else "max_turns")
             return self._done()
-        response = np.asarray(self.tok.encode(step.response, bos=False), np.int32)
+        response = self._response_ids(self.texts, self.traj.completion_ids[self._start():], step.response)
         assert self._last is not None
         limit = None if self.completion_limit is None else self.completion_limit(len(self._last.prompt_ids))
         if limit is not None and len(self.traj) + len(response) >= limit:
@@ -340,6 +361,24 @@ class Episode:
         return Generate(dataclasses.replace(self.req, prefix=self.traj if len(self.traj) else None,
                                             turns=tuple(self.turns), max_tokens=cap))
 
+    def _response_ids(self, texts: list[str], model: np.ndarray, response: str) -> np.ndarray:
+        """The response's tokens after the turns and responses `texts`, which end with the
+        model's turn (its tokens `model`)."""
+        render = getattr(self.tok, "response_ids", None)  # a chat template's
+        if render is None:
+            return np.asarray(self.tok.encode(response, bos=False), np.int32)
+        return np.asarray(self._rendering(render, [self.req.prompt.prompt, *texts], model, response), np.int32)
+
+    def _rendering(self, render: Callable[..., Any], conversation: list[str], model: np.ndarray, arg: Any) -> Any:
+        """`render(conversation, model ids, arg)`; a conversation the template cannot render
+        is a data failure of the attempt (DataError, the machine FAILED)."""
+        try:
+            return render(conversation, [int(t) for t in model], arg)
+        except DataError as e:
+            self._go("bad_render")
+            req = self.req
+            raise DataError(f"environment {self.label}, episode {req.group_id}/{req.generation}: {e}") from None
+
     def _recorded(self) -> list[tuple[np.ndarray, np.ndarray]]:
         """Each finished turn's model tokens and the environment's recorded response."""
         out, start, traj = [], 0, self.traj
@@ -352,7 +391,7 @@ class Episode:
     def _next_replay(self) -> EpisodeCommand:
         if self._replay:
             self._go("replay")
-            text, recorded = self._replay[0]
+            text, _, recorded = self._replay[0]
             return EnvReplay(len(self.texts) // 2, text, recorded)
         self._go("generate")
         return self._generate()
