@@ -4,9 +4,16 @@
 `install(monkeypatch)` puts it into `sys.modules` as `vllm` (plus the submodules the adapter
 imports) and makes torch report a CUDA device. The fake engine:
 
-  - takes `add_request(request_id, TokensPrompt-dict, SamplingParams)`, `abort_request`,
-    `step()`, `collective_rpc`, `get_tokenizer()`, and has `vllm_config`, `model_config`
-    and `engine_core.shutdown()` like the real one;
+  - takes `add_request(request_id, engine input, SamplingParams)`, where the engine input
+    is a rendered `{"type": "token", "prompt_token_ids": ..., "cache_salt": ...}` (a raw
+    prompt without "type" is still taken, and counted in `raw_prompts`: 0.22-0.33 warn that
+    the raw path is deprecated), `abort_request`, `step()`, `collective_rpc`,
+    `get_tokenizer()`, and has `vllm_config`, `model_config` (with the resolved `dtype`
+    and the text config's `tie_word_embeddings`) and `engine_core.shutdown()` like the
+    real one;
+  - loads `collective_rpc("reload_weights")` as vLLM 0.32's `AutoWeightsLoader` does for a
+    tied model: `lm_head.weight` is skipped as an alias of the embedding, and refused when
+    the embedding is not there (`loaded` records what arrived);
   - emits one token per live request per `step()`, as a DELTA `RequestOutput`; the token
     is a function of (seed, absolute position) only, as Model Runner V2's sampler draws,
     and its log-prob is a function of the position and the loaded "weights", so a test
@@ -25,6 +32,8 @@ from types import SimpleNamespace
 from typing import Any
 
 VERSION = "0.33.0"
+EMBED = "transformer.wte.weight"  # the embedding a tied `lm_head.weight` aliases
+_DTYPES = {"auto": "bfloat16", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
 class RequestOutputKind(enum.Enum):
@@ -71,9 +80,16 @@ class RequestOutput:
 
 class Tokenizer:
     eos_token_id = 2  # never drawn by `token_at` (ids 3..42)
+    chat_template: str | None = None  # a test sets one (a jinja string in transformers)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False,
+                            tokenize: bool = True) -> str:
+        assert self.chat_template is not None and not tokenize
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [ord(c) % 50 + 3 for c in text]
+        return [1] * add_special_tokens + [ord(c) % 50 + 3 for c in text]  # 1: BOS
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return "".join(chr(i + 45) for i in ids if not (skip_special_tokens and i == self.eos_token_id))
@@ -101,6 +117,8 @@ class Behaviour:
     max_model_len: int = 64
     quantization: str | None = None
     on_build: Any = None  # called while building (e.g. to reseed global RNGs)
+    tied: bool = False  # the model ties lm_head to the embedding (`tie_word_embeddings`)
+    chat_template: str | None = None  # the tokenizer's
 
 
 class FakeEngine:
@@ -114,8 +132,12 @@ class FakeEngine:
             b.on_build()
         resolved = {"async_scheduling": args.get("async_scheduling"), "stream_interval": args.get("stream_interval"),
                     "logprobs_mode": args.get("logprobs_mode", "raw_logprobs")} | b.resolved
+        import torch
+
         self.model_config = SimpleNamespace(logprobs_mode=resolved["logprobs_mode"], max_model_len=b.max_model_len,
-                                            quantization=b.quantization)
+                                            quantization=b.quantization,
+                                            dtype=getattr(torch, _DTYPES[args.get("dtype", "auto")]),
+                                            hf_text_config=SimpleNamespace(tie_word_embeddings=b.tied))
         self.vllm_config = SimpleNamespace(
             scheduler_config=SimpleNamespace(async_scheduling=resolved["async_scheduling"],
                                              stream_interval=resolved["stream_interval"]),
@@ -125,6 +147,8 @@ class FakeEngine:
         self.added: list[tuple[str, dict, SamplingParams]] = []
         self.aborted: list[str] = []
         self.rpc: list[tuple[str, dict]] = []
+        self.loaded: list[dict] = []  # the weights each reload received, by name
+        self.raw_prompts = 0  # prompts that came without "type" (vLLM's deprecated raw path)
         self.weight = 0.0  # the loaded "weights"
         self.steps = 0
         self.gate: threading.Semaphore | None = None
@@ -151,11 +175,17 @@ class FakeEngine:
             return self.entered_cv.wait_for(lambda: self.entered >= n, timeout=10)
 
     def get_tokenizer(self) -> Tokenizer:
-        return Tokenizer()
+        tok = Tokenizer()
+        tok.chat_template = FakeEngine.behaviour.chat_template
+        return tok
 
     def add_request(self, request_id: str, prompt: dict, params: SamplingParams) -> str:
         self.thread_ids.add(threading.get_ident())
         assert isinstance(prompt, dict) and "prompt_token_ids" in prompt
+        if "type" in prompt:  # a rendered engine input, taken as it is (InputProcessor.process_inputs)
+            assert prompt["type"] == "token" and set(prompt) <= {"type", "prompt_token_ids", "cache_salt"}
+        else:
+            self.raw_prompts += 1
         assert params.output_kind is RequestOutputKind.DELTA
         self.live[request_id] = _Live(prompt, params)
         self.added.append((request_id, prompt, params))
@@ -202,8 +232,14 @@ class FakeEngine:
         self.thread_ids.add(threading.get_ident())
         self.rpc.append((method, kwargs or {}))
         weights = dict(kwargs["weights_iterator"])
+        if FakeEngine.behaviour.tied and "lm_head.weight" in weights:
+            if EMBED not in weights:  # AutoWeightsLoader._check_skipped_aliases (0.32)
+                raise ValueError(f"'lm_head.weight' was skipped because it is tied to {EMBED!r}, but {EMBED!r} "
+                                 "was not found in the checkpoint")
+            weights.pop("lm_head.weight")  # skipped as an alias
         if "w" not in weights:
             raise KeyError("transformer.h.0.attn.c_attn.weight")
+        self.loaded.append(weights)
         self.weight = float(weights["w"])
         return [None]
 
@@ -229,15 +265,16 @@ def process_weights_after_loading(model, model_config, target_device) -> None:
     post_processed.append((model, model_config, target_device))
 
 
-def install(monkeypatch, *, reload_weights: bool = True) -> type[FakeEngine]:
-    """Put the fake into sys.modules; returns the engine class (its `instances` fill up)."""
+def install(monkeypatch, *, reload_weights: bool = True, version: str = VERSION) -> type[FakeEngine]:
+    """Put the fake into sys.modules as vllm `version`; returns the engine class (its
+    `instances` fill up)."""
     import torch
 
     FakeEngine.instances = []
     FakeEngine.behaviour = Behaviour()
     post_processed.clear()
     vllm = types.ModuleType("vllm")
-    vllm.__version__ = VERSION
+    vllm.__version__ = version
     vllm.LLMEngine = FakeEngine
     vllm.EngineArgs = EngineArgs
     vllm.SamplingParams = SamplingParams

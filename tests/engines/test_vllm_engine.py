@@ -80,8 +80,15 @@ def test_without_vllm_construction_names_the_install_remedy(env):
         VLLMEngine(**ARGS)
 
 
+def bare_vllm(version: str = fake_vllm.VERSION) -> types.ModuleType:
+    """A `vllm` module with a version and nothing else: what must not be reached stays unreached."""
+    module = types.ModuleType("vllm")
+    module.__version__ = version
+    return module
+
+
 def test_without_cuda_construction_names_the_install_remedy(env):
-    env.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    env.setitem(sys.modules, "vllm", bare_vllm())
     env.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(UserInputError, match="needs a CUDA GPU") as e:
         VLLMEngine(**ARGS)
@@ -94,7 +101,7 @@ def test_without_cuda_construction_names_the_install_remedy(env):
     (dict(top_p=0.9), "top_p = 1 only"),
 ])
 def test_bad_settings_are_refused_before_vllm_starts(env, tmp_path, overrides, message):
-    env.setitem(sys.modules, "vllm", types.ModuleType("vllm"))  # has no LLMEngine: must not be reached
+    env.setitem(sys.modules, "vllm", bare_vllm())  # has no LLMEngine: must not be reached
     env.setattr(torch.cuda, "is_available", lambda: True)
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(UserInputError, match=message):
@@ -102,7 +109,7 @@ def test_bad_settings_are_refused_before_vllm_starts(env, tmp_path, overrides, m
 
 
 def test_multiprocess_vllm_is_refused(env, tmp_path):
-    env.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    env.setitem(sys.modules, "vllm", bare_vllm())
     env.setattr(torch.cuda, "is_available", lambda: True)
     env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     (tmp_path / "config.json").write_text("{}")
@@ -145,9 +152,9 @@ def test_sampling_kwargs_keep_the_seed_a_pure_function_within_int64():
 
 
 def test_stale_kv_cache_regression_prompt_is_salted_with_the_weight_version():
-    a, b = vl.prompt_kwargs([5, 6], [], 0), vl.prompt_kwargs([5, 6], [], 3)
-    assert a == {"prompt_token_ids": [5, 6], "cache_salt": "w0"} and b["cache_salt"] == "w3"
-    assert vl.prompt_kwargs([5, 6], [9], 3)["prompt_token_ids"] == [5, 6, 9]
+    a, b = vl.engine_input([5, 6], [], 0), vl.engine_input([5, 6], [], 3)
+    assert a == {"type": "token", "prompt_token_ids": [5, 6], "cache_salt": "w0"} and b["cache_salt"] == "w3"
+    assert vl.engine_input([5, 6], [9], 3)["prompt_token_ids"] == [5, 6, 9]
 
 
 @pytest.mark.parametrize("reason, outcome", [
@@ -235,7 +242,8 @@ def test_builds_in_process_with_the_settings_and_streams_a_completion(fake):
                                     enforce_eager=False)
     rid, prompt, params = e.added[0]
     tokens = fake_vllm.Tokenizer().encode("12+34=")
-    assert prompt == {"prompt_token_ids": tokens, "cache_salt": "w0"}
+    assert prompt == {"type": "token", "prompt_token_ids": tokens, "cache_salt": "w0"}  # rendered, not raw
+    assert e.raw_prompts == 0
     assert (params.seed, params.temperature, params.top_p, params.max_tokens, params.logprobs) == (
         (2**64 - 1) % 2**63, 0.7, 1.0, 4, 0)
     assert c.prompt_ids.tolist() == tokens
@@ -594,7 +602,192 @@ def test_an_episode_runs_on_the_engine_and_continues_after_its_finished_turns(fa
     whole, turns = episode(request())
     env = whole.versions == ENV_VERSION
     assert [k for _, k in turns] == [0, 1] and int((~env).sum()) == 9  # three turns of 3 tokens
-    assert whole.completion_ids[env].tolist() == fake_vllm.Tokenizer().encode("=1;=2;")
+    assert whole.completion_ids[env].tolist() == fake_vllm.Tokenizer().encode("=1;=2;", add_special_tokens=False)
     first = turns[0][0]
     continued, rest = episode(dataclasses.replace(request(), prefix=first, turns=(len(first),)))
     assert continued.completion_ids.tolist() == whole.completion_ids.tolist() and [k for _, k in rest] == [1]
+
+
+# ------------------------------------------ the release check, the prompt's form, dtype, ties
+
+
+@pytest.mark.parametrize("version, ok", [
+    ("0.22.0", True), ("0.33.0", True), ("0.32.0+cpu", True), ("0.33.1.dev4+g1234abc", True),
+    ("0.10.2", False), ("0.21.9", False), ("0.34.0", False), ("0.34.0rc1", False), ("0.34.0.dev2", False),
+    ("1.0.0", False), (None, False), ("unknown", False),
+])
+def test_check_version_takes_exactly_the_supported_range(version, ok):
+    if ok:
+        vl.check_version(version)
+        return
+    with pytest.raises(UserInputError) as e:
+        vl.check_version(version)
+    assert e.value.expected == f"vllm {vl.SUPPORTED}" and "pip install 'rollkeep[vllm]'" in e.value.remedy
+
+
+def test_a_vllm_outside_the_supported_range_is_refused_before_an_engine_is_built(env, tmp_path):
+    """vllm 0.10.2 failed with a raw TypeError on `stream_interval`; now: exit 2, naming the
+    release found, the range and the remedy, and nothing of vLLM is started."""
+    from rollkeep.cli import exit_code
+
+    fake = fake_vllm.install(env, version="0.10.2")
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(UserInputError) as e:
+        VLLMEngine(**(ARGS | {"model_path": str(tmp_path)}))
+    message = str(e.value)
+    assert "this is vllm 0.10.2" in message and ">=0.22,<0.34" in message and "rollkeep[vllm]" in message
+    assert exit_code(e.value) == 2 and fake.instances == []
+
+
+def test_requests_are_rendered_engine_inputs_never_raw_prompts(fake):
+    """The non-deprecated form (`"type": "token"`), continuation and salt included."""
+    eng = build(fake, max_new_tokens=3)
+
+    async def body():
+        full = await eng.generate(request(seed=5))
+        await eng.update_weights({"w": 1.0}, 4)
+        cut = Prefix(full.completion_ids[:1].tolist(), full.logprobs[:1].tolist(), [0])
+        return full, await eng.generate(request(seed=5), prefix=cut)
+
+    full, _ = run(closing(eng, body()))
+    e = fake.instances[0]
+    tokens = fake_vllm.Tokenizer().encode("12+34=")
+    assert [p for _, p, _ in e.added] == [
+        {"type": "token", "prompt_token_ids": tokens, "cache_salt": "w0"},
+        {"type": "token", "prompt_token_ids": tokens + full.completion_ids[:1].tolist(), "cache_salt": "w4"},
+    ]
+    assert e.raw_prompts == 0
+
+
+@pytest.mark.parametrize("dtype, want", [("auto", torch.bfloat16), ("float32", torch.float32),
+                                         ("float16", torch.float16)])
+def test_float32_master_weights_are_published_in_the_engines_dtype(fake, dtype, want):
+    """`auto` is what vLLM resolved (the fake: bfloat16, as vLLM for a float32 or bf16
+    checkpoint); a tensor shared by two names is cast once, so the names still share it;
+    integer tensors are left alone."""
+    eng = build(fake, dtype=dtype)
+    shared = torch.randn(4, 3)
+    weights = {"w": torch.tensor(0.5), "a": shared, "b": shared, "steps": torch.arange(3)}
+    run(closing(eng, eng.update_weights(weights, 1)))
+    e = fake.instances[0]
+    assert e.args["dtype"] == dtype and eng.dtype is want
+    got = e.loaded[0]
+    assert {k: v.dtype for k, v in got.items()} == {"w": want, "a": want, "b": want, "steps": torch.int64}
+    assert got["a"] is got["b"] and torch.equal(got["a"], shared.to(want))
+    assert weights["a"].dtype == torch.float32  # the trainer's copy is untouched
+
+
+def test_tied_embedding_regression_reload_sends_the_embedding_and_not_the_head(fake):
+    """A tied model (lm_head is the embedding's parameter in vLLM): the embedding is sent
+    once and `lm_head.weight` not at all, whether the head comes as the embedding's very
+    tensor (the trainer's `weights()`) or as an equal copy (after pickling for Ray)."""
+    fake.behaviour.tied = True
+    eng = build(fake, dtype="float32")
+    embed = torch.randn(5, 3)
+
+    async def body():
+        await eng.update_weights({"w": torch.tensor(1.0), fake_vllm.EMBED: embed, "lm_head.weight": embed}, 1)
+        await eng.update_weights({"w": torch.tensor(2.0), fake_vllm.EMBED: embed, "lm_head.weight": embed.clone()}, 2)
+
+    run(closing(eng, body()))
+    e = fake.instances[0]
+    assert eng.tied_embeddings and eng.version == 2
+    sent = [dict(kw["weights_iterator"]) for _, kw in e.rpc]
+    assert [sorted(s) for s in sent] == [["transformer.wte.weight", "w"]] * 2
+    assert all(torch.equal(s[fake_vllm.EMBED], embed) for s in sent)
+
+
+def test_an_untied_head_for_a_tied_model_is_refused_and_nothing_is_loaded(fake):
+    fake.behaviour.tied = True
+    eng = build(fake, dtype="float32")
+    weights = {"w": torch.tensor(1.0), fake_vllm.EMBED: torch.zeros(5, 3), "lm_head.weight": torch.ones(5, 3)}
+    with pytest.raises(UserInputError, match="output head is not its input embedding"):
+        run(closing(eng, eng.update_weights(weights, 1)))
+    assert fake.instances[0].rpc == [] and eng.version == 0
+
+
+def test_an_untied_model_gets_its_head_as_it_is(fake):
+    eng = build(fake, dtype="float32")
+    head = torch.ones(5, 3)
+    run(closing(eng, eng.update_weights({"w": torch.tensor(1.0), fake_vllm.EMBED: torch.zeros(5, 3),
+                                         "lm_head.weight": head}, 1)))
+    assert not eng.tied_embeddings and torch.equal(fake.instances[0].loaded[0]["lm_head.weight"], head)
+
+
+def test_tied_reload_leaves_weights_without_a_head_alone():
+    weights = {fake_vllm.EMBED: torch.zeros(2, 2), "x": torch.ones(1)}
+    assert vl.tied_reload(weights) == weights
+    assert vl.tied_embeddings(SimpleNamespace(hf_text_config=SimpleNamespace(tie_word_embeddings=True)))
+    assert not vl.tied_embeddings(SimpleNamespace(hf_config=SimpleNamespace()))
+
+
+def test_chat_template_renders_the_prompt_and_adds_no_special_tokens_again(fake):
+    fake.behaviour.chat_template = "{{ messages }}"  # the fake tokenizer renders <role>content
+    eng = build(fake, max_new_tokens=2, chat_template=True)
+    c = run(closing(eng, eng.generate(request(text="2+2="))))
+    want = fake_vllm.Tokenizer().encode("<user>2+2=<assistant>", add_special_tokens=False)
+    assert c.prompt_ids.tolist() == want and want[0] != 1  # no BOS in front of the template's own text
+    assert fake.instances[0].added[0][1]["prompt_token_ids"] == want
+
+
+def test_without_chat_template_the_prompt_gets_the_special_tokens(fake):
+    eng = build(fake, max_new_tokens=2)
+    c = run(closing(eng, eng.generate(request(text="2+2="))))
+    assert c.prompt_ids.tolist() == fake_vllm.Tokenizer().encode("2+2=") and c.prompt_ids[0] == 1
+
+
+def test_chat_template_with_a_tokenizer_without_one_is_refused_and_vllm_shut_down(fake):
+    with pytest.raises(UserInputError, match="has no chat template") as e:
+        build(fake, chat_template=True)
+    assert e.value.field == "engine.chat_template" and fake.instances[0].shut_down == 1
+
+
+# ------------------------------------------------------------------ config keys, wiring
+
+
+VLLM_BASE = ["engine.name=vllm", "engine.model_path=/m", "trainer.name=hf", "trainer.model_path=/m"]
+
+
+def test_engine_dtype_enforce_eager_and_chat_template_config_keys():
+    cfg = load_config(None, VLLM_BASE)
+    assert (cfg.engine.dtype, cfg.engine.enforce_eager, cfg.engine.chat_template) == ("auto", False, False)
+    cfg = load_config(None, [*VLLM_BASE, "engine.dtype=bfloat16", "engine.enforce_eager=true",
+                             "engine.chat_template=true"])
+    assert (cfg.engine.dtype, cfg.engine.enforce_eager, cfg.engine.chat_template) == ("bfloat16", True, True)
+    hf = ["engine.name=hf", "engine.model_path=/m", "trainer.name=hf", "trainer.model_path=/m"]
+    assert load_config(None, [*hf, "engine.dtype=float16"]).engine.dtype == "float16"
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*VLLM_BASE, "engine.dtype=float64"])
+    assert e.value.field == "engine.dtype"
+
+
+def test_deterministic_hf_engine_needs_engine_dtype_auto():
+    hf = ["engine.name=hf", "engine.model_path=/m", "trainer.name=hf", "trainer.model_path=/m", "deterministic=true",
+          "rollout.on_dropped_prompt=shrink"]
+    assert load_config(None, hf).engine.dtype == "auto"
+    with pytest.raises(ConfigError, match=r"needs `engine.dtype: auto`; found `bfloat16`") as e:
+        load_config(None, [*hf, "engine.dtype=bfloat16"])
+    assert e.value.field == "engine.dtype"
+
+
+def test_engine_dtype_is_semantic_enforce_eager_is_not():
+    from rollkeep.config import ADDED_KEYS, is_semantic
+
+    assert is_semantic("engine.dtype") and not is_semantic("engine.enforce_eager")
+    assert ADDED_KEYS["engine.dtype"] == "auto"  # what a run did before the key existed
+
+
+def test_the_config_section_reaches_the_engine(fake):
+    """`make_engine` hands the vllm section's dtype, enforce_eager and chat_template over."""
+    from rollkeep.engines import make_engine
+
+    fake.behaviour.chat_template = "{{ messages }}"
+    cfg = load_config(None, ["engine.name=vllm", f"engine.model_path={fake.model_dir}", "trainer.name=hf",
+                             "trainer.model_path=/m", "engine.dtype=float32", "engine.enforce_eager=true",
+                             "engine.chat_template=true", "engine.gpu_memory_utilization=0.2"])
+    eng = make_engine(cfg.engine)
+    run(eng.close())
+    args = fake.instances[0].args
+    assert (args["dtype"], args["enforce_eager"], eng.chat_template) == ("float32", True, True)
+    assert args == vl.engine_args(model=fake.model_dir, gpu_memory_utilization=0.2, dtype="float32",
+                                  enforce_eager=True)

@@ -28,6 +28,7 @@ from ..core.errors import ConfigError
 from ..core.rollout.generation import Chunk, Completion, DataError, GenRequest, InfraError
 from ..engines import EngineRecipe
 from ..engines.base import capabilities_of
+from ..engines.dtypes import cast_weights, transfer_dtype
 from .local_ray import LocalRay
 from .pool import EnginePool
 from .replicas import ReplicaGone, ReplicaInfo, ReplicaLost
@@ -73,7 +74,11 @@ def ray_pool(cluster: Any, recipe: EngineRecipe, *, replicas: int, flush_s: floa
     actor_cls = ray.remote(num_cpus=cluster.replica_cpus, num_gpus=gpus, max_restarts=cluster.max_restarts,
                            max_task_retries=0, max_concurrency=1000)(ReplicaActor)
     handles = [RayReplica(ray, actor_cls, recipe, i, flush_s) for i in range(replicas)]
-    return EnginePool(handles, publish=lambda weights, version: ray.put(weights), max_restarts=cluster.max_restarts,
+    # Published in the replicas' dtype when it is a 16-bit one known now (`engines.dtypes`):
+    # half the bytes through the object store, the same values once loaded.
+    dtype = transfer_dtype(recipe.section, recipe.context)
+    return EnginePool(handles, publish=lambda weights, version: ray.put(cast_weights(weights, dtype)),
+                      max_restarts=cluster.max_restarts,
                       replica_timeout_s=cluster.replica_timeout_s, on_close=on_close)
 
 

@@ -67,6 +67,15 @@ def _cross_field_problems(get: Callable[[str], Any]) -> list[_Problem]:
                     "true (a weight update inside a generation depends on timing)",
                 )
             )
+        dtype = get("engine.dtype")
+        if get("engine.name") == "hf" and isinstance(dtype, str) and dtype != "auto":
+            problems.append(
+                _Problem(
+                    "engine.dtype",
+                    f"`deterministic: true` samples the hf engine in float64 and needs `engine.dtype: auto`; "
+                    f"found `{dtype}` (a batch of another size must not flip a token on a last-bit difference)",
+                )
+            )
 
     engine, trainer = get("engine.name"), get("trainer.name")
     pairs = {"toy": ("toy",), "torch": ("torch", "custom"), "hf": ("hf",), "vllm": ("hf",), "remote": ("hf",)}

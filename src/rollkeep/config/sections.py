@@ -160,6 +160,11 @@ class HFEngineConfig(_SamplingSection):
     """Wrap each prompt with the tokenizer's chat template."""
     max_batch_size: int = Field(16, ge=1)
     """Most sequences generated in one batch."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Precision of the engine's copy of the weights: `auto` = the checkpoint's dtype
+    (config.json's, as transformers loads it). Trainers keep float32 master weights; every
+    refit publishes them to the engine cast to this dtype, so behaviour log-probs carry its
+    rounding (deterministic runs sample in float64 and need `auto`)."""
 
 
 class VLLMEngineConfig(_SamplingSection):
@@ -173,6 +178,18 @@ class VLLMEngineConfig(_SamplingSection):
     """Fraction of GPU memory vLLM may take, in (0, 1]."""
     tensor_parallel_size: int = Field(1, ge=1)
     """Number of GPUs the model is sharded over."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Precision vLLM computes in and holds the weights in: `auto` = the checkpoint's dtype,
+    as vLLM resolves it (a float32 checkpoint runs in bfloat16). Trainers keep float32 master
+    weights; every refit publishes them to the engine cast to this dtype, and the behaviour
+    log-probs, computed in it, enter the PPO ratio against the trainer's float32 ones
+    (docs/backends.md, "vllm")."""
+    enforce_eager: bool = False
+    """Run vLLM's model eagerly: no torch.compile and no CUDA graphs (a faster start, slower
+    decoding; for debugging)."""
+    chat_template: bool = False
+    """Wrap each prompt with the tokenizer's chat template (as engine `hf` does); a tokenizer
+    without one is refused at start-up."""
 
     @field_validator("top_p")
     @classmethod

@@ -32,6 +32,7 @@ _SEMANTIC = (
     "engine.model_path",
     "engine.chat_template",
     "engine.tokenizer_path",
+    "engine.dtype",  # the behaviour policy's numerics: its log-probs enter the PPO ratio
     "trainer",
     "rollout.group_size",
     "train.num_prompts_per_step",
@@ -58,6 +59,7 @@ _NOT_SEMANTIC = (
     "engine.update_weights_in_flight",
     "engine.gpu_memory_utilization",
     "engine.tensor_parallel_size",
+    "engine.enforce_eager",  # compiled or eager: the same computation, at another speed
     "engine.flavor",
     "engine.servers",
     "engine.model",
@@ -161,6 +163,7 @@ ADDED_KEYS: dict[str, Any] = {
     "trainer.loss_type": "dapo",
     "trainer.dual_clip": None,
     "data.chat_template": False,
+    "engine.dtype": "auto",
 }
 
 #: Semantic keys a resume can never change, with the reason.

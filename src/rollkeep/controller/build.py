@@ -209,7 +209,10 @@ def _build_hf(cfg: Config, dataset: Dataset, source: PromptSource, eval_rows, en
         if env is not None and cfg.data.chat_template:
             chat.probe()  # a template that cannot render episodes token by token: exit 2 now
     # float64 sampling when deterministic: a different batch composition must not flip a
-    # token (see _build_torch)
+    # token (see _build_torch). It takes the place of `engine.dtype: auto` (any other
+    # engine.dtype is refused with deterministic); otherwise the hf and vllm engines get
+    # `engine.dtype`, `engine.enforce_eager` and `engine.chat_template` from their section
+    # (`make_engine`), and hold the trainer's float32 weights cast to that dtype.
     context = {"dtype": torch.float64} if cfg.engine.name == "hf" and cfg.deterministic else {}
     engine = open_engine(cfg, EngineRecipe(cfg.engine, context))
     evaluator = None

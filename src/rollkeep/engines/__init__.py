@@ -28,22 +28,25 @@ def make_engine(cfg: Any, **context: Any) -> Engine:
     """Build the engine named by `cfg.name` from its own config section only.
 
     `context` carries what some backends need from the run (e.g. the tokenizer, the
-    initial model of the built-in trainer)."""
+    initial model of the built-in trainer). A key in both is the context's: deterministic
+    runs sample the hf engine in float64 in place of `engine.dtype: auto` (the config
+    refuses any other `engine.dtype` with `deterministic: true`)."""
     fields = {k: v for k, v in cfg.model_dump().items() if k not in ("name", "replicas")}
+    fields |= context
     if cfg.name == "toy":
         from .toy import ToyEngine
 
-        return ToyEngine(**fields, **context)
+        return ToyEngine(**fields)
     if cfg.name == "torch":
         from .torch_gpt import TorchEngine
 
-        return TorchEngine(**fields, **context)
+        return TorchEngine(**fields)
     if cfg.name == "hf":
         from .hf import HFEngine
 
-        return HFEngine(**fields, **context)
+        return HFEngine(**fields)
     if cfg.name == "vllm":
         from .vllm import VLLMEngine
 
-        return VLLMEngine(**fields, **context)
+        return VLLMEngine(**fields)
     raise ValueError(f"unknown engine {cfg.name!r}")  # the config model already refuses it

@@ -52,6 +52,7 @@ from .base import (
     GenRequest,
     InfraError,
 )
+from .dtypes import checkpoint_dtype, torch_dtype
 from .inbox import Inbox, Refit, settle, take_batch
 
 #: Called on the worker thread with each new token of a `submit_ids` request, in order:
@@ -100,7 +101,7 @@ class HFEngine:
         max_new_tokens: int,
         chat_template: bool,
         max_batch_size: int,
-        dtype: Any = None,
+        dtype: Any = "auto",
         device: Any = None,
         field: str = "engine.model_path",  # what errors about model_path call it
     ) -> None:
@@ -111,7 +112,9 @@ class HFEngine:
         self.max_new_tokens = max_new_tokens
         self.chat_template = chat_template
         self.max_batch_size = max_batch_size
-        self.tokenizer, model = load_pretrained(model_path, field=field)
+        if dtype == "auto":  # `engine.dtype`: the checkpoint's, whatever transformers' default is
+            dtype = checkpoint_dtype(model_path)
+        self.tokenizer, model = load_pretrained(model_path, field=field, dtype=dtype if isinstance(dtype, str) else None)
         if chat_template and getattr(self.tokenizer, "chat_template", None) is None:
             raise UserInputError(
                 f"engine.chat_template (or data.chat_template) is true but the tokenizer in {model_path} has "
@@ -123,8 +126,7 @@ class HFEngine:
                 "to the tokenizer",
             )
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype)
+        dtype = torch_dtype(dtype)  # a name, a torch.dtype (deterministic runs: float64) or None (as loaded)
         self.model = model.to(self.device, dtype) if dtype is not None else model.to(self.device)
         self.model.eval()
         # transformers 5 renamed the cache argument (and output) `past_key_values` -> `cache`.
@@ -239,7 +241,9 @@ class HFEngine:
                           text=self.tokenizer.decode(ids.tolist(), skip_special_tokens=True))
 
     async def update_weights(self, weights: Any, version: int) -> None:
-        """Copy the state dict `weights` into the model between batches; then `version`."""
+        """Copy the state dict `weights` into the model between batches; then `version`.
+        (`load_state_dict` copies each tensor into the model's own, so float32 master
+        weights land in the engine's dtype, rounded to nearest.)"""
         refit = Refit(weights, version, Future())
         self._inbox.put(self._refits, refit)
         await asyncio.wrap_future(refit.future)

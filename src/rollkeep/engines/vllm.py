@@ -7,30 +7,36 @@ Python sources of every release wheel 0.22.0, 0.22.1, 0.23.0, 0.24.0, 0.25.0, 0.
 the V1 engine exists in that range (V0 was removed in 0.11); `vllm.LLMEngine` is
 `vllm.v1.engine.llm_engine.LLMEngine` (vllm/engine/llm_engine.py).
 
-WHAT HAS AND HAS NOT RUN. No GPU and no vllm were available where this was written. The
-CPU tests (tests/test_vllm_engine.py) run the whole adapter -- worker thread, streaming,
-version stamping, both weight-loading paths, finish reasons, shutdown, RNG isolation --
-against a fake `vllm` module with the shapes the real one has. Against real vLLM the
-adapter has NOT run yet: `scripts/gpu_check.sh` does that on a GPU machine (docs/backends.md, "GPU
-check"); treat the adapter as unverified until it has passed there.
+WHAT HAS AND HAS NOT RUN. No GPU with vllm was available where this was written. The
+CPU tests (tests/engines/test_vllm_engine.py) run the whole adapter -- worker thread,
+streaming, version stamping, both weight-loading paths, the tied-embedding reload, the
+dtype cast, the chat template, the version check, finish reasons, shutdown, RNG isolation
+-- against a fake `vllm` module with the shapes the real one has (tests/fake_vllm.py).
+Against real vLLM on a GPU the adapter has NOT run yet: `scripts/gpu_check.sh` does that on
+a GPU machine (docs/backends.md, "GPU check"); treat the adapter as unverified until it
+has passed there.
 
 How it works
 ------------
 One worker thread owns vLLM: it builds the `LLMEngine` in this process
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), then drives it step by step (`add_request`, `step`,
 `abort_request`), applies weight updates between steps, and shuts it down on `close()`.
-Prompts are tokenised on that thread with vLLM's own tokenizer (`encode(text,
-add_special_tokens=True)`, as the hf engine does without a chat template) and sent as
-token ids, so a partial generation can be continued from exact ids (9. below). Cancelling
+Prompts are tokenised on that thread with vLLM's own tokenizer, as the hf engine does
+(`encode(text, add_special_tokens=True)`; with `chat_template`, the tokenizer's chat
+template with the generation prompt, encoded without adding special tokens again), and
+sent as token ids in a rendered engine input (10.), so a partial generation can be
+continued from exact ids (9. below). Cancelling
 the awaiting task aborts the request. A step that raises fails the requests in flight with
 InfraError and the worker carries on.
 
-Nine ways the results would be silently wrong, and what this module does about each
-------------------------------------------------------------------------------------
+Ten ways the results would be silently wrong, and what this module does about each
+-----------------------------------------------------------------------------------
 1. Stale KV cache after a weight update. Prefix caching is on (siblings of a group share
-   their prompt), and vLLM never invalidates it on a weight change. Every request carries
-   `cache_salt=f"w{version}"` (`TokensPrompt`, vllm/inputs/llm.py, copied into the engine
-   input by vllm/renderers/base.py and hashed into the first block by
+   their prompt), and vLLM never invalidates it on a weight change (`collective_rpc`
+   leaves the prefix cache alone: vllm/v1/engine/core.py, 0.32). Every request carries
+   `cache_salt=f"w{version}"` in its engine input (10.; `TokensInput.cache_salt`,
+   vllm/inputs/engine.py, read by `InputProcessor.process_inputs` into
+   `EngineCoreRequest.cache_salt` and hashed into the first block by
    vllm/v1/core/kv_cache_utils.py; checked 0.22-0.33), so a request never reuses blocks
    computed under other weights. (`reset_prefix_cache()` is not used: it fails while
    requests run.) A completion in flight across an update continues on the KV cache its
@@ -67,43 +73,76 @@ Nine ways the results would be silently wrong, and what this module does about e
    process's torch.distributed state and empties the CUDA cache. `close()` runs it on the
    worker thread, so the GPU memory is free when `close()` returns.
 6. Weight loading. Where the model runner's `reload_weights` takes a `weights_iterator`
-   (vllm/v1/worker/gpu_model_runner.py; the V2 runner in vllm/v1/worker/gpu/model_runner.py
-   delegates to it; checked 0.22-0.33, present since at least 0.20.2, absent in 0.15.0),
-   updates go through the public `LLMEngine.collective_rpc("reload_weights", kwargs=...)`,
-   which loads layer by layer and runs each layer's `process_weights_after_loading`
+   (vllm/v1/worker/gpu_model_runner.py; checked 0.22-0.33, present since at least 0.20.2,
+   absent in 0.15.0; the V2 runner, vllm/v1/worker/gpu/model_runner.py, delegates to it
+   in 0.22 and calls the same `reload.inplace.reload_weights` itself in 0.32), updates go
+   through the public `LLMEngine.collective_rpc("reload_weights", kwargs=...)`, which
+   loads layer by layer and runs each layer's `process_weights_after_loading`
    (vllm/model_executor/model_loader/reload/). Otherwise (older releases, outside the
    supported range) the fallback reaches the driver worker's model in this process,
    calls its `load_weights` and then `process_weights_after_loading(model, model_config,
    device)` (vllm/model_executor/model_loader/utils.py); it refuses quantized models.
+   Either way the state dict is first cast to the dtype vLLM resolved (`dtype`;
+   `ModelConfig.dtype`): the trainer's float32 master weights are published in the
+   engine's dtype, rounded to nearest, as vLLM's own `copy_` would round them.
+   6a. A tied-embedding model (`tie_word_embeddings`: GPT-2, Qwen2.5-0.5B) has one
+   parameter for its embedding and output head, and vLLM's loaders treat a separate
+   `lm_head.weight` differently from release to release; `tied_reload` sends the
+   embedding alone and refuses a head that is not the embedding.
 7. Seeds and globals. Building the engine seeds Python's, numpy's and torch's global
    generators (`set_random_seed`, vllm/utils/torch_utils.py, called from
    vllm/v1/worker/gpu_worker.py) and sets torch's float32 matmul precision; the trainer
    runs in the same process. `preserve_global_rng` saves and restores all of them around
    the construction. After that vLLM draws from the global generators only for unseeded
    requests, and every request here is seeded with `req.seed % 2**63`.
-8. Version range: see the first paragraph; docs/backends.md says the same.
+8. Version range: see the first paragraph; docs/backends.md says the same. Building the
+   engine refuses any other release at once (`check_version`: UserInputError, exit 2,
+   naming the release found, the range and the remedy); outside it the failures were
+   raw ones deep in vLLM.
 9. Streaming and continuation (for partial generations). Requests use
    `RequestOutputKind.DELTA` (vllm/sampling_params.py), so each `step()` hands over only
    the new tokens; `generate(..., on_delta=...)` passes each delta on. `generate(...,
-   prefix=Prefix(...))` continues a partial generation: the prompt becomes
-   `TokensPrompt(prompt_ids + prefix)` with the same per-request seed, and the completion
+   prefix=Prefix(...))` continues a partial generation: the engine input's ids become
+   prompt_ids + prefix, with the same per-request seed, and the completion
    returned holds the prefix (with its recorded log-probs and versions) and the new
    tokens. Whether the continuation is token-identical to the uninterrupted generation
    depends on the sampler: Model Runner V2's draws are keyed by (seed, absolute position)
    (vllm/v1/worker/gpu/sample/gumbel.py), so a continuation draws what the original would
    have; the V1 runner's per-request `torch.Generator` (vllm/v1/worker/gpu_model_runner.py,
    vllm/v1/sample/ops/topk_topp_sampler.py) restarts its stream, so it does not. V2 is
-   the default for every generating model from 0.29.0 on (in 0.22-0.28 only for a short
-   list of architectures, GPT-2 not among them, or with VLLM_USE_V2_MODEL_RUNNER=1);
+   the default for every generating model from 0.29.0 on, unless Triton is missing or the
+   config uses a feature V2 lacks (`VllmConfig.use_v2_model_runner`, vllm/config/vllm.py;
+   in 0.22-0.28 only for a short list of architectures, GPT-2 not among them, or with
+   VLLM_USE_V2_MODEL_RUNNER=1; re-read in the 0.28.0 and 0.29.0 wheels);
    `VLLMEngine.continuation_token_identical` says which runner this engine got. The noise
-   function changed in 0.31.0, so a continuation matches only on the same vLLM release.
+   function changed in 0.31.0 (Philox `tl_rand64` replaced by a murmur3 hash,
+   vllm/v1/worker/gpu/sample/gumbel.py, 0.30.0 against 0.31.0), so a continuation
+   matches only on the same vLLM release.
    Even then only up to numerics: vLLM's kernels are not batch invariant (its opt-in
    VLLM_BATCH_INVARIANT mode is neither set nor tested here), so byte-identical
    deterministic resume is not promised with this engine.
+10. The prompt's form. A raw prompt (a `TokensPrompt` dict without `"type"`) makes
+   `InputProcessor.process_inputs` process it itself (the input preprocessor in 0.22, the
+   renderer's `render_cmpl` in 0.32), with a deprecation warning ("Passing
+   raw prompts to InputProcessor is deprecated", vllm/v1/engine/input_processor.py, in
+   0.22.0 and 0.32.0 alike; its removal is the likeliest break after 0.33). Each request
+   is therefore sent as a rendered engine input, `{"type": "token", "prompt_token_ids":
+   ..., "cache_salt": ...}` (`engine_input`; what `vllm.inputs.tokens_input` builds,
+   `TokensInput` in vllm/inputs/engine.py), which the same function takes as it is in
+   every supported release (its branch `isinstance(prompt, dict) and "type" in prompt`
+   is in the 0.22.0 and 0.32.0 sources read here, and predates 0.18, whose removal its
+   notice announced), so no feature detection is needed. What the skipped step does for
+   a token prompt (tokenization kwargs, copying `cache_salt` over) has nothing to do
+   here: the ids are final, the salt is in place, and the prompt's length is still
+   checked against the context (`_validate_model_inputs`).
 
 Other known differences from the hf and torch engines:
   - a float32 checkpoint runs in bfloat16 unless `dtype` says otherwise (vLLM's "auto"),
-    so behaviour log-probs differ from the float32 trainer's by that rounding;
+    and a bf16 one in bf16, so behaviour log-probs differ from the float32 trainer's by
+    that rounding, on every token: they are the PPO ratio's "old" log-probs, so the clip
+    sees the gap even on-policy (clip_frac > 0); `trainer.off_policy: tis` takes the ratio
+    against the trainer's own log-probs instead and weighs each token by the truncated
+    importance weight (docs/backends.md, "vllm");
   - `tensor_parallel_size` must be 1 and vLLM must run in this process (weight updates and
     the version stamping above need both).
 """
@@ -119,7 +158,7 @@ import itertools
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,6 +178,7 @@ from .base import (
     InfraError,
     Progress,
 )
+from .dtypes import cast_weights
 from .inbox import Inbox, Refit, settle
 
 SUPPORTED = ">=0.22,<0.34"  # keep equal to the `vllm` extra in pyproject.toml
@@ -186,10 +226,32 @@ def sampling_kwargs(*, temperature: float, top_p: float, max_tokens: int, seed: 
                 seed=seed % 2**63, logprobs=0, output_kind=output_kind)
 
 
-def prompt_kwargs(prompt_ids: Sequence[int], prefix_ids: Sequence[int], version: int) -> dict[str, Any]:
-    """The `vllm.TokensPrompt` of one request: the prompt, then any prefix already
+def engine_input(prompt_ids: Sequence[int], prefix_ids: Sequence[int], version: int) -> dict[str, Any]:
+    """The rendered engine input of one request (10.): the prompt, then any prefix already
     generated (9.), salted with the weight version (1.)."""
-    return dict(prompt_token_ids=[*map(int, prompt_ids), *map(int, prefix_ids)], cache_salt=f"w{version}")
+    return {"type": "token", "prompt_token_ids": [*map(int, prompt_ids), *map(int, prefix_ids)],
+            "cache_salt": f"w{version}"}
+
+
+def check_version(found: Any) -> None:
+    """Refuse a vLLM outside `SUPPORTED` (8.): outside it the failures are raw (0.10.x: a
+    TypeError on `stream_interval`, then on `get_tokenizer`). A development build of a
+    release in range is in range (`0.33.1.dev4+g1234` is); one of 0.34 is not (PEP 440:
+    `<0.34` excludes 0.34's pre-releases)."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        ok = SpecifierSet(SUPPORTED).contains(Version(str(found)), prereleases=True)
+    except InvalidVersion:
+        ok = False
+    if not ok:
+        raise UserInputError(
+            f"engine 'vllm' supports vllm {SUPPORTED}; this is vllm {found}",
+            field="engine.name", expected=f"vllm {SUPPORTED}",
+            found=f"vllm {found}" if found is not None else "a vllm module without __version__",
+            remedy=f"pip install 'rollkeep[vllm]' (it pins vllm{SUPPORTED}), or install a vllm release in that range",
+        )
 
 
 def finish_reason(reason: str | None) -> str:
@@ -242,6 +304,62 @@ def weight_loading_path(engine: Any, runner_reload: Callable | None) -> str:
             if "weights_iterator" in inspect.signature(runner_reload).parameters:
                 return "reload_weights"
     return "load_weights"
+
+
+HEAD = "lm_head.weight"  # the output head's name in the transformers state dicts of GPT-2, Llama, Qwen2, ...
+
+
+def tied_embeddings(model_config: Any) -> bool:
+    """Whether vLLM's model ties its output head to its input embedding: the
+    `tie_word_embeddings` of the text config it loaded (`ModelConfig.hf_text_config`,
+    0.22 and 0.32; `hf_config` where there is no text config)."""
+    hf = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
+    return bool(getattr(hf, "tie_word_embeddings", False))
+
+
+def tied_reload(weights: Mapping[str, Any]) -> dict[str, Any]:
+    """The weights of a tied-embedding model as a reload must send them (6a.): the input
+    embedding once, under its own name, and no `lm_head.weight`.
+
+    In vLLM a tied model has ONE parameter for both: `ParallelLMHead.tie_weights` makes
+    `lm_head.weight` the embedding's parameter (GPT-2), or `lm_head` is the embedding module
+    itself (Qwen2 in 0.22). What a loader does with an `lm_head.weight` it is sent differs
+    across the supported range: 0.32's `AutoWeightsLoader` skips it as an alias of the
+    embedding (and raises if the embedding is missing), 0.22's GPT-2 loads it into the shared
+    parameter (the last of the two written wins), Qwen2 drops it (`skip_prefixes`). The
+    embedding alone loads the same way in all of them, so that is what is sent; the head
+    goes with it, being the same parameter.
+
+    The trainer's `weights()` hands a tied head over as the very tensor of the embedding;
+    through a copy that lost the sharing (pickled for a Ray replica) it is an equal tensor.
+    A head equal to no other tensor is an untied head: the engine cannot hold it, and
+    sending it would be ignored or overwrite the embedding, so it is refused
+    (UserInputError). Weights without `lm_head.weight` are sent as they are."""
+    import torch
+
+    head = weights.get(HEAD)
+    if head is None:
+        return dict(weights)
+    others = [(n, t) for n, t in weights.items() if n != HEAD and isinstance(t, torch.Tensor)
+              and t.shape == head.shape and t.dtype == head.dtype and t.device == head.device]
+    same = [n for n, t in others if t.untyped_storage().data_ptr() == head.untyped_storage().data_ptr()
+            and t.storage_offset() == head.storage_offset() and t.stride() == head.stride()]
+    if not same and not any(torch.equal(t, head) for _, t in others):
+        raise UserInputError(
+            "the trainer's output head is not its input embedding, but the vllm engine's model ties them",
+            expected=f"{HEAD} the same tensor as the input embedding (tie_word_embeddings in the model's config)",
+            found=f"{HEAD} equal to no other tensor of the state dict",
+            remedy="train with the embedding and head tied, as the model in engine.model_path is",
+        )
+    return {n: t for n, t in weights.items() if n != HEAD}
+
+
+def reload_items(weights: Mapping[str, Any], *, dtype: Any, tied: bool) -> list[tuple[str, Any]]:
+    """What one weight update hands vLLM's loader (6.): the state dict cast to the engine's
+    dtype (`engines.dtypes.cast_weights`: float32 master weights published in the dtype
+    vLLM holds them in), through `tied_reload` for a tied-embedding model."""
+    out = dict(cast_weights(weights, dtype))
+    return list((tied_reload(out) if tied else out).items())
 
 
 def token_logprobs(token_ids: Sequence[int], logprobs: Any) -> list[float]:
@@ -369,6 +487,7 @@ class VLLMEngine:
         tensor_parallel_size: int,
         dtype: str = "auto",
         enforce_eager: bool = False,
+        chat_template: bool = False,
     ) -> None:
         vllm = _import_vllm()
         path = Path(model_path).expanduser()
@@ -398,6 +517,7 @@ class VLLMEngine:
             )
         self.temperature = temperature
         self.max_new_tokens = max_new_tokens
+        self.chat_template = chat_template
         self._vllm = vllm
         self._version = 0
         self._ids = itertools.count()
@@ -409,6 +529,8 @@ class VLLMEngine:
         # Set by the worker once the engine is built:
         self.weight_loading = ""  # "reload_weights" | "load_weights" (6.)
         self.continuation_token_identical = False  # Model Runner V2 (9.)
+        self.dtype: Any = None  # the torch.dtype vLLM resolved `dtype` to (weights are cast to it: 6.)
+        self.tied_embeddings = False  # the model ties lm_head to the input embedding (6a.)
         self.vllm_version = str(getattr(vllm, "__version__", "unknown"))
         ready: Future = Future()
         args = engine_args(model=str(path), gpu_memory_utilization=gpu_memory_utilization,
@@ -511,7 +633,16 @@ class VLLMEngine:
                 engine = self._vllm.LLMEngine.from_engine_args(self._vllm.EngineArgs(**args))
             check_engine_config(engine.vllm_config)
             self._tokenizer = engine.get_tokenizer()
+            if self.chat_template and getattr(self._tokenizer, "chat_template", None) is None:
+                raise UserInputError(
+                    f"engine.chat_template (or data.chat_template) is true but the tokenizer in "
+                    f"{args['model']} has no chat template", field="engine.chat_template",
+                    expected="a tokenizer with a chat template", found="none",
+                    remedy="set engine.chat_template=false and data.chat_template=false, or add a chat "
+                    "template to the tokenizer")
             self._max_model_len = int(engine.model_config.max_model_len)
+            self.dtype = getattr(engine.model_config, "dtype", None)
+            self.tied_embeddings = tied_embeddings(engine.model_config)
             self.weight_loading = weight_loading_path(engine, _runner_reload())
             self.continuation_token_identical = continuation_token_identical(engine.vllm_config)
             self._delta = importlib.import_module("vllm.sampling_params").RequestOutputKind.DELTA
@@ -590,7 +721,7 @@ class VLLMEngine:
             ))
             return False
         try:
-            job.prompt_ids = list(self._tokenizer.encode(req.prompt.prompt, add_special_tokens=True))
+            job.prompt_ids = self._prompt_ids(req.prompt.prompt)
         except Exception as e:
             settle(job.future, exception=DataError(f"vllm engine: the prompt of {req.group_id} does not "
                                                    f"tokenize: {type(e).__name__}: {e}"))
@@ -615,7 +746,7 @@ class VLLMEngine:
             ))
             return False
         try:
-            prompt = self._vllm.TokensPrompt(**prompt_kwargs(job.prompt_ids, job.prefix.token_ids, self._version))
+            prompt = engine_input(job.prompt_ids, job.prefix.token_ids, self._version)
             params = self._vllm.SamplingParams(**sampling_kwargs(
                 temperature=self.temperature, top_p=1.0,
                 max_tokens=limit - len(job.prefix.token_ids),
@@ -628,6 +759,17 @@ class VLLMEngine:
             settle(job.future, exception=failure)
             return False
         return True
+
+    def _prompt_ids(self, text: str) -> list[int]:
+        """The prompt's token ids, as engine hf encodes them: with the tokenizer's special
+        tokens, or rendered with its chat template (`engine.chat_template`: the conversation
+        [user: text] with the generation prompt, encoded without special tokens again, since
+        the template writes its own; `models.chat.prompt_ids`)."""
+        if self.chat_template:
+            from ..models.chat import prompt_ids
+
+            return prompt_ids(self._tokenizer, text)
+        return list(self._tokenizer.encode(text, add_special_tokens=True))
 
     def _fail(self, engine: Any, live: dict[str, _Job], message: str, cause: BaseException | None = None) -> None:
         with contextlib.suppress(Exception):
@@ -643,12 +785,13 @@ class VLLMEngine:
         if refit.future.cancelled():
             return
         try:
+            items = reload_items(refit.weights, dtype=self.dtype, tied=self.tied_embeddings)
             if self.weight_loading == "reload_weights":
                 engine.collective_rpc("reload_weights", kwargs={
-                    "weights_iterator": list(refit.weights.items()), "is_checkpoint_format": True,
+                    "weights_iterator": items, "is_checkpoint_format": True,
                 })
             else:
-                _load_into_driver_model(engine, refit.weights, self.vllm_version)
+                _load_into_driver_model(engine, items, self.vllm_version)
         except UserInputError as e:
             settle(refit.future, exception=e)
             return
@@ -672,7 +815,8 @@ TOP_P_MESSAGE = (
 
 
 def _import_vllm() -> Any:
-    """vllm, on a machine with a CUDA device; else UserInputError with the remedy."""
+    """vllm of a supported release (8.), on a machine with a CUDA device; else
+    UserInputError (exit 2) with the remedy."""
     os.environ.setdefault(_MULTIPROCESSING, "0")  # read when the engine is built
     try:
         import vllm
@@ -681,6 +825,7 @@ def _import_vllm() -> Any:
             "engine 'vllm' needs the vllm library, which is not installed",
             found=f"ImportError: {e}", remedy=_REMEDY,
         ) from e
+    check_version(getattr(vllm, "__version__", None))
     import torch
 
     if not torch.cuda.is_available():
@@ -700,7 +845,7 @@ def _runner_reload() -> Callable | None:
     return getattr(GPUModelRunner, "reload_weights", None)
 
 
-def _load_into_driver_model(engine: Any, weights: Any, version: str) -> None:
+def _load_into_driver_model(engine: Any, items: list[tuple[str, Any]], version: str) -> None:
     """The fallback of 6.: load into the in-process model, then post-process it."""
     if getattr(engine.model_config, "quantization", None) is not None:
         raise UserInputError(
@@ -710,7 +855,7 @@ def _load_into_driver_model(engine: Any, weights: Any, version: str) -> None:
             remedy=f"install a vllm release in {SUPPORTED}",
         )
     model = _driver_model(engine, version)
-    model.load_weights(iter(weights.items()))
+    model.load_weights(iter(items))
     try:
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
     except ImportError:
