@@ -24,10 +24,9 @@ class HFTokenizer:
         self.vocab_size = len(tok)
 
     def encode(self, text: str, *, bos: bool = True) -> list[int]:
-        ids = self.tok(text, add_special_tokens=False)["input_ids"]
-        if bos and self.tok.bos_token_id is not None:
-            ids = [self.tok.bos_token_id, *ids]
-        return ids
+        """A prompt (`bos`) as the hf engine encodes it, with the tokenizer's own special
+        tokens (a BOS only where the tokenizer adds one); a continuation without them."""
+        return list(self.tok(text, add_special_tokens=bos)["input_ids"])
 
     def decode(self, ids) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
