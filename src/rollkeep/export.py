@@ -1,4 +1,13 @@
-"""`rollkeep export RUN_DIR --out DIR`: the trained built-in GPT as a Hugging Face model.
+"""`rollkeep export RUN_DIR --out DIR`: the trained model as a Hugging Face model directory.
+
+An `hf` run (`trainer.name: hf`) is a transformers model already: its architecture and
+tokenizer are those of the run's `trainer.model_path` (from the checkpoint's config), its
+weights the checkpoint's master weights (`trainer/model.safetensors`, or the shards of a
+sharded checkpoint, read by the trainer's own `load`). They are written as `save_pretrained`
+writes them, safetensors only, in the dtype of the master weights (`trainer.dtype`: float32
+by default, not the base model's bf16: the weights as trained), with the base model's
+tokenizer files; and checked by reloading, as below. The rest of this docstring is about
+the built-in GPT (`trainer.name: torch`).
 
     load_builtin(run_dir)      the checkpoint's model, through the restore chain (read-only)
     gpt2_state_dict(model)     its weights under GPT2LMHeadModel's names
@@ -30,8 +39,8 @@ failure on the way, a full disk included, removes the temporary directory, so a 
 export leaves DIR as it was.
 
 Refusals (one paragraph, nothing modified): RUN_DIR missing (exit 2); no checkpoint, or
-one that fails the restore chain (exit 3); a run that did not train the built-in model
-(exit 2: only `trainer.name: torch` exports); DIR inside the run's own state (exit 2, see
+one that fails the restore chain (exit 3); a run with no model to export (exit 2: only
+`trainer.name: torch` and `hf` export); DIR inside the run's own state (exit 2, see
 `RUN_STATE`); DIR a file, or a non-empty directory without `--force` (exit 2); DIR not
 writable, or the disk full or failing while writing or reading back (exit 5: ENOSPC,
 EDQUOT, EFBIG, EIO, also when safetensors or tokenizers wrap them in their own exception).
@@ -90,6 +99,11 @@ class Loaded:
     step: int
     config: dict[str, Any]  # the checkpoint's semantic config (MANIFEST.json `config`)
     weights_sha256: str
+    kind: str = "torch"  # "torch": the built-in GPT; "hf": a transformers model (trainer.name hf)
+    base_model: str | None = None  # hf: the name of trainer.model_path (no directory)
+
+    def logits(self, ids: Any) -> Any:
+        return self.model(ids) if self.kind == "torch" else self.model(input_ids=ids).logits
 
 
 @dataclass
@@ -106,9 +120,10 @@ class ExportResult:
 # ================================================================ reading the checkpoint
 
 
-def load_builtin(run_dir: str | Path, *, checkpoint: str | None = None) -> Loaded:
+def load_builtin(run_dir: str | Path, *, checkpoint: str | None = None, allow_hf: bool = False) -> Loaded:
     """The checkpoint's built-in GPT (LATEST, or `checkpoint`), after the restore chain
-    (steps 1-6, read-only) and the trainer's own checks of its files."""
+    (steps 1-6, read-only) and the trainer's own checks of its files. `allow_hf`: an hf
+    run's transformers model too (`kind` "hf")."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise UserInputError(
@@ -142,16 +157,18 @@ def load_builtin(run_dir: str | Path, *, checkpoint: str | None = None) -> Loade
     config = restored.meta.config
     trainer_cfg = config.get("trainer")
     name = trainer_cfg.get("name") if isinstance(trainer_cfg, dict) else None
-    if name != "torch":
+    if name not in ("torch", "hf") or (not allow_hf and name == "hf"):
         raise UserInputError(
-            f"checkpoint {restored.name} of {run_dir} is not of the built-in model",
+            f"checkpoint {restored.name} of {run_dir} has no model that exports",
             path=str(restored.checkpoint.path / "MANIFEST.json"),
             field="config.trainer.name",
-            expected="torch: only the built-in GPT exports (an hf run's model is already a "
-            "transformers model, the toy trainer has none)",
+            expected="torch (the built-in GPT) or hf (a transformers model): the toy and custom "
+            "trainers have no model to export",
             found=repr(name),
-            remedy="export a run trained with trainer.name: torch",
+            remedy="export a run trained with trainer.name: torch or hf",
         )
+    if name == "hf":
+        return _load_hf(restored, trainer_cfg, config)
 
     import torch
 
@@ -185,6 +202,39 @@ def load_builtin(run_dir: str | Path, *, checkpoint: str | None = None) -> Loade
         torch.set_rng_state(rng)
     return Loaded(model=trainer.model.eval(), tokenizer=tokenizer, checkpoint=restored.name,
                   step=restored.ledger.version, config=config, weights_sha256=trainer.weights_sha256())
+
+
+def _load_hf(restored: Any, trainer_cfg: dict[str, Any], config: dict[str, Any]) -> Loaded:
+    """An hf run's checkpoint: the architecture and tokenizer of the run's
+    `trainer.model_path`, with the checkpoint's master weights (one `model.safetensors`, or
+    the shards of a sharded checkpoint), every file checked by the trainer's `load`."""
+    import torch
+
+    from .config import HFTrainerConfig
+    from .trainers.hf import HFTrainer
+
+    try:
+        tcfg = HFTrainerConfig.model_validate(trainer_cfg)
+    except Exception as e:
+        raise CheckpointError(
+            f"checkpoint {restored.name}: its trainer config is not one this rollkeep reads",
+            path=str(restored.checkpoint.path / "MANIFEST.json"),
+            field="config.trainer",
+            found=" ".join(str(e).split())[:300],
+            remedy="export with the rollkeep version that wrote the checkpoint",
+        ) from None
+    engine_cfg = config.get("engine") if isinstance(config.get("engine"), dict) else {}
+    rng = torch.get_rng_state()  # the trainer seeds and restores the global generator
+    try:
+        trainer = HFTrainer(tcfg, temperature=float(engine_cfg.get("temperature", 1.0)), seed=0,
+                            max_completion_length=int(engine_cfg.get("max_new_tokens", 8)))
+        trainer.load(restored.trainer_dir, step=restored.ledger.version)  # every file and tensor checked
+    finally:
+        torch.set_rng_state(rng)
+    model = trainer.model.cpu().eval()
+    return Loaded(model=model, tokenizer=trainer.tokenizer, checkpoint=restored.name,
+                  step=restored.ledger.version, config=config, weights_sha256=trainer.weights_sha256(),
+                  kind="hf", base_model=Path(tcfg.model_path).name)
 
 
 # ================================================================ mapping to GPT-2
@@ -271,7 +321,7 @@ def export(run_dir: str | Path, out: str | Path, *, force: bool = False,
     out = Path(out)
     _check_not_run_state(Path(run_dir), out)
     _check_out(out, force)
-    loaded = load_builtin(run_dir, checkpoint=checkpoint)
+    loaded = load_builtin(run_dir, checkpoint=checkpoint, allow_hf=True)
     try:
         import transformers  # noqa: F401
     except ImportError as e:
@@ -290,7 +340,7 @@ def export(run_dir: str | Path, out: str | Path, *, force: bool = False,
     try:
         try:
             tmp.mkdir()
-            _write(loaded, tmp, run_dir)
+            (_write if loaded.kind == "torch" else _write_hf)(loaded, tmp, run_dir)
             diff = verify(loaded, tmp)
         except Exception as e:
             err = _os_error(e)
@@ -457,13 +507,34 @@ def _write(loaded: Loaded, tmp: Path, run_dir: str | Path) -> None:
     data = json.loads(tok_config.read_text())
     data["tokenizer_class"] = "PreTrainedTokenizerFast"
     tok_config.write_text(json.dumps(data, indent=2) + "\n")
-    (tmp / PROVENANCE).write_text(json.dumps({
-        "run_dir": str(Path(run_dir).resolve()),
+    _write_provenance(loaded, tmp, run_dir)
+
+
+def _write_hf(loaded: Loaded, tmp: Path, run_dir: str | Path) -> None:
+    """An hf run: the trained model as `save_pretrained` writes it (config.json,
+    generation_config.json, model.safetensors, sharded above its size limit) in the dtype of
+    the trainer's master weights (`trainer.dtype`, float32 by default: the weights as
+    trained, not rounded back to the base model's bf16), and the base model's tokenizer
+    files, unchanged."""
+    loaded.model.save_pretrained(tmp, safe_serialization=True)
+    loaded.tokenizer.tok.save_pretrained(tmp)
+    _write_provenance(loaded, tmp, run_dir)
+
+
+def _write_provenance(loaded: Loaded, tmp: Path, run_dir: str | Path) -> None:
+    """rollkeep_export.json: names only (no absolute path: the directory moves and is shared)."""
+    meta = {
+        "run_dir": Path(run_dir).resolve().name,
         "checkpoint": loaded.checkpoint,
         "step": loaded.step,
+        "trainer": loaded.kind,
         "weights_sha256": loaded.weights_sha256,
         "rollkeep_version": rollkeep_version(),
-    }, indent=1) + "\n")
+    }
+    if loaded.base_model is not None:
+        meta["base_model"] = loaded.base_model
+        meta["dtype"] = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
+    (tmp / PROVENANCE).write_text(json.dumps(meta, indent=1) + "\n")
     umask = os.umask(0)
     os.umask(umask)
     for f in tmp.iterdir():  # safetensors writes 0600; give every file the usual mode
@@ -486,7 +557,7 @@ def verify(loaded: Loaded, path: Path) -> float:
             if tok(text)["input_ids"] != ids:
                 return float("inf")  # the tokenizers disagree: nothing else can match
             x = torch.tensor([ids])
-            a = F.log_softmax(loaded.model(x).double(), dim=-1)
+            a = F.log_softmax(loaded.logits(x).double(), dim=-1)
             b = F.log_softmax(hf(input_ids=x).logits.double(), dim=-1)
             worst = max(worst, float((a - b).abs().max()))
     return worst

@@ -197,8 +197,75 @@ def test_export_of_a_run_that_is_not_the_built_in_model_is_exit_2(tmp_path, caps
     cfg = config(tmp_path / "toy", "train.total_steps=2")
     train(cfg)
     err = refused(capsys, ["export", cfg.run_dir, "--out", str(tmp_path / "out")], 2)
-    assert "only the built-in GPT exports" in err and "'toy'" in err
+    assert "has no model that exports" in err and "'toy'" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_exported_model_has_no_absolute_path(run, tmp_path) -> None:
+    out = tmp_path / "models" / "plain"
+    assert main(["export", str(run), "--out", str(out)]) == 0
+    meta = json.loads((out / "rollkeep_export.json").read_text())
+    assert meta["run_dir"] == run.name and meta["trainer"] == "torch"
+    for f in out.iterdir():
+        assert str(tmp_path) not in f.read_text(errors="replace"), f.name
+
+
+def test_an_hf_run_exports_and_transformers_reloads_it_with_the_trainers_log_probs(tmp_path, capsys,
+                                                                                   monkeypatch) -> None:
+    """trainer.name hf: config, tokenizer and the checkpoint's float32 master weights as
+    save_pretrained writes them (safetensors only), no absolute path in any file."""
+    from hf_fixture import make_tiny_hf_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rollkeep.trainers.hf import HFTrainer
+
+    base = make_tiny_hf_model(tmp_path / "base")
+    rows = tmp_path / "data.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{i}+{i % 7}=", "answer": str(i + i % 7), "task": "arith"})
+                            + "\n" for i in range(24)))
+    over = ["engine.name=hf", f"engine.model_path={base}", "engine.max_new_tokens=4", "trainer.name=hf",
+            f"trainer.model_path={base}", "trainer.lr=1e-3", f"data.path={rows}", "data.epochs=1",
+            "train.total_steps=3", "warmup.sft_steps=2", "warmup.sft_batch_size=8"]
+    cfg = config(tmp_path / "hfrun", *over)
+    train(cfg)
+    run = Path(cfg.run_dir)
+    before = tree(run)
+    out = tmp_path / "exported"
+    assert main(["export", str(run), "--out", str(out)]) == 0
+    assert "exported step_000003 (step 3)" in capsys.readouterr().out
+    assert tree(run) == before, "export changed the run directory"
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+            "rollkeep_export.json"} <= names
+    assert not [n for n in names if n.endswith((".bin", ".pt", ".pth"))]
+    for f in out.iterdir():
+        assert str(tmp_path) not in f.read_text(errors="replace"), f.name
+    meta = json.loads((out / "rollkeep_export.json").read_text())
+    assert (meta["trainer"], meta["base_model"], meta["run_dir"], meta["dtype"]) == ("hf", "base", "hfrun", "float32")
+
+    # the trainer's model as rollkeep restores it from the checkpoint
+    trainer = HFTrainer(cfg.trainer, temperature=1.0, seed=0)
+    trainer.load(run / "checkpoints" / "step_000003" / "trainer", step=3)
+    assert meta["weights_sha256"] == trainer.weights_sha256()
+    base_model = AutoModelForCausalLM.from_pretrained(base, local_files_only=True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    hf = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    assert next(hf.parameters()).dtype == torch.float32
+    worst, moved = 0.0, 0.0
+    model = trainer.model.cpu().eval()
+    for p in ["1+2=", "13+6=", "Hi there?"]:
+        ids = tok(p)["input_ids"] + tok("34", add_special_tokens=False)["input_ids"]
+        assert tok(p)["input_ids"] == trainer.tokenizer.encode(p)
+        x = torch.tensor([ids])
+        with torch.inference_mode():
+            a = torch.log_softmax(model(input_ids=x).logits.double(), -1)
+            b = torch.log_softmax(hf(input_ids=x).logits.double(), -1)
+            c = torch.log_softmax(base_model(input_ids=x).logits.double(), -1)
+        worst = max(worst, float((a - b).abs().max()))
+        moved = max(moved, float((a - c).abs().max()))
+    assert worst <= 1e-5, worst
+    assert moved > 1e-3, "the export holds the base model's weights, not the trained ones"
 
 
 def test_export_into_a_non_empty_dir_needs_force_and_never_deletes(run, tmp_path, capsys) -> None:

@@ -127,6 +127,21 @@ def test_audit_checks_the_journal_and_changes_nothing(run) -> None:
     assert tree(run) == before
 
 
+def test_audit_of_a_journal_only_run_says_train_resumes_from_the_journal_as_it_then_does(run) -> None:
+    """Not "starts this run from scratch": audit names the resume `train` then performs."""
+    p = rollkeep_cli("audit", str(run))
+    assert p.returncode == 0, p.stderr
+    said = p.stdout.splitlines()[1]
+    assert said.startswith("  `rollkeep train` resumes this run from its journal at step 0, not from scratch: "), said
+    assert "from scratch" not in said.replace("not from scratch", "")
+    assert train(run, "train.after_commit:1").returncode == -9
+    ev = restored_event(run)
+    assert ev["checkpoint"] is None
+    assert (f"it reuses {ev['groups_reused']} finished group(s) and {ev['siblings_reused']} sealed sibling(s), "
+            f"and sends out again only the {ev['siblings_regenerated']} sibling(s) it cannot reuse") in said
+    assert "steps 1-" in said and "trained again from their recorded rows" in said
+
+
 def test_a_flipped_byte_in_a_middle_record_is_exit_3_from_inspect_audit_and_train(run) -> None:
     seg = flip_second_record(run)
     before = tree(run)

@@ -46,6 +46,7 @@ examples:
   rollkeep audit --all runs/a/checkpoints
   rollkeep audit runs/killed-before-its-first-checkpoint
       journal (no checkpoint): ok (299 event(s), 126 row(s) read and verified, ...)
+        `rollkeep train` resumes this run from its journal at step 0, not from scratch: ...
   rollkeep audit runs/a/checkpoints/step_000030
 
 Exit 0 iff every audited checkpoint (and journal) passes; otherwise the code of the first
@@ -120,7 +121,21 @@ def alone_line(rep: dict[str, Any]) -> str:
     return (f"journal (no checkpoint): ok ({j['events']} event(s), {j['seals']} row(s) read and verified, "
             f"replays onto the empty ledger{torn}; trained {c['trained']}, ledger {c['ledger']['total']}, "
             f"replay {c['replay']['total']}, spare {c['spare']}, dropped {c['dropped']}, "
-            f"cursor {c['cursor_key']}, version {c['version']})")
+            f"cursor {c['cursor_key']}, version {c['version']})\n" + resume_line(rep))
+
+
+def resume_line(rep: dict[str, Any]) -> str:
+    """What `rollkeep train` does with a run that has a journal and no checkpoint: it
+    resumes from the journal (`start.journal_tail`); it does not start from scratch."""
+    j, p = rep["journal"], rep["journal"]["plan"]
+    again = p["siblings_regenerated"] + p["siblings_discarded"] + p["siblings_resent"]
+    back = j["steps_taken_back"]
+    redo = (f"; steps {back[0]}-{back[1]} are trained again from their recorded rows (their weights "
+            "died with the process)" if back else "")
+    return (f"  `rollkeep train` resumes this run from its journal at step {rep['step']}, not from scratch: "
+            f"it reuses {p['groups_reused']} finished group(s) and {p['siblings_reused']} sealed sibling(s), "
+            f"and sends out again only the {again} sibling(s) it cannot reuse (in flight when the "
+            f"process stopped, or of an unfinished all-or-nothing group){redo}")
 
 
 def _audit_all(target: Target) -> int:

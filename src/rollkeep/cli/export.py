@@ -1,4 +1,4 @@
-"""`rollkeep export RUN_DIR --out DIR`: the trained built-in GPT as a Hugging Face model."""
+"""`rollkeep export RUN_DIR --out DIR`: the trained model as a Hugging Face model directory."""
 
 from __future__ import annotations
 
@@ -8,14 +8,17 @@ HELP = """\
 Write the model of RUN_DIR's latest checkpoint (or --checkpoint NAME) as a Hugging Face
 model directory: GPT-2 architecture (config.json, model.safetensors), the character
 tokenizer (tokenizer.json, tokenizer_config.json), generation_config.json, and
-rollkeep_export.json (which run, checkpoint and step it came from). It loads offline with
+rollkeep_export.json (which run, checkpoint and step it came from; names only, no absolute
+path). An hf run (trainer.name: hf) exports its transformers model: the architecture and
+tokenizer of the run's trainer.model_path with the checkpoint's weights, in the dtype of
+the trainer's master weights (trainer.dtype, float32 by default). It loads offline with
 transformers.AutoModelForCausalLM.from_pretrained(DIR) and AutoTokenizer.from_pretrained(DIR),
 and continues training with engine.name=hf / trainer.name=hf (configs/hf.yaml).
 
 The checkpoint goes through the restore chain first (read-only: nothing in RUN_DIR
 changes), and the written model is loaded back and compared with the checkpoint's before it
-is moved into DIR (log-probs within 1e-4). Only runs of the built-in model
-(trainer.name: torch) export. DIR must be new or empty; --force writes into a non-empty
+is moved into DIR (log-probs within 1e-4). Runs of trainer.name torch and hf export
+(toy and custom trainers have no model to export). DIR must be new or empty; --force writes into a non-empty
 DIR, replacing the files of the same names (all of them or, on a failure, none) and keeping
 every other file. DIR may not be RUN_DIR itself nor inside the run's own state
 (checkpoints/, journal/, journal-abandoned-*/, rows/, warmup/), even with --force; elsewhere
@@ -27,7 +30,7 @@ examples:
   rollkeep export runs/arith --out models/arith-100 --checkpoint step_000100
   rollkeep train configs/hf.yaml                 # RL continues from models/arith
 
-exit codes: 2 bad RUN_DIR or DIR (or not the built-in model), 3 no checkpoint or one that
+exit codes: 2 bad RUN_DIR or DIR (or no model to export), 3 no checkpoint or one that
 fails a check, 5 DIR cannot be written (read-only, no space left, an I/O error).
 """
 
@@ -35,11 +38,11 @@ fails a check, 5 DIR cannot be written (read-only, no space left, an I/O error).
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "export",
-        help="write the trained built-in model as a Hugging Face model directory",
+        help="write the trained model (torch or hf run) as a Hugging Face model directory",
         description=HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of a torch run")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of a torch or hf run")
     p.add_argument("--out", required=True, metavar="DIR", help="the directory to write (new or empty)")
     p.add_argument("--checkpoint", metavar="NAME", help="export this checkpoint (e.g. step_000100) instead of LATEST")
     p.add_argument("--force", action="store_true",
