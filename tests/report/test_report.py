@@ -24,7 +24,7 @@ from run_harness import config, killed, run_child, run_to_end
 
 from rollkeep.cli import main
 from rollkeep.core.errors import UserInputError
-from rollkeep.report import PLOTS, analyse, render_markdown, write_report
+from rollkeep.report import PLOTS, RESTART_PLOTS, analyse, render_markdown, write_report
 from rollkeep.trace import read_trace
 
 CUT = 105.0
@@ -144,7 +144,7 @@ def test_restart_row_every_number(run_dir: Path) -> None:
     a, b = rep.runs
     assert (a.finished, a.status, a.last_t, a.steps_committed) == (False, "killed", 107.5, [1, 2])
     assert (b.finished, b.status, b.resumed_from_step, b.checkpoint, b.steps_committed) == (
-        True, "finished (finished)", 1, "step_000001", [2, 3])
+        True, "finished", 1, "step_000001", [2, 3])
 
     [r] = rep.restarts
     assert (r.run_id, r.previous_run_id, r.checkpoint, r.step, r.cut_time) == (
@@ -210,7 +210,7 @@ def test_a_trace_being_written(run_dir: Path, tmp_path: Path) -> None:
     (live / "trace.jsonl").write_text(text[:cut_at])  # B is writing its step 2 commit
     rep = analyse(live)
     assert rep.torn_lines == 2
-    assert [r.status for r in rep.runs] == ["killed", "killed or still running"]
+    assert [r.status for r in rep.runs] == ["killed", "killed, or still running"]
     assert [s.step for s in rep.steps] == [1]
     [r] = rep.restarts
     assert r.tokens_thrown_away == 72
@@ -286,9 +286,9 @@ def test_write_report(run_dir: Path) -> None:
     rep = analyse(run_dir)
     files = write_report(run_dir, rep)
     out = run_dir / "report"
-    assert sorted(p.name for p in files) == sorted(["report.md", "report.json", *PLOTS])
+    assert sorted(p.name for p in files) == sorted(["report.md", "report.json", *PLOTS, *RESTART_PLOTS])
     assert all(p.parent == out for p in files)
-    for name in PLOTS:
+    for name in (*PLOTS, *RESTART_PLOTS):
         data = (out / name).read_bytes()
         assert data[:8] == PNG_MAGIC, name
         assert len(data) > 10_000, name
@@ -338,7 +338,11 @@ def test_end_to_end_killed_and_resumed_with_the_journal_keeps_generation(tmp_pat
     cfg = config(tmp_path / "run", "checkpoint.on_shutdown=false")
     assert run_child(cfg, "ledger.step_committed:5", crash_signal="TERM") == 143
     run_to_end(cfg)
-    [r] = analyse(Path(cfg.run_dir)).restarts
+    rep = analyse(Path(cfg.run_dir))
+    [r] = rep.restarts
+    # the run_finished line names the signal: the report says "stopped (SIGTERM)"
+    assert [x.status for x in rep.runs] == ["stopped (SIGTERM)", "finished"]
+    assert r.previous_status == "stopped (SIGTERM)"
     lines = read_trace(Path(cfg.run_dir) / "trace.jsonl")[0]
     restored = next(x for x in lines if x["event"] == "restored")
     assert r.journal_events_replayed == restored["journal_events_replayed"] > 0
@@ -414,7 +418,7 @@ def test_lost_progress_after_a_graceful_stop_that_lost_nothing_is_zero(tmp_path:
     d.mkdir()
     (d / "trace.jsonl").write_text("\n".join(_stopped_a(final_checkpoint=True) + _resumed_b(2, 3700.0)) + "\n")
     [r] = analyse(d).restarts
-    assert r.previous_status == "finished (signal)"
+    assert r.previous_status == "stopped (SIGINT or SIGTERM)"  # a trace without run_finished.signal
     assert (r.lost_progress_seconds, r.lost_progress_until) == (0.0, "nothing lost (graceful stop)")
     assert "| 0.000 (until nothing lost (graceful stop)) |" in render_markdown(analyse(d))
 
@@ -437,16 +441,93 @@ def _figures(report) -> dict:
     return dict(_plot(report))
 
 
-def test_restart_cost_plot_of_a_run_without_restarts_says_so(tmp_path: Path) -> None:
+def test_a_run_without_restarts_gets_no_custody_batch_age_or_cost_plots(tmp_path: Path) -> None:
     d = tmp_path / "once"
     d.mkdir()
     (d / "trace.jsonl").write_text("\n".join(_run_a()) + "\n")
     (d / "metrics.jsonl").write_text(_metrics(103.6, "runA", 1) + "\n" + _metrics(107.6, "runA", 2) + "\n")
-    fig = _figures(analyse(d))["restart_cost.png"]
-    [ax] = fig.axes  # one message, not three empty panels
-    assert not ax.axison
-    assert any("no restarts" in t.get_text() for t in ax.texts)
-    assert "No restarts." in render_markdown(analyse(d))
+    assert sorted(_figures(analyse(d))) == sorted(PLOTS)
+    files = write_report(d, analyse(d))
+    assert sorted(p.name for p in files) == sorted(["report.md", "report.json", *PLOTS])
+    md = (d / "report" / "report.md").read_text()
+    assert "No restarts: the run was never interrupted" in md
+    assert "batch age is how many" not in md.lower()  # the spike note is for restarted runs
+
+
+def test_report_leads_with_held_out_accuracy_and_teaches_the_training_curves(tmp_path: Path) -> None:
+    d = tmp_path / "learned"
+    d.mkdir()
+    A = "runA"
+    lines = [_line(100.0, A, "run_started", resumed_from_step=None, checkpoint=None, pid=1,
+                   config_fingerprint="x", cleaned_tmp=[])]
+    metrics = []
+    for step in (1, 2, 3, 4):
+        lines += [_taken(100 + step, A, step, step), *_commit(100.5 + step, A, step, [f"e0.{step}"], [step])]
+        metrics.append(_metrics(100.6 + step, A, step, **{
+            "trainer/loss": 0.1 * step, "trainer/kl": 0.01 * step, "trainer/clip_frac": 0.02,
+            "trainer/grad_norm": 1.5, "response_length/mean": 3.0 + step}))
+    for step, acc in ((0, 0.05), (2, 0.5), (4, 0.9)):
+        lines.append(_line(100.7 + step, A, "eval", step=step, **{"eval/accuracy": acc, "eval/reward_mean": acc}))
+    lines.append(_line(110.0, A, "run_finished", step=4, weights_sha256="ab", reason="finished"))
+    (d / "trace.jsonl").write_text("\n".join(lines) + "\n")
+    (d / "metrics.jsonl").write_text("\n".join(metrics) + "\n")
+    rep = analyse(d)
+    write_report(d, rep)
+    md = (d / "report" / "report.md").read_text()
+    head = md.splitlines()
+    assert head[0] == f"# rollkeep report: {d}"
+    assert head[2] == ("**Held-out accuracy: 0.050 at step 0 → 0.900 at step 4** (best 0.900 at step 4; "
+                       "3 evaluation(s), greedy).")
+    assert head[4].startswith("The run: finished, last step 4;")
+    assert md.index("## Held-out accuracy") < md.index("## Training") < md.index("## Runs")
+    assert "| 2 | 0.500 | 0.500 |" in md
+    assert "| loss | 0.1000 | 0.4000 | 0.1000 | 0.4000 |" in md
+    assert "| response length (tokens) | 4 | 7 | 4 | 7 |" in md or "| response length (tokens) | 4.0000" in md
+    for key in ("trainer/loss", "trainer/kl", "trainer/clip_frac", "trainer/grad_norm", "response_length/mean"):
+        assert f"(`{key}`)" in md
+    assert [s.kl for s in rep.steps] == pytest.approx([0.01, 0.02, 0.03, 0.04])
+    fig = _figures(rep)["training.png"]
+    drawn = [ax for ax in fig.axes if ax.lines]
+    assert len(drawn) == 5 and all(len(ax.lines[0].get_xdata()) == 4 for ax in drawn)
+    ax, acc_axis = _figures(rep)["reward.png"].axes[:2]
+    assert acc_axis.get_ylim()[0] == 0.0  # accuracy from 0, not from its first value
+
+
+def test_eval_accuracy_falls_back_to_metrics_jsonl(tmp_path: Path) -> None:
+    d = tmp_path / "old"
+    d.mkdir()
+    (d / "trace.jsonl").write_text("\n".join(_run_a()) + "\n")
+    (d / "metrics.jsonl").write_text("\n".join([
+        _metrics(103.6, "runA", 1), json.dumps({"t": 103.7, "run_id": "runA", "step": 1, "eval/accuracy": 0.25})]) + "\n")
+    assert analyse(d).evals == [{"step": 1, "accuracy": 0.25, "reward_mean": None}]
+    assert "**Held-out accuracy: 0.250 at step 1**" in render_markdown(analyse(d))
+
+
+def _ended(tmp_path: Path, *ends: str) -> str:
+    d = tmp_path / "ended"
+    d.mkdir(exist_ok=True)
+    (d / "trace.jsonl").write_text("\n".join(_run_a() + list(ends)) + "\n")
+    return analyse(d).runs[-1].status
+
+
+@pytest.mark.parametrize(("ends", "status"), [
+    ([_line(108.0, "runA", "run_finished", step=2, weights_sha256="ab", reason="signal", signal="SIGINT")],
+     "stopped (SIGINT)"),
+    ([_line(108.0, "runA", "run_finished", step=2, weights_sha256="ab", reason="signal", signal="SIGTERM")],
+     "stopped (SIGTERM)"),
+    ([_line(108.0, "runA", "run_finished", step=2, weights_sha256="ab", reason="data exhausted")],
+     "finished (data exhausted)"),
+    ([_line(108.0, "runA", "run_failed", step=2, error="ExternalError: step 2 lost 5 of 8 prompts")],
+     "failed: ExternalError: step 2 lost 5 of 8 prompts"),
+    ([_line(108.0, "runA", "run_finished", step=2, weights_sha256="ab", reason="signal", signal="SIGINT"),
+      _line(108.1, "runA", "run_failed", step=2, error="FilesystemError: the journal's last flush")],
+     "failed: FilesystemError: the journal's last flush"),
+    ([], "killed, or still running"),
+])
+def test_stop_reasons_are_labelled_truthfully(tmp_path: Path, ends, status) -> None:
+    assert _ended(tmp_path, *ends) == status
+    md = render_markdown(analyse(tmp_path / "ended"))
+    assert f"The run: {status}," in md and "finished (signal)" not in md
 
 
 def test_custody_plot_stacks_the_owners(run_dir: Path) -> None:

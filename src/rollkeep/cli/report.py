@@ -16,14 +16,16 @@ Report what each restart of a run reused, regenerated and threw away, read from
 RUN_DIR/trace.jsonl and RUN_DIR/metrics.jsonl:
 
   per run       when it started, the checkpoint it resumed from, the steps it committed,
-                how it ended (finished, or killed)
+                how it ended (finished, stopped (SIGINT), failed: <error>, or killed)
   per restart   groups and siblings reused, siblings regenerated, prompts re-admitted,
                 tokens thrown away, thrown-away generation time (last dispatch -> cut),
                 lost progress (kill -> the killed run's last step committed again)
   per step      batch age, tokens, throughput, reward, group completion time (p50/p90)
 
-Writes RUN_DIR/report/: report.md (also printed), report.json, and the plots reward.png,
-batch_age.png, custody.png and restart_cost.png (plots need: pip install 'rollkeep[report]').
+Writes RUN_DIR/report/: report.md (also printed; it leads with the held-out accuracy over
+steps), report.json, and the plots reward.png and training.png (loss, KL, clip fraction,
+grad norm, response length), plus batch_age.png, custody.png and restart_cost.png when the
+run was restarted (plots need: pip install 'rollkeep[report]').
 Read-only apart from RUN_DIR/report/; a run still being written can be reported on.
 `rollkeep trace` is the same command (its former name).
 

@@ -125,7 +125,7 @@ class Runner:
             if self._journal is not None:  # its last flush, before anything says the run finished (exit 5 if it fails)
                 self._journal.close()
             step, sha = self.sched.version, self.trainer.weights_sha256()
-            self.trace.emit(RunFinished(step=step, weights_sha256=sha, reason=reason.value,
+            self.trace.emit(RunFinished(step=step, weights_sha256=sha, reason=reason.value, signal=self._signal,
                                         **(self._journal.stats() if self._journal else {})))
             details = summary_lines(
                 step=step, total_steps=self.cfg.train.total_steps, first_step=first_step,

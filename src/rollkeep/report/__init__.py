@@ -1,4 +1,5 @@
-"""`rollkeep trace RUN_DIR`: what the restarts of a run cost.
+"""`rollkeep report RUN_DIR`: what a run learned (held-out accuracy, the trainer's curves)
+and what its restarts cost.
 
     model      the report's records and the definition of every measure
     analysis   `analyse(run_dir)`: reading the trace and the metrics into a `Report`
@@ -16,12 +17,13 @@ from pathlib import Path
 
 from .analysis import analyse, read_metrics
 from .markdown import render_markdown
-from .model import DEFINITIONS, PLOTS, REPORT_DIR, Report, Restart, RunInfo, StepInfo
+from .model import DEFINITIONS, PLOTS, REPORT_DIR, RESTART_PLOTS, Report, Restart, RunInfo, StepInfo
 from .plots import figures as _plot
 
 __all__ = [
     "DEFINITIONS",
     "PLOTS",
+    "RESTART_PLOTS",
     "Report",
     "Restart",
     "RunInfo",

@@ -22,6 +22,7 @@ from ..core.custody.trace_schema import (
     LEDGER_EVENTS,
     PROGRESSED,
     RESTORED,
+    RUN_FAILED,
     RUN_FINISHED,
     RUN_STARTED,
     SEALED,
@@ -38,12 +39,14 @@ from .model import (
     OWNERS,
     RESTORED_COUNTS,
     TRACE,
+    TRAINING,
     Report,
     Restart,
     RunInfo,
     StepInfo,
     _mean,
     _percentile,
+    run_status,
 )
 
 # ====================================================================== reading
@@ -162,6 +165,11 @@ def analyse(run_dir: Path) -> Report:
                 "accuracy": x.get("eval/accuracy"),
                 "reward_mean": x.get("eval/reward_mean"),
             }
+    if not evals:  # an older trace without eval lines: metrics.jsonl's (the last line of each step)
+        for m in metrics:
+            if m.get("eval/accuracy") is not None or m.get("eval/reward_mean") is not None:
+                evals[int(m["step"])] = {"step": int(m["step"]), "accuracy": m.get("eval/accuracy"),
+                                         "reward_mean": m.get("eval/reward_mean")}
     return Report(
         run_dir=str(run_dir),
         runs=[_run_info(r, last=i == len(runs) - 1) for i, r in enumerate(runs)],
@@ -178,11 +186,14 @@ def analyse(run_dir: Path) -> Report:
 def _run_info(run: _Run, *, last: bool) -> RunInfo:
     started = run.first(RUN_STARTED) or {}
     finished = next((x for _, x in reversed(run.lines) if x["event"] == RUN_FINISHED), None)
-    if finished is not None:
-        status = f"finished ({finished.get('reason')})"
-    else:
-        status = "killed or still running" if last else "killed"
+    failed = next((x for _, x in reversed(run.lines) if x["event"] == RUN_FAILED), None)
+    signal = None if finished is None else finished.get("signal")
+    error = None if failed is None else str(failed.get("error") or "")
+    status = run_status(reason=None if finished is None else finished.get("reason"), signal=signal,
+                        error=error, last=last)
     return RunInfo(
+        signal=signal,
+        error=error,
         run_id=run.run_id,
         started=started.get("t"),
         resumed_from_step=started.get("resumed_from_step"),
@@ -439,6 +450,7 @@ def _steps(lin, surviving, lines, metrics) -> list[StepInfo]:
                 tokens_generated_per_s=m.get("tokens_generated_per_s"),
                 reward_mean=m.get("reward_mean"),
                 step_seconds=m.get("step_seconds"),
+                **{name: _number(m.get(key)) for name, key, _, _ in TRAINING},
                 completion_n=len(times),
                 completion_mean=_mean(times),
                 completion_p50=_percentile(times, 50),
@@ -448,3 +460,7 @@ def _steps(lin, surviving, lines, metrics) -> list[StepInfo]:
     return out
 
 
+
+
+def _number(x: Any) -> float | None:
+    return float(x) if isinstance(x, int | float) and not isinstance(x, bool) else None

@@ -6,7 +6,16 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from .model import DEFINITIONS, METRICS, TRACE, Report, _percentile
+from .model import (
+    BATCH_AGE_SPIKE,
+    CUSTODY_NOTE,
+    DEFINITIONS,
+    METRICS,
+    TRACE,
+    TRAINING,
+    Report,
+    _percentile,
+)
 
 # ====================================================================== markdown
 
@@ -14,17 +23,26 @@ from .model import DEFINITIONS, METRICS, TRACE, Report, _percentile
 def render_markdown(report: Report, files: list[Path] | None = None) -> str:
     s = report.summary()
     t0 = report.runs[0].started if report.runs and report.runs[0].started else None
-    out = [f"# rollkeep trace: {report.run_dir}", ""]
-    state = "finished" if s["finished"] else "not finished (killed, or still running)"
+    names = {p.name for p in files} if files else set()
+    out = [f"# rollkeep report: {report.run_dir}", ""]
+    out += _accuracy_headline(report)
+    state = s["status"] or "no run"
     out.append(
-        f"{s['runs']} run(s), {s['restarts']} restart(s), {s['steps']} step(s) in the surviving "
-        f"lineage (last step {s['last_step']}), {state}. Torn or unreadable lines skipped: "
-        f"{report.torn_lines} in {TRACE}, {report.torn_metrics_lines} in {METRICS}."
+        f"The run: {state}, last step {s['last_step']}; {s['runs']} process(es), "
+        f"{s['restarts']} restart(s), {s['steps']} step(s) in the surviving lineage. Torn or "
+        f"unreadable lines skipped: {report.torn_lines} in {TRACE}, {report.torn_metrics_lines} in {METRICS}."
     )
     if t0 is not None:
         out.append(f"Times are seconds since the first run started ({_iso(t0)}).")
     if report.duplicates:
         out.append(f"**Prompts trained more than once:** {report.duplicates}")
+    out += ["", "## Held-out accuracy", ""]
+    out += _accuracy_table(report)
+    if "reward.png" in names:
+        out += ["", "reward.png: the reward of each step's training batch, with the held-out accuracy "
+                "(both on a 0-1 axis)."]
+    out += ["", "## Training", ""]
+    out += _training(report, "training.png" in names)
     out += ["", "## Runs", ""]
     out += _table(
         ["#", "run id", "started (s)", "resumed from step", "checkpoint", "steps committed",
@@ -73,8 +91,11 @@ def render_markdown(report: Report, files: list[Path] | None = None) -> str:
         unmatched = sum(r.attempts_without_dispatch for r in report.restarts)
         if unmatched:
             out.append(f"{unmatched} abandoned attempt(s) had no dispatch before the cut in the trace.")
+        out += ["", f"{BATCH_AGE_SPIKE} (batch_age.png)", "", CUSTODY_NOTE]
     else:
-        out.append("No restarts.")
+        out.append("No restarts: the run was never interrupted and resumed, so no generation was "
+                   "thrown away and no progress lost (the batch-age, custody and restart-cost plots "
+                   "are written only for restarted runs).")
     out += ["", "## Steps", ""]
     out += _step_stats(report)
     out += ["", "## Definitions", ""]
@@ -82,6 +103,49 @@ def render_markdown(report: Report, files: list[Path] | None = None) -> str:
     if files:
         out += ["", "## Files", ""] + [f"- {p.name}" for p in files]
     return "\n".join(out) + "\n"
+
+
+def _accuracy_headline(report: Report) -> list[str]:
+    """The first thing report.md says: did the model learn (held-out accuracy over steps)."""
+    evals = [e for e in report.evals if e.get("accuracy") is not None]
+    if not evals:
+        return ["**Held-out accuracy: none recorded** (the run evaluated nothing: `eval.every_steps` 0, "
+                "no eval set, or it stopped before its first evaluation).", ""]
+    first, last = evals[0], evals[-1]
+    best = max(evals, key=lambda e: e["accuracy"])
+    text = f"**Held-out accuracy: {first['accuracy']:.3f} at step {first['step']}"
+    if len(evals) > 1:
+        text += f" → {last['accuracy']:.3f} at step {last['step']}"
+    text += f"** (best {best['accuracy']:.3f} at step {best['step']}; {len(evals)} evaluation(s), greedy)."
+    return [text, ""]
+
+
+def _accuracy_table(report: Report) -> list[str]:
+    evals = report.evals
+    if not evals:
+        return ["No evaluation was recorded (no `eval` line in the trace, no `eval/accuracy` in metrics.jsonl)."]
+    every = max(1, -(-len(evals) // 30))
+    shown = [e for k, e in enumerate(evals) if k % every == 0 or k == len(evals) - 1]
+    note = [] if every == 1 else ["", f"(every {every}th evaluation; all in report.json)"]
+    return _table(["step", "accuracy", "reward mean"],
+                  [[e["step"], _f(e.get("accuracy"), 3), _f(e.get("reward_mean"), 3)] for e in shown]) + note
+
+
+def _training(report: Report, plotted: bool) -> list[str]:
+    rows, notes = [], []
+    for name, key, label, meaning in TRAINING:
+        xs = [float(v) for v in (getattr(st, name) for st in report.steps) if v is not None]
+        if not xs:
+            continue
+        rows.append([label, _f(xs[0], 4), _f(xs[-1], 4), _f(min(xs), 4), _f(max(xs), 4)])
+        notes.append(f"- **{label}** (`{key}`): {meaning}")
+    if not rows:
+        return ["The trainer reported no loss, KL, clip fraction, grad norm or response length "
+                f"(none in {METRICS})."]
+    out = _table(["measure", "first", "last", "min", "max"], rows) + [""] + notes
+    if plotted:
+        out += ["", "training.png: each of these per step."]
+    return out
 
 
 def _step_stats(report: Report) -> list[str]:

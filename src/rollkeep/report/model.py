@@ -3,7 +3,8 @@
 `analyse(run_dir)` is pure: it reads the two files (a run directory may still be written
 while it reads; torn lines are skipped and counted) and returns a `Report`.
 `write_report(run_dir, report)` writes `RUN_DIR/report/`: `report.md`, `report.json` and
-four PNG plots (matplotlib, the `report` extra). `rollkeep trace RUN_DIR` runs both.
+the PNG plots (matplotlib, the `report` extra: `PLOTS` always, `RESTART_PLOTS` when
+the run was restarted). `rollkeep report RUN_DIR` runs both.
 
 The model behind every number is the **surviving history**: the trace lines the final
 state descends from. Walking the runs in order, a restart from a checkpoint whose cut was
@@ -49,7 +50,49 @@ from ..core.custody.ledger import COUNT_KEYS
 TRACE = "trace.jsonl"
 METRICS = "metrics.jsonl"
 REPORT_DIR = "report"
-PLOTS = ("reward.png", "batch_age.png", "custody.png", "restart_cost.png")
+#: Written for every run: the learning curves.
+PLOTS = ("reward.png", "training.png")
+#: Written only when the run was restarted: on a run never interrupted they are a flat
+#: line (batch age), a solid block (custody) and nothing (cost), and teach nothing.
+RESTART_PLOTS = ("batch_age.png", "custody.png", "restart_cost.png")
+#: The trainer's metrics plotted in training.png and summed up in report.md: (StepInfo
+#: field, metrics.jsonl key, label, what it tells).
+TRAINING = (
+    ("loss", "trainer/loss", "loss",
+     "the GRPO policy loss. It need not fall: advantages are centred in every group, so a "
+     "flat loss around 0 is normal; what should rise is the reward and the held-out accuracy."),
+    ("kl", "trainer/kl", "KL to the reference",
+     "how far the policy has moved from the reference model (0 when `kl_coef` is 0 and no "
+     "reference is kept). A steady climb is learning; a sudden jump is a step that moved the "
+     "policy a lot at once."),
+    ("clip_frac", "trainer/clip_frac", "clip fraction",
+     "the fraction of completion tokens whose PPO-clipped branch is active. Near 0 means the "
+     "updates stay within `clip_eps`; a sustained high value (say above 0.2) means the "
+     "batches are far off-policy or the learning rate is too high."),
+    ("grad_norm", "trainer/grad_norm", "grad norm",
+     "the global gradient norm before clipping to `grad_clip`. Isolated spikes are clipped "
+     "away; a norm that grows step after step is an unstable run."),
+    ("response_length", "response_length/mean", "response length (tokens)",
+     "the mean completion length of the step's batch. Lengths pinned at `max_new_tokens` "
+     "(see `response_length/clip_ratio` in metrics.jsonl) mean completions are cut off; a "
+     "collapse to 1 token means the policy learned to stop at once."),
+)
+#: What a spike of batch age after a restart means (report.md and batch_age.png).
+BATCH_AGE_SPIKE = (
+    "Batch age is how many weight versions older than the step that trains them its tokens "
+    "are (token-weighted). A spike right after a restart is expected, and no breach of "
+    "`max_lookahead_versions`: the restart reuses rows generated before the stop (kept by the "
+    "checkpoint or the journal) instead of generating them again, and those rows are as many "
+    "versions old as the steps between their generation and the step that finally trains "
+    "them. It lasts until they are used up. A spike with no restart before it is not this."
+)
+#: What the custody plot shows (report.md and custody.png).
+CUSTODY_NOTE = (
+    "custody.png shows who holds the prompts after each step. Right after a restart, a jump of "
+    "`ready` is finished groups the restart reused, and one of `generating` the siblings it sent "
+    "out again; `trained` and `dropped` only grow along the surviving history (a prompt that "
+    "fell out of custody would show as a drop there)."
+)
 OWNERS = COUNT_KEYS  # the custody counts of every metrics line, in this order
 RESTORED_COUNTS = (
     "groups_reused", "groups_finalize_again", "siblings_reused", "siblings_regenerated",
@@ -111,11 +154,36 @@ class RunInfo:
     started: float | None  # t of run_started
     resumed_from_step: int | None
     checkpoint: str | None
-    finished: bool  # a run_finished line exists
+    finished: bool  # a run_finished line exists (a graceful stop, whatever its reason)
     reason: str | None  # run_finished.reason
-    status: str  # "finished (<reason>)", "killed", or "killed or still running" (the last run)
+    status: str  # see `run_status`
     last_t: float | None  # t of its last complete trace line
     steps_committed: list[int] = field(default_factory=list)
+    signal: str | None = None  # run_finished.signal (reason "signal"; None in older traces)
+    error: str | None = None  # run_failed.error
+
+
+def run_status(*, reason: str | None, signal: str | None, error: str | None, last: bool) -> str:
+    """How a run ended, as the report labels it: "finished", "finished (data exhausted)",
+    "stopped (SIGINT)", "failed: <error>", "killed" (no end line), or "killed, or still
+    running" (the last run, no end line). A run_failed line wins over a run_finished one
+    (a run that stopped gracefully and then failed, e.g. on its last journal flush)."""
+    if error is not None:
+        first = error.splitlines()[0] if error else "no error text"
+        return f"failed: {first[:200]}{'...' if len(first) > 200 else ''}"
+    if reason is None:
+        return "killed, or still running" if last else "killed"
+    if reason == "finished":
+        return "finished"
+    if reason == "data exhausted":
+        return "finished (data exhausted)"
+    if reason == "signal":
+        return f"stopped ({signal or 'SIGINT or SIGTERM'})"
+    if reason == "no engine replica":
+        return "failed: no engine replica left (stopped with a final checkpoint)"
+    if reason == "user code":
+        return "failed: user code stopped the run (SystemExit, KeyboardInterrupt or hung calls)"
+    return f"stopped ({reason})"
 
 
 @dataclass
@@ -185,6 +253,12 @@ class StepInfo:
     tokens_generated_per_s: float | None = None
     reward_mean: float | None = None
     step_seconds: float | None = None
+    # the trainer's metrics (`TRAINING`), None where the trainer does not report them
+    loss: float | None = None
+    kl: float | None = None
+    clip_frac: float | None = None
+    grad_norm: float | None = None
+    response_length: float | None = None
     completion_n: int = 0  # groups whose completion time is known
     completion_mean: float | None = None
     completion_p50: float | None = None
@@ -198,7 +272,7 @@ class Report:
     restarts: list[Restart]
     steps: list[StepInfo]
     custody: list[dict[str, Any]]  # metrics step lines: t, run_id, step, surviving, owners
-    evals: list[dict[str, Any]]  # surviving eval lines: step, accuracy, reward_mean
+    evals: list[dict[str, Any]]  # surviving eval lines: step, accuracy, reward_mean (else metrics.jsonl's)
     torn_lines: int  # torn trace lines skipped
     torn_metrics_lines: int = 0
     duplicates: list[list[int]] = field(default_factory=list)  # prompts trained twice
@@ -216,6 +290,12 @@ class Report:
             "steps": len(self.steps),
             "last_step": self.steps[-1].step if self.steps else None,
             "finished": bool(self.runs and self.runs[-1].finished),
+            "status": self.runs[-1].status if self.runs else None,
+            "eval_first": self.evals[0] if self.evals else None,
+            "eval_last": self.evals[-1] if self.evals else None,
+            "eval_best": max(
+                (e for e in self.evals if e.get("accuracy") is not None),
+                key=lambda e: e["accuracy"], default=None),
             "tokens_thrown_away": sum(r.tokens_thrown_away or 0 for r in self.restarts),
             "thrown_away_generation_seconds": sum(
                 r.thrown_away_generation_seconds or 0.0 for r in self.restarts

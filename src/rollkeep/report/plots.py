@@ -1,12 +1,23 @@
-"""The report's four PNG plots (matplotlib, the `report` extra)."""
+"""The report's PNG plots (matplotlib, the `report` extra): the learning curves
+(`PLOTS`) for every run, and the restart plots (`RESTART_PLOTS`) only for a run that was
+restarted. Cheap to draw: no pyplot, no markers on long series, at most `_MAX_POINTS`
+points a line."""
 
 from __future__ import annotations
 
+import textwrap
 from typing import Any
 
 from ..core.errors import UserInputError
 from .markdown import _f
-from .model import OWNERS, Report
+from .model import BATCH_AGE_SPIKE, OWNERS, TRAINING, Report
+
+_MAX_POINTS = 2000  # a line is thinned to about this many points (the last one always kept)
+
+
+def _thin(pts: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    every = max(1, -(-len(pts) // _MAX_POINTS))
+    return [p for k, p in enumerate(pts) if k % every == 0 or k == len(pts) - 1]
 
 
 def figures(report: Report) -> list[tuple[str, Any]]:
@@ -48,23 +59,53 @@ def figures(report: Report) -> list[tuple[str, Any]]:
 
     figs = []
     # reward.png: reward per step, eval accuracy on a twin axis, restarts marked.
-    fig, ax = new("Reward per step and eval accuracy")
-    pts = [(s.step, s.reward_mean) for s in steps if s.reward_mean is not None]
-    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", color="tab:blue",
-            label="reward mean (train batch)")
+    fig, ax = new("Held-out accuracy and the reward of each training batch")
+    pts = _thin([(s.step, s.reward_mean) for s in steps if s.reward_mean is not None])
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) <= 200 else None,
+            color="tab:blue", label="reward mean (train batch)")
     ax.set_xlabel("step")
     ax.set_ylabel("mean reward per rollout")
+    ys = [p[1] for p in pts]
+    if ys and 0.0 <= min(ys) and max(ys) <= 1.0:  # rewards in [0, 1]: the same axis as accuracy
+        ax.set_ylim(0.0, 1.02)
+    elif ys:
+        ax.set_ylim(bottom=min(0.0, min(ys)))
     mark_restarts(ax)
     axes = [ax]
     evals = [(e["step"], e["accuracy"]) for e in report.evals if e.get("accuracy") is not None]
     if evals:
         ax2 = ax.twinx()
         ax2.plot([p[0] for p in evals], [p[1] for p in evals], marker="o", color="tab:green",
-                 label="eval accuracy (greedy)")
-        ax2.set_ylabel("eval accuracy (fraction correct)")
+                 label="held-out accuracy (greedy)")
+        ax2.set_ylabel("held-out accuracy (fraction correct)")
+        ax2.set_ylim(0.0, 1.02)  # from 0: an axis starting at the first value aligns unlike curves
         axes.append(ax2)
     legend(fig, *axes)
     figs.append(("reward.png", fig))
+
+    # training.png: the trainer's metrics, one panel each.
+    fig = Figure(figsize=(13, 7), layout="constrained")
+    panels = fig.subplots(2, 3, sharex=True).ravel()
+    fig.suptitle("Training: the trainer's metrics per step")
+    for axis, (name, key, label, _) in zip(panels, TRAINING, strict=False):
+        pts = _thin([(s.step, getattr(s, name)) for s in steps if getattr(s, name) is not None])
+        axis.set_title(f"{label}  ({key})", fontsize=10)
+        axis.grid(True, alpha=0.3)
+        if pts:
+            axis.plot([p[0] for p in pts], [p[1] for p in pts], color="tab:blue", linewidth=1.0)
+        else:
+            axis.text(0.5, 0.5, "not reported by this trainer", ha="center", va="center",
+                      transform=axis.transAxes)
+        for x in restart_steps:
+            axis.axvline(x, color="tab:red", linestyle="--", linewidth=1.0)
+    for axis in panels[len(TRAINING):]:
+        axis.set_axis_off()
+    for axis in panels[3:]:
+        axis.set_xlabel("step")
+    figs.append(("training.png", fig))
+
+    if not report.restarts:  # the custody plots teach nothing on a run never interrupted
+        return figs
 
     # batch_age.png
     fig, ax = new("Batch age per step")
@@ -75,6 +116,9 @@ def figures(report: Report) -> list[tuple[str, Any]]:
     ax.set_ylabel("batch age (weight versions)")
     mark_restarts(ax)
     legend(fig, ax)
+    fig.suptitle("Batch age per step")
+    ax.set_title("")
+    ax.set_title(textwrap.fill(BATCH_AGE_SPIKE, 160), fontsize=8, loc="left")  # what a spike means
     figs.append(("batch_age.png", fig))
 
     # custody.png: who holds the prompts after each step, stacked (the height of a band is
@@ -115,18 +159,7 @@ def figures(report: Report) -> list[tuple[str, Any]]:
     bottom.set_xlabel("step")
     figs.append(("custody.png", fig))
 
-    # restart_cost.png: one panel per measure, one bar per restart (or one line saying
-    # there were none: three empty panels say nothing).
-    if not report.restarts:
-        fig = Figure(figsize=(12, 5), layout="constrained")
-        ax = fig.add_subplot()
-        ax.set_axis_off()
-        fig.suptitle("Cost of each restart")
-        ax.text(0.5, 0.5, "no restarts: this run was never interrupted and resumed,\n"
-                "so no generation was thrown away and no progress was lost",
-                ha="center", va="center", fontsize=14, transform=ax.transAxes)
-        figs.append(("restart_cost.png", fig))
-        return figs
+    # restart_cost.png: one panel per measure, one bar per restart.
     fig = Figure(figsize=(12, 5), layout="constrained")
     panels = fig.subplots(1, 3)
     fig.suptitle("Cost of each restart")

@@ -185,7 +185,8 @@ class LeaseReleased(RunEvent, tag="lease_released"):
 class RunFinished(RunEvent, tag="run_finished"):
     step: int
     weights_sha256: str
-    reason: str  # finished | data exhausted | signal
+    reason: str  # finished | data exhausted | signal | no engine replica | user code
+    signal: str | None = None  # reason "signal": the signal's name (SIGINT, SIGTERM)
     # journal.enabled: the group commits that wrote, and their p50 / p99 duration in seconds
     journal_flushes: int = 0
     journal_flush_p50_s: float | None = None
