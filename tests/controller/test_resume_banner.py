@@ -102,6 +102,24 @@ def test_with_the_journal_the_counts_are_those_of_the_replayed_ledger(tmp_path) 
     assert dispatched_by(lines, restored["run_id"], groups) == again | fresh
 
 
+def test_a_resume_says_where_it_picks_up_in_plain_words_before_the_restore_line(tmp_path, capsys) -> None:
+    from rollkeep.controller import train
+
+    cfg = config(tmp_path / "run", *SCRIPT, "checkpoint.every_steps=100")
+    assert run_child(cfg, "ledger.step_committed:5", crash_signal="TERM") == 143
+    capsys.readouterr()
+    train(config(tmp_path / "run", *SCRIPT, "checkpoint.every_steps=100", "logger.progress=lines"))
+    out = capsys.readouterr().out.splitlines()
+    restored = next(x for x in trace_lines(cfg) if x["event"] == "restored")
+    plain = next(i for i, line in enumerate(out) if line.startswith("resuming at step "))
+    detail = next(i for i, line in enumerate(out) if line.startswith("restored step_"))
+    assert plain < detail
+    assert out[plain].startswith(f"resuming at step {restored['step']} of 12 from checkpoint step_")
+    assert "nothing lost" in out[plain]
+    banner = next(i for i, line in enumerate(out) if line.startswith("rollkeep ") and " train " in line)
+    assert banner < plain and "(resumes from checkpoint step_" in out[banner + 1]
+
+
 def test_the_banner_names_the_steps_and_the_dispatches() -> None:
     counts = {"groups_reused": 2, "siblings_reused": 3, "siblings_regenerated": 8, "siblings_resent": 6,
               "siblings_pending": 4, "groups_readmitted": 1, "spare_prompts": 0, "groups_lost": 0}

@@ -88,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         allow_config_change=tuple(args.allow_config_change),
         allow_dataset_change=args.allow_dataset_change,
         resume_from=args.resume_from,
+        config_file=config,
     )
     print(result.summary())
     return result.exit_code

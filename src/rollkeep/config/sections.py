@@ -778,6 +778,10 @@ class LoggerConfig(_Section):
     progress: Literal["auto", "bar", "lines", "none"] = "auto"
     """Live progress: a bar, one line per step, nothing, or `auto` (bar on a terminal,
     lines otherwise)."""
+    verbose: bool = False
+    """Print a full line per checkpoint (its size, how long the cut held the loop, the
+    background write's time). Off: the bar shows the last checkpoint (`ckpt N`), and
+    `progress: lines` prints one short line per checkpoint."""
 
 
 # ------------------------------------------------------------------------------- Config

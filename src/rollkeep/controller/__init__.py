@@ -17,11 +17,13 @@ from ..core.restore.start import start_point
 from ..progress import duration
 from ..tasks import use_rewards
 from ..trace import new_run_id, published_in_trace
+from .banner import start_banner
 from .build import Parts, build
 from .episodes import bounded
 from .metrics import MetricsLog, for_run
 from .rundir import RunDir
 from .runner import Runner, RunResult
+from .summary import with_outputs
 from .warmup import run_warmup
 
 __all__ = ["RunResult", "Runner", "train"]
@@ -34,6 +36,7 @@ def train(
     allow_dataset_change: bool = False,
     resume_from: str | None = None,
     on_step: Callable[[int, dict[str, Any]], None] | None = None,
+    config_file: str | None = None,
 ) -> RunResult:
     """Run (or resume) the job `cfg` describes until `train.total_steps`, the end of the
     data, or SIGINT/SIGTERM. Resumes from RUN_DIR/checkpoints/LATEST when it exists (or
@@ -44,7 +47,8 @@ def train(
     `FilesystemError` (the CLI's exit 5); user code that asked the process to stop
     (SystemExit, KeyboardInterrupt) or hangs too often stops the run with its final
     checkpoint, then raises `usercode.UserCodeError` (exit 2); anything else is a bug and
-    propagates unchanged.
+    propagates unchanged. `config_file`: the file `cfg` was read from, for the start-up
+    banner.
     """
     check_allowed_changes(allow_config_change)
     try:
@@ -54,7 +58,8 @@ def train(
                 print(f"warning: {note}", file=sys.stderr, flush=True)
             with for_run(cfg):  # the metrics log of this run reads its logger settings here
                 return _run(cfg, parts, allow_config_change=allow_config_change,
-                            allow_dataset_change=allow_dataset_change, resume_from=resume_from, on_step=on_step)
+                            allow_dataset_change=allow_dataset_change, resume_from=resume_from, on_step=on_step,
+                            config_file=config_file)
         finally:
             close = getattr(parts.trainer, "close", None)  # trainer ranks (trainer.world_size > 1) stop
             if close is not None:
@@ -64,12 +69,18 @@ def train(
 
 
 def _run(cfg: Config, parts: Parts, *, allow_config_change: tuple[str, ...], allow_dataset_change: bool,
-         resume_from: str | None, on_step: Callable[[int, dict[str, Any]], None] | None) -> RunResult:
+         resume_from: str | None, on_step: Callable[[int, dict[str, Any]], None] | None,
+         config_file: str | None = None) -> RunResult:
     run_dir = Path(cfg.run_dir)
     try:
         with RunDir(run_dir):  # held from before the warm start until the run has closed
             start = start_point(CheckpointStore(run_dir / "checkpoints"), resume_from,
                                 published=lambda: published_in_trace(run_dir / "trace.jsonl"))
+            if cfg.logger.progress != "none":
+                print("\n".join(start_banner(cfg, config_file=config_file, dataset_rows=len(parts.dataset),
+                                             eval_rows=None if parts.eval_rows is None else len(parts.eval_rows),
+                                             evaluates=parts.evaluator is not None, trainer=parts.trainer,
+                                             resume=start)), flush=True)
             runner = Runner(
                 cfg,
                 source=parts.source,
@@ -105,7 +116,7 @@ def _run(cfg: Config, parts: Parts, *, allow_config_change: tuple[str, ...], all
                 raise _primary(group) from group
             if runner.user_stop is not None:  # user code stopped it, after its final checkpoint: exit 2
                 raise runner.user_stop.error(result.step, result.checkpoint)
-            return result
+            return with_outputs(result, str(run_dir), trainer=cfg.trainer.name)
     except OSError as e:
         raise FilesystemError.of(e, "running the job") from e
 

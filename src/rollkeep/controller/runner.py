@@ -272,7 +272,7 @@ class Runner:
         except OSError as e:  # the store undid what it wrote; the previous checkpoint stands
             raise FilesystemError.of(e, f"publishing the checkpoint of step {step}") from None
         self.trace.emit(published)
-        self._progress.note(checkpoint_note(published))
+        self._progress.checkpoint(published.name, checkpoint_note(published), checkpoint_note(published, short=True))
         self.sched.on_cut_written(step)
         self._wake.set()
 

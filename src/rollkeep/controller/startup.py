@@ -40,6 +40,7 @@ from ..envs import LEASE, EnvSpec
 from ..progress import RunProgress
 from ..trace import Trace, last_committed_in_trace
 from ..trainers import Trainer
+from .banner import resume_line
 from .episodes import check_restored
 from .journaling import JournalThread, check_writable
 from .metrics import MetricsLog
@@ -147,7 +148,8 @@ def open_run(
                TrainerStarted(world_size=1, pids=[os.getpid()], backend="in-process"))
     counts = sched.start(begun.continues(), epochs=source.epochs, replayed=begun.tail is not None,
                          lost=None if begun.tail is None else begun.tail.lost)
-    progress = RunProgress(cfg.logger.progress, total_steps=cfg.train.total_steps, start_step=ledger.version)
+    progress = RunProgress(cfg.logger.progress, total_steps=cfg.train.total_steps, start_step=ledger.version,
+                           verbose=cfg.logger.verbose)
     if leftovers:
         progress.note(f"removed {len(leftovers)} leftover temporary file(s): {', '.join(leftovers)}")
     if abandoned:
@@ -158,6 +160,9 @@ def open_run(
         trace.emit(Restored(checkpoint=None if restored is None else restored.name, step=ledger.version,
                             cut_time=cut_time, **counts, steps_redone=redone, **begun.restored_fields(),
                             config_changes=[] if restored is None else [list(c) for c in restored.config_changes]))
+        progress.note(resume_line(step=ledger.version, total_steps=cfg.train.total_steps, steps_redone=redone,
+                                  source=f"checkpoint {restored.name}" if restored is not None else "the journal",
+                                  groups_lost=counts["groups_lost"], regenerated=counts["siblings_regenerated"]))
         progress.note(restore_banner(restored.name if restored is not None else "the journal", counts, redone,
                                      journal=None if begun.tail is None else begun.tail.events))
     return sched, trace, metrics, progress, journal

@@ -11,6 +11,7 @@ thrown away, generation time lost).
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import signal
 from dataclasses import dataclass
@@ -152,8 +153,33 @@ def summary_lines(*, step: int, total_steps: int, first_step: int, rl_seconds: f
     return lines
 
 
-def checkpoint_note(ev: CheckpointPublished) -> str:
-    """The progress line of a published checkpoint."""
+def with_outputs(result: RunResult, run_dir: str, *, trainer: str) -> RunResult:
+    """`result` with the summary's last lines, `outputs_lines`."""
+    return dataclasses.replace(result, details=(*result.details, *outputs_lines(
+        run_dir, checkpoint=result.checkpoint, trainer=trainer)))
+
+
+def outputs_lines(run_dir: str, *, checkpoint: str | None, trainer: str) -> list[str]:
+    """The summary's last lines: where the run's outputs are and the commands that read
+    them (`rollkeep export` only for the torch and hf trainers' models, the ones it exports)."""
+    root = Path(run_dir)
+    files = [f"{name} ({what})" for name, what in (("metrics.jsonl", "per step"), ("samples.jsonl", "eval samples"))
+             if (root / name).exists()]
+    if checkpoint is not None:
+        files.append(f"checkpoints/{checkpoint}")
+    lines = [f"  outputs     {run_dir}/: " + (", ".join(files) or "nothing yet")]
+    lines.append(f"  report      rollkeep report {run_dir}   (writes report/report.md and plots there)")
+    if trainer in ("torch", "hf") and checkpoint is not None:
+        lines.append(f"  export      rollkeep export {run_dir} --out DIR   (a Hugging Face model directory)")
+    return lines
+
+
+def checkpoint_note(ev: CheckpointPublished, *, short: bool = False) -> str:
+    """The progress line of a published checkpoint (`short`: its name and size only; the
+    full line is logger.verbose's)."""
+    if short:
+        size = f"{ev.bytes / 1e6:.2f} MB" if ev.bytes >= 1e6 else f"{ev.bytes / 1e3:.1f} KB"
+        return f"checkpoint {ev.name} ({size})"
     return (f"checkpoint {ev.name}: {ev.bytes / 1e6:.2f} MB; the cut held the loop "
             f"{ev.cut_hold_seconds * 1e6:.0f} us (+{ev.trainer_snapshot_seconds * 1e3:.1f} ms trainer copy); "
             f"written in the background in {ev.write_seconds:.2f} s")
