@@ -210,23 +210,40 @@ def test_exported_model_has_no_absolute_path(run, tmp_path) -> None:
         assert str(tmp_path) not in f.read_text(errors="replace"), f.name
 
 
+def _hf_run(base: Path, tmp_path: Path) -> list[str]:
+    rows = tmp_path / "data.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{i}+{i % 7}=", "answer": str(i + i % 7), "task": "arith"})
+                            + "\n" for i in range(24)))
+    return ["engine.name=hf", f"engine.model_path={base}", "engine.max_new_tokens=4", "trainer.name=hf",
+            f"trainer.model_path={base}", "trainer.lr=1e-3", f"data.path={rows}", "data.epochs=1",
+            "train.total_steps=3", "warmup.sft_steps=2", "warmup.sft_batch_size=8"]
+
+
 def test_an_hf_run_exports_and_transformers_reloads_it_with_the_trainers_log_probs(tmp_path, capsys,
                                                                                    monkeypatch) -> None:
     """trainer.name hf: config, tokenizer and the checkpoint's float32 master weights as
     save_pretrained writes them (safetensors only), no absolute path in any file."""
+    _export_hf_run_and_compare(tmp_path, capsys, monkeypatch)
+
+
+@pytest.mark.skipif(not os.environ.get("ROLLKEEP_TEST_RANKS"),
+                    reason="the slower tier: make test-ranks (ROLLKEEP_TEST_RANKS=1)")
+def test_an_hf_run_on_two_trainer_ranks_exports_from_its_shards(tmp_path, capsys, monkeypatch) -> None:
+    """A sharded checkpoint (trainer/shards/, `trainer.world_size: 2`): the shards are read
+    back whole (`read_shards`) and exported as one model.safetensors."""
+    ckpt = _export_hf_run_and_compare(tmp_path, capsys, monkeypatch, "trainer.world_size=2",
+                                      "trainer.step_timeout_s=120")
+    assert (ckpt / "trainer" / "shards").is_dir() and not (ckpt / "trainer" / "model.safetensors").exists()
+
+
+def _export_hf_run_and_compare(tmp_path, capsys, monkeypatch, *extra: str) -> Path:
     from hf_fixture import make_tiny_hf_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rollkeep.trainers.hf import HFTrainer
 
     base = make_tiny_hf_model(tmp_path / "base")
-    rows = tmp_path / "data.jsonl"
-    rows.write_text("".join(json.dumps({"prompt": f"{i}+{i % 7}=", "answer": str(i + i % 7), "task": "arith"})
-                            + "\n" for i in range(24)))
-    over = ["engine.name=hf", f"engine.model_path={base}", "engine.max_new_tokens=4", "trainer.name=hf",
-            f"trainer.model_path={base}", "trainer.lr=1e-3", f"data.path={rows}", "data.epochs=1",
-            "train.total_steps=3", "warmup.sft_steps=2", "warmup.sft_batch_size=8"]
-    cfg = config(tmp_path / "hfrun", *over)
+    cfg = config(tmp_path / "hfrun", *_hf_run(base, tmp_path), *extra)
     train(cfg)
     run = Path(cfg.run_dir)
     before = tree(run)
@@ -266,6 +283,7 @@ def test_an_hf_run_exports_and_transformers_reloads_it_with_the_trainers_log_pro
         moved = max(moved, float((a - c).abs().max()))
     assert worst <= 1e-5, worst
     assert moved > 1e-3, "the export holds the base model's weights, not the trained ones"
+    return run / "checkpoints" / "step_000003"
 
 
 def test_export_into_a_non_empty_dir_needs_force_and_never_deletes(run, tmp_path, capsys) -> None:
