@@ -1,4 +1,4 @@
-"""The report as markdown (`report.md`, and what `rollkeep trace` prints)."""
+"""The report as markdown (`report.md`, and what `rollkeep report` prints)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def render_markdown(report: Report, files: list[Path] | None = None) -> str:
     out += _accuracy_table(report)
     if "reward.png" in names:
         out += ["", "reward.png: the reward of each step's training batch, with the held-out accuracy "
-                "(both on a 0-1 axis)."]
+                "(its axis from 0 to 1)."]
     out += ["", "## Training", ""]
     out += _training(report, "training.png" in names)
     out += ["", "## Runs", ""]

@@ -29,7 +29,7 @@ def figures(report: Report) -> list[tuple[str, Any]]:
             "the report's plots need matplotlib, which is not installed",
             expected="matplotlib importable",
             found=str(e),
-            remedy="pip install 'rollkeep[report]', or run `rollkeep trace RUN_DIR --no-plots`",
+            remedy="pip install 'rollkeep[report]', or run `rollkeep report RUN_DIR --no-plots`",
         ) from e
     def new(title: str) -> tuple[Any, Any]:
         fig = Figure(figsize=(10, 5.5), layout="constrained")  # no pyplot: no global state
