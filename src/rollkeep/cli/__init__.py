@@ -7,7 +7,7 @@ answers "not available yet" instead of breaking the others.
 
 Errors: a `RollkeepError` escaping a subcommand is printed as one paragraph on stderr,
 `error: <what, file, field, expected, found, what to do>` (one line, or one line per
-problem when it lists several), with no traceback, and its class
+problem when it lists problems), with no traceback, and its class
 picks the exit code (`EXIT_CODES`, listed in `rollkeep --help`).
 """
 
@@ -96,10 +96,11 @@ def exit_code(err: RollkeepError) -> int:
 def error_paragraph(err: RollkeepError) -> str:
     """`str(err)` as one paragraph: what, file, field, expected, found, what to do. An
     error that lists several problems (`  - ...` lines, e.g. a config with many mistakes)
-    keeps one line per problem; everything else is joined into one line."""
+    keeps one line per problem (even when it lists one); everything else is joined into
+    one line."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     listed = [line for line in lines if line.startswith("- ")]
-    if len(listed) < 2:
+    if not listed:
         return " ".join(lines)
     out: list[str] = []
     for line in lines:

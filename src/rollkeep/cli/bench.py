@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import sys
 import time
 from typing import Any
 
@@ -103,11 +105,26 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "with --quick); restart: restarts (default 7; 3 with --quick)",
     )
     p.add_argument("--seed", type=int, default=0, help="preemption: seed of the kill schedules")
-    p.add_argument("--json", help="also write the results as JSON to this file")
+    # --json as in inspect and report: print JSON on stdout (the text goes to stderr); --json-out
+    # PATH writes a file, and the older `--json PATH` still does.
+    p.add_argument("--json", nargs="?", const="-", metavar="PATH",
+                   help="print the results as one JSON object on stdout (the text goes to stderr); "
+                   "`--json PATH` is --json-out PATH")
+    p.add_argument("--json-out", dest="json", metavar="PATH", help="also write the results as JSON to PATH")
     return p
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.json != "-":
+        return _run(args)
+    with contextlib.redirect_stdout(sys.stderr):  # `--json`: stdout carries the JSON only
+        args.json, out = None, {}
+        code = _run(args, out=out)
+    print(json.dumps(out))
+    return code
+
+
+def _run(args: argparse.Namespace, *, out: dict | None = None) -> int:
     from ..core.errors import UserInputError
 
     kills = args.kills if args.kills is not None else (1 if args.quick else 4)
@@ -218,6 +235,8 @@ def run(args: argparse.Namespace) -> int:
             t.add_row(*row)
         _print(("trainer ranks (FSDP2, gloo): step time, sharded checkpoints, weight publication", t))
     results["settings"]["seconds"] = time.monotonic() - t0
+    if out is not None:
+        out.update(results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -44,24 +46,33 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "the controller (default 0)")
     p.add_argument("--seed", type=int, default=0, help="seed of the kill schedule")
     p.add_argument("--workdir", help="where to run: a writable directory, created if missing (default RUN_DIR/chaos)")
-    p.add_argument("--json", help="also write the report as JSON to this file")
+    # --json as in inspect and report: print JSON on stdout (the text goes to stderr); --json-out
+    # PATH writes a file, and the older `--json PATH` still does.
+    p.add_argument("--json", nargs="?", const="-", metavar="PATH",
+                   help="print the report as one JSON object on stdout (the text goes to stderr); "
+                   "`--json PATH` is --json-out PATH")
+    p.add_argument("--json-out", dest="json", metavar="PATH", help="also write the report as JSON to PATH")
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     from ..chaos import run_chaos
 
-    if args.json is not None:
+    if args.json is not None and args.json != "-":
         _check_json(Path(args.json))
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config:
         overrides.insert(0, config)
         config = None
-    report = run_chaos(config, overrides, kills=args.kills, replica_kills=args.replica_kills,
-                       rank_kills=args.rank_kills, seed=args.seed, workdir=args.workdir)
-    for line in report.lines():
-        print(line)
-    if args.json:
+    to_stdout = args.json == "-"  # `--json`: stdout carries the JSON only, the text goes to stderr
+    with contextlib.redirect_stdout(sys.stderr) if to_stdout else contextlib.nullcontext():
+        report = run_chaos(config, overrides, kills=args.kills, replica_kills=args.replica_kills,
+                           rank_kills=args.rank_kills, seed=args.seed, workdir=args.workdir)
+        for line in report.lines():
+            print(line)
+    if to_stdout:
+        print(json.dumps({**asdict(report), "passed": report.passed}))
+    elif args.json:
         with open(args.json, "w") as f:
             json.dump({**asdict(report), "passed": report.passed}, f, indent=2)
     return 0 if report.passed else 1

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
+import yaml
 from pydantic import (
     BaseModel,
 )
@@ -298,7 +299,7 @@ def _problem_from_pydantic(e: Mapping[str, Any], root: type[BaseModel]) -> _Prob
     line = f"`{path}`: expected {expected}; found {_show(value)}"
     if kind == "string_type" and isinstance(value, (int, float, bool)):
         line += "; YAML reads it as a number or boolean, so quote it"
-    elif kind in ("int_type", "float_type", "bool_type") and isinstance(value, str):
+    elif kind in ("int_type", "float_type", "bool_type") and isinstance(value, str) and _quoted(value, kind):
         line += "; remove the quotes"
     return _Problem(path, line)
 
@@ -334,6 +335,20 @@ def _unknown_key(
     return line
 
 
+def _quoted(text: str, kind: str) -> bool:
+    """A string that YAML reads as the expected type once unquoted ("4" for an integer):
+    it was quoted. "four" was not, and "remove the quotes" would not fix it."""
+    try:
+        unquoted = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return False
+    if kind == "bool_type":
+        return isinstance(unquoted, bool)
+    if isinstance(unquoted, bool):
+        return False
+    return isinstance(unquoted, int) or (kind == "float_type" and isinstance(unquoted, float))
+
+
 def _show(value: Any) -> str:
     if value is None:
         return "null"
@@ -367,7 +382,9 @@ def _config_error(
     if overrides:
         source += " with overrides " + " ".join(overrides)
     n = len(problems)
-    lines = "\n".join(f"  - {p.line}" for p in problems)
+    given = [o.partition("=")[0].strip() for o in overrides]
+    lines = "\n".join(f"  - {p.line}" + (" (from the command line)" if _from_overrides(p.path, given) else "")
+                      for p in problems)
     return ConfigError(
         f"{n} problem{'s' if n > 1 else ''} in {source}:\n{lines}\nNothing was run",
         path=None if path is None else str(path),
@@ -375,3 +392,8 @@ def _config_error(
         remedy="fix every key listed above, in the file or in the overrides; "
         "configs/toy.yaml is a valid example",
     )
+
+
+def _from_overrides(path: str, given: Sequence[str]) -> bool:
+    """The problem's key was set (or set inside) by a `key=value` override."""
+    return any(key == path or path.startswith(key + ".") or key.startswith(path + ".") for key in given if key)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 import time
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from .episodes import bounded
 from .metrics import MetricsLog, for_run
 from .rundir import RunDir
 from .runner import Runner, RunResult
+from .startup import NothingToDo
 from .summary import with_outputs
 from .warmup import run_warmup
 
@@ -114,11 +116,26 @@ def _run(cfg: Config, parts: Parts, *, allow_config_change: tuple[str, ...], all
                 result = asyncio.run(runner.run(warmup_seconds=warmup_seconds))
             except BaseExceptionGroup as group:
                 raise _primary(group) from group
+            except NothingToDo as done:  # at train.total_steps already: nothing started, nothing written
+                return AlreadyFinished(done.step, parts.trainer.weights_sha256(), "finished",
+                                       checkpoint=runner.store.latest(), run_dir=str(done.run_dir))
             if runner.user_stop is not None:  # user code stopped it, after its final checkpoint: exit 2
                 raise runner.user_stop.error(result.step, result.checkpoint)
             return with_outputs(result, str(run_dir), trainer=cfg.trainer.name)
     except OSError as e:
         raise FilesystemError.of(e, "running the job") from e
+
+
+@dataclasses.dataclass(frozen=True)
+class AlreadyFinished(RunResult):
+    """The result of re-opening a run that reached train.total_steps: nothing ran (exit 0)."""
+
+    run_dir: str = ""
+
+    def summary(self) -> str:
+        return (f"already finished at step {self.step}; nothing to do (weights_sha256 {self.weights_sha256}).\n"
+                f"  to train longer, rerun with a larger train.total_steps; to start over, use a new "
+                f"run_dir or remove {self.run_dir}")
 
 
 def _primary(group: BaseExceptionGroup) -> BaseException:

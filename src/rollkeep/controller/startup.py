@@ -115,6 +115,8 @@ def open_run(
     if env is not None and env.recovery == LEASE:
         prefixes.released = []  # the leases of episodes dropped from here on are released (`Runner`)
     check_restored(prefixes, env, str(store.root / (resume or "")))
+    if begun.resumed:  # a run already at (or past) train.total_steps: nothing is written (exit 0 or 2)
+        check_steps_left(ledger.version, cfg.train.total_steps, run_dir)
     # Only now that the restore chain (and the journal's tail) passed does anything on disk change,
     # once the journal's directories are known to take its segments (D10).
     if cfg.journaled:
@@ -166,6 +168,30 @@ def open_run(
         progress.note(restore_banner(restored.name if restored is not None else "the journal", counts, redone,
                                      journal=None if begun.tail is None else begun.tail.events))
     return sched, trace, metrics, progress, journal
+
+
+class NothingToDo(Exception):
+    """The run_dir's run is at train.total_steps already: `train` answers "already
+    finished" (exit 0) instead of starting anything. Raised before anything is written."""
+
+    def __init__(self, step: int, run_dir: Path) -> None:
+        super().__init__(f"already finished at step {step}")
+        self.step, self.run_dir = step, run_dir
+
+
+def check_steps_left(step: int, total_steps: int, run_dir: Path) -> None:
+    """A resumed run at `step`: at train.total_steps there is nothing to do (`NothingToDo`);
+    past it, train.total_steps was lowered below what the run has trained (exit 2)."""
+    if step == total_steps:
+        raise NothingToDo(step, run_dir)
+    if step > total_steps:
+        raise UserInputError(
+            f"train.total_steps is {total_steps}, but the run in {run_dir} is at step {step} already",
+            path=str(run_dir), field="train.total_steps",
+            expected=f"train.total_steps of at least {step} (a run cannot be shortened below what it trained)",
+            found=f"train.total_steps={total_steps}; nothing was run or written",
+            remedy=f"give train.total_steps={step} or more to resume (more trains on), or a new run_dir to "
+            "start a shorter run")
 
 
 def load_trainer(trainer: Trainer, restored: restore.Restored) -> None:

@@ -46,8 +46,14 @@ def diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple[str, Any,
     ]
 
 
+#: Keys whose change makes a run_dir another job's: its remedy is a new run_dir, not a list
+#: of --allow-config-change flags (which still accept the change, key by key).
+OTHER_JOB_KEYS = frozenset({"engine.name", "trainer.name"})
+
+
 def format_diff(changes: Iterable[tuple[str, Any, Any]]) -> str:
-    return "\n".join(f"  {path}: {old!r} -> {new!r}" for path, old, new in changes)
+    """One `  - key: old -> new` line per key (the CLI prints each on its own line)."""
+    return "\n".join(f"  - {path}: {old!r} -> {new!r}" for path, old, new in changes)
 
 
 def is_allowed(path: str, allow: Iterable[str]) -> bool:
@@ -78,9 +84,22 @@ def check_compatible(
     ]
     refused = [c for c in changes if not is_allowed(c[0], allowed)]
     if refused:
+        other = [c for c in refused if c[0] in OTHER_JOB_KEYS]
+        if other:  # a different engine or trainer: another job, not a change to this one
+            what = ", ".join(f"{k} {o!r} -> {n!r}" for k, o, n in other)
+            raise ConfigMismatch(
+                f"this run_dir belongs to another job ({what}): use a new run_dir. The config "
+                f"differs in {len(refused)} key(s) that change what the run trains on:\n"
+                + format_diff(refused) + "\nNothing was run or written",
+                diff=refused, path=path, field=", ".join(c[0] for c in refused),
+                expected="the job the checkpoint was written by", found="the values listed above",
+                remedy="give this config a run_dir of its own (run_dir=runs/NEW), or rerun the old job "
+                "with the config it was started with",
+            )
         keys = " ".join(f"--allow-config-change {c[0]}" for c in refused)
         raise ConfigMismatch(
-            "the config changes keys that change what the run trains on:\n" + format_diff(refused),
+            "the config changes keys that change what the run trains on:\n" + format_diff(refused)
+            + "\nNothing was run or written",
             diff=refused,
             path=path,
             field=", ".join(c[0] for c in refused),
