@@ -22,7 +22,7 @@ install: $(STAMP)
 # `exec`: make's shell (when ARGS needs one) is replaced by rollkeep, so a SIGTERM that make
 # forwards, or a Ctrl-C, reaches rollkeep itself; make then dies by the same signal (a shell
 # reports 130 / 143). A scheduler that needs rollkeep's exit codes exactly runs
-# `.venv/bin/rollkeep train` (README, "Stopping and exit codes").
+# `.venv/bin/rollkeep train` (docs/cli.md, "Exit codes").
 run: $(STAMP)
 	exec $(PY) -m rollkeep train $(CONFIG) $(ARGS)
 
