@@ -248,7 +248,8 @@ def test_a_non_finite_reward_is_a_data_failure_never_trained(tmp_path, monkeypat
     from rollkeep import tasks
 
     monkeypatch.setitem(tasks.REWARDS, "arith", lambda text, row: math.nan)
-    cfg = config(tmp_path / "run", "train.total_steps=2", "rollout.max_data_attempts=1")
+    # (fail_fast off: a reward that is NaN on every row would stop the run first, exit 2)
+    cfg = config(tmp_path / "run", "train.total_steps=2", "rollout.max_data_attempts=1", "rollout.fail_fast_attempts=0")
     from rollkeep.controller import train
 
     with pytest.raises(Exception, match="step 1 lost|min_step_batch|data budget"):

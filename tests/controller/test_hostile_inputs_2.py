@@ -388,7 +388,9 @@ def test_lost_versions_regenerated_in_deterministic_mode_end_byte_identical(tmp_
 def test_d12_prompts_run_out_to_failures_under_replace_says_so(tmp_path) -> None:
     """Found: "use on_dropped_prompt: replace" as the remedy of a run that already replaces."""
     (tmp_path / "rt_rewards.py").write_text("def nan(completion, row):\n    return float('nan')\n")
-    out = rollkeep(*train_args(tmp_path / "run", "reward.fn=rt_rewards:nan", "rollout.on_dropped_prompt=replace"),
+    # (fail_fast off: by default a reward NaN on every row stops the run first, exit 2; test_fail_fast.py)
+    out = rollkeep(*train_args(tmp_path / "run", "reward.fn=rt_rewards:nan", "rollout.on_dropped_prompt=replace",
+                               "rollout.fail_fast_attempts=0"),
                    env_extra={"PYTHONPATH": str(tmp_path)})
     assert out.returncode == 5, out.stderr
     assert "no prompt is left to replace them" in out.stderr and "the last drop: data budget spent" in out.stderr

@@ -71,7 +71,7 @@ def refused(capsys, args: list[str], run_dir: Path) -> str:
 def test_reward_fn_rewards_every_row_with_the_users_function(cwd) -> None:
     name = module(cwd, "def score(completion, row):\n    return 0.25 if row['prompt'] else 0.0\n")
     cfg = config(cwd / "run", "train.total_steps=3", f"reward.fn={name}:score")
-    assert semantic(cfg)["reward"] == {"fn": f"{name}:score"}  # it changes what is trained
+    assert semantic(cfg)["reward"] == {"fn": f"{name}:score", "fns": None}  # it changes what is trained
     train(cfg)
     steps = [m for m in metrics(cfg) if "reward_mean" in m]
     assert [m["step"] for m in steps] == [1, 2, 3]
@@ -103,8 +103,8 @@ def test_a_reward_function_that_raises_or_returns_a_non_number_is_a_data_failure
                  "rollout.max_data_attempts=1", "engine.data_fail_rate=0", "engine.infra_fail_rate=0")
     train(cfg)
     failed = [e["error"] for e in trace_lines(cfg) if e["event"] == "failed"]
-    assert any(e.startswith("reward function: ValueError: no score for") for e in failed)
-    assert any("reward function: TypeError:" in e and "returned '0.5' (str), not a number" in e for e in failed)
+    assert any(e.startswith(f"reward function {name}:score raised ValueError: no score for") for e in failed)
+    assert any(f"reward function {name}:score raised TypeError:" in e and "returned '0.5' (str), not a number" in e for e in failed)
     dropped = [e for e in trace_lines(cfg) if e["event"] == "dropped"]
     assert dropped and all("data budget spent" in e["reason"] for e in dropped)
     assert all(m["reward_mean"] == 1.0 for m in metrics(cfg) if "reward_mean" in m)  # none of them trained

@@ -25,7 +25,7 @@ from run_harness import DEFAULTS, FAST, ROOT, config, events
 
 from rollkeep.cli import main
 from rollkeep.controller import train
-from rollkeep.controller.usercode import Overdue, UserCode, UserStop
+from rollkeep.controller.usercode import Overdue, UserCode, UserCodeError, UserStop
 from rollkeep.core.errors import ExternalError
 from rollkeep.engines.toy import TRAJECTORY_TOKENS
 from rollkeep.trace import read_trace
@@ -362,8 +362,16 @@ def test_a_response_over_env_max_response_bytes_is_a_data_failure(tmp_path, monk
     monkeypatch.syspath_prepend(str(tmp_path))
     (tmp_path / "rk_hostile.py").write_text(HOSTILE)
     monkeypatch.setenv("RK_RESPONSE", str(5 << 20))  # the red team's 5 MB a turn
-    cfg = config(tmp_path / "run", "env.factory=rk_hostile:Talkative", "env.max_turns=4", "train.total_steps=1")
-    with pytest.raises(ExternalError, match="lost"):  # every prompt fails: the run runs out of them (exit 5)
+    # By default an environment that fails every episode alike stops the run first (exit 2,
+    # nothing dropped: rollout.fail_fast_attempts, issue 28) ...
+    first = config(tmp_path / "ff", "env.factory=rk_hostile:Talkative", "env.max_turns=4", "train.total_steps=1")
+    with pytest.raises(UserCodeError, match="environment rk_hostile:Talkative: step.. returned a response of"):
+        train(first)
+    assert events(first, "dropped") == []
+    # ... and with that check off, every prompt fails: the run runs out of them (exit 5).
+    cfg = config(tmp_path / "run", "env.factory=rk_hostile:Talkative", "env.max_turns=4", "train.total_steps=1",
+                 "rollout.fail_fast_attempts=0")
+    with pytest.raises(ExternalError, match="lost"):
         train(cfg)
     failed = events(cfg, "failed")
     assert failed and all("returned a response of 5242880 bytes, over env.max_response_bytes=65536" in x["error"]

@@ -492,6 +492,11 @@ class RolloutConfig(_Section):
     ceil(fraction x num_prompts_per_step) groups. In (0, 1]."""
     spare_prompts: int = Field(0, ge=0)
     """Prompts kept in the spare pool for `replace`."""
+    fail_fast_attempts: int = Field(8, ge=0, le=100_000)
+    """When the run's first this many attempts all fail as data with the same error (a reward
+    function or an environment that raises on every row), the run stops with exit 2 before
+    dropping anything: the fault is the code, not the data; the same command resumes once it
+    is fixed. Until the first success (or two different errors) no prompt is dropped. 0: off."""
 
 
 class RecoveryConfig(_Section):
@@ -665,6 +670,29 @@ def _reward_spec(v: Any) -> str | dict[str, str] | None:
 RewardSpec = Annotated[str | dict[str, str] | None, PlainValidator(_reward_spec)]
 
 
+def _one_reward_fn(v: Any) -> str:
+    from pydantic_core import PydanticCustomError
+
+    if isinstance(v, str) and _REWARD_SPEC.match(v):
+        return v
+    raise PydanticCustomError("reward_spec", "a `package.module:function` string (a module path, a colon, a "
+                              "function name, e.g. `my_rewards:score`)")
+
+
+class RewardFnConfig(_Section):
+    """One entry of `reward.fns` (TRL's `reward_funcs` with its `reward_weights`)."""
+
+    fn: Annotated[str, PlainValidator(_one_reward_fn)]
+    """`"package.module:function"`, called per sample as `fn(completion, row) -> float` or,
+    when it has a `completions` (or `prompts`) parameter, batched as TRL calls it:
+    `fn(prompts=[...], completions=[...], **row_fields) -> list[float]` (each row field a
+    list; None in the list: no reward from this function for that sample). `async def` too."""
+    weight: float = Field(1.0, allow_inf_nan=False)
+    """Its weight in the reward: the sum of weight x value over `reward.fns`."""
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$")
+    """The name of its metric `reward/<name>` (its mean per step); null = the function's name."""
+
+
 class RewardConfig(_Section):
     """Reward functions from your own code, instead of the built-in ones looked up by each
     row's `task` (`rollkeep.tasks.REWARDS`)."""
@@ -679,6 +707,11 @@ class RewardConfig(_Section):
     KeyboardInterrupt stops the run (final checkpoint, exit 2). It runs on a worker thread,
     several calls at once. The module is imported at start-up, from the current directory
     or the Python path; null = the built-in rewards."""
+    fns: list[RewardFnConfig] | None = Field(None, min_length=1)
+    """Several reward functions, as TRL users write them (`reward_funcs`, `reward_weights`):
+    `[{fn: "mod:f", weight: 1.0}, ...]`; a completion's reward is the weighted sum, and each
+    function is logged as its own metric `reward/<name>`. Every row is rewarded by them (not
+    by the built-in rewards); not together with `reward.fn`. See docs/rewards.md."""
     timeout_s: float = Field(60.0, gt=0.0, le=86_400)
     """Deadline of one `reward.fn` call; past it, a data failure of the attempt, and the call
     is abandoned (its thread left to finish or hang; the run does not wait for it).
@@ -688,6 +721,15 @@ class RewardConfig(_Section):
     a completion waits for a slot, within `rollout.timeout_s`. A reward function may be
     `async def` (awaited on the run's loop, e.g. calling a judge through
     `rollkeep.effects.call`) or plain (run on a worker thread)."""
+
+    @model_validator(mode="after")
+    def _fn_or_fns(self) -> RewardConfig:
+        from pydantic_core import PydanticCustomError
+
+        if self.fn is not None and self.fns is not None:
+            raise PydanticCustomError("reward_fn_and_fns", "`reward.fn` or `reward.fns`, not both (`reward.fns` "
+                                      "can hold reward.fn's function as one of its entries)")
+        return self
 
 
 class EffectsConfig(_Section):

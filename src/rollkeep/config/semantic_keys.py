@@ -39,6 +39,7 @@ _SEMANTIC = (
     "sampler",
     "warmup",
     "reward.fn",
+    "reward.fns",
     "env.name",
     "env.factory",
     "env.kwargs",
@@ -79,6 +80,7 @@ _NOT_SEMANTIC = (
     "rollout.on_dropped_prompt",
     "rollout.min_step_batch_fraction",
     "rollout.spare_prompts",
+    "rollout.fail_fast_attempts",  # when a run stops, never what it trains on
     "train.total_steps",
     "recovery",
     "checkpoint",
@@ -154,6 +156,7 @@ ADDED_KEYS: dict[str, Any] = {
     "trainer.lr_decay_steps": 0,
     "trainer.lr_final_ratio": 0.1,
     "reward.fn": None,
+    "reward.fns": None,
     "env.name": None,
     "env.factory": None,
     "env.kwargs": {},

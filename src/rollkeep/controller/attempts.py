@@ -33,6 +33,9 @@ class Attempts:
                                max_result_bytes=cfg.effects.max_result_bytes, journal=journal, flush=trace.flush,
                                emit=trace.emit)
         self.reward_slots = asyncio.Semaphore(cfg.reward.max_concurrent)
+        # Under reward.fns: each function's value for a sibling's last scored completion,
+        # (group, generation) -> {name: value}; read (and forgotten) when its step trains.
+        self.reward_parts: dict[tuple[str, int], dict[str, float | None]] = {}
 
     async def run(self, cmd: Dispatch) -> tuple[Outcome, list] | None:
         """(what the attempt ends in, the episode's environment if one was built), or None if
@@ -53,7 +56,8 @@ class Attempts:
                 completion = await (self.engine.generate(req, progress) if progress is not None
                                     else self.engine.generate(req))
                 effects.at(REWARD_TURN, self.cfg.reward.timeout_s)
-                reward = await score(self.code, self.cfg.reward, req.prompt, completion, self.reward_slots)
+                reward = await score(self.code, self.cfg.reward, req.prompt, completion, self.reward_slots,
+                                     parts=lambda v: self.reward_parts.__setitem__((req.group_id, req.generation), v))
             outcome: Outcome = Generated(completion, reward, completion.replica)
         except UserStop:
             return None
@@ -64,3 +68,17 @@ class Attempts:
         if effects.failed is not None:  # whatever the user code made of it (it may have caught the error)
             outcome = Failure(DATA, effects.failed, getattr(outcome, "replica", 0))
         return outcome, built
+
+    def reward_metrics(self, batch: Any) -> dict[str, float]:
+        """`reward/<name>`: the mean of each `reward.fns` function over the batch's
+        completions (those this process scored; a function's None is left out, and a
+        function with no value in the batch has no metric that step)."""
+        sums: dict[str, list[float]] = {}
+        for group in batch.groups:
+            for g in range(len(group.rows)):
+                for name, v in self.reward_parts.pop((group.group_id, g), {}).items():
+                    acc = sums.setdefault(name, [0.0, 0])
+                    if v is not None:
+                        acc[0] += v
+                        acc[1] += 1
+        return {f"reward/{name}": s / n for name, (s, n) in sums.items() if n}

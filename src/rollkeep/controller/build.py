@@ -106,7 +106,7 @@ def with_chat_template(cfg: Config) -> Config:
 def build(cfg: Config) -> Parts:
     cfg = with_chat_template(cfg)
     check_logger(cfg.logger, cfg.run_dir)  # the tb / wandb extras, before anything runs
-    use_rewards(cfg.reward.fn)  # imports the user's reward modules: exit 2 on any problem
+    use_rewards(cfg.reward.fn, cfg.reward.fns)  # imports the user's reward modules: exit 2 on any problem
     dataset, eval_rows = build_data(cfg)
     check_tasks(str(dataset[i].get("task", "default")) for i in range(len(dataset)))
     if eval_rows:

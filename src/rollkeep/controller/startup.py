@@ -72,6 +72,7 @@ def settings(cfg: Config, *, streams: bool = True, evaluates: bool = False, env:
         progress_every_s=cfg.recovery.progress_ms / 1000, lost_versions=cfg.recovery.lost_versions,
         eval_every=cfg.eval.every_steps if evaluates else 0,
         env_phase_s=cfg.env.cut_timeout_s if env is not None and env.recovery == LEASE else None,
+        fail_fast_attempts=r.fail_fast_attempts,
     )
 
 

@@ -41,6 +41,7 @@ import asyncio
 import contextlib
 import contextvars
 import inspect
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ from ..core.errors import RollkeepError, UserInputError
 from ..core.rollout.generation import DataError
 
 __all__ = ["MAX_HUNG", "Overdue", "Stopped", "UserCode", "UserCodeError", "UserStop", "call_sync",
-           "guarded_save", "guarded_step", "score", "shown"]
+           "failed_alike", "guarded_save", "guarded_step", "score", "shown"]
 
 MAX_HUNG = 64  # abandoned calls still running at once before the run stops (exit 2)
 
@@ -100,6 +101,16 @@ def _asked_to_stop(who: str, e: BaseException) -> Stopped:
                    "retried within rollout.max_data_attempts); SystemExit and KeyboardInterrupt stop the run",
                    remedy=f"fix {who} (a library that calls sys.exit on an error: catch SystemExit around it "
                    "and raise an ordinary exception)")
+
+
+def failed_alike(n: int, error: str) -> Stopped:
+    """The core's fail-fast tripped (core/schedule/failfast.py): the run's first `n` attempts
+    all failed with `error`, which names the user's function and its exception."""
+    return Stopped(f"the first {n} attempts of the run all failed with the same error: {error}; "
+                   "no prompt was dropped",
+                   expected="user code that works on at least some rows (a failure on some rows only is a data "
+                   "failure: retried within rollout.max_data_attempts, then dropped)",
+                   remedy="fix the function (rollout.fail_fast_attempts=0 turns this check off)")
 
 
 class _Job:
@@ -303,33 +314,58 @@ def _guarded(fn: Callable[..., Any], trainer: Any, what: str, expected: str, rem
 
 
 async def score(code: UserCode, reward: Any, prompt: Any, completion: Any,
-                slots: asyncio.Semaphore | None = None) -> float:
+                slots: asyncio.Semaphore | None = None,
+                parts: Callable[[dict[str, float | None]], None] | None = None) -> float:
     """The reward of a single-turn completion (`reward` is the config's `reward` section,
     `prompt` the attempt's): the row's `reward.fn` within `reward.timeout_s`, at most
     `reward.max_concurrent` at once (`slots`) -- awaited on the loop if it is `async def`,
     else on a worker thread; a built-in reward (rollkeep's own code, cheap and total)
-    inline. A failure is a DataError of the attempt; UserStop passes through."""
+    inline. Under `reward.fns`, each of its functions so, one after the other, and their
+    weighted sum; `parts(values)` gets each one's value (its metric). A failure is a
+    DataError of the attempt naming the function; UserStop passes through."""
     from ..tasks import reward_fn
+    from ..tasks.weighted import Weighted
 
     label = reward.fn if reward.fn is None or isinstance(reward.fn, str) else reward.fn.get(prompt.task)
+    fn = None
     try:
         fn = reward_fn(prompt.task)  # `reward.fn`'s for the task if it names one (label), else the built-in
+        if isinstance(fn, Weighted):
+            async with slots if slots is not None else contextlib.nullcontext():
+                values: dict[str, float | None] = {}
+                for part in fn.parts:
+                    label = part.spec
+                    values[part.name] = part.value(await _user_call(code, reward, label, part.is_async, part.call,
+                                                                    completion.text, prompt.row))
+            if parts is not None:
+                parts(values)
+            return fn.total(values)
         if label is None:
             return float(fn(completion.text, prompt.row))
         async with slots if slots is not None else contextlib.nullcontext():
-            if inspect.iscoroutinefunction(fn):
-                try:
-                    async with asyncio.timeout(reward.timeout_s):
-                        return float(await fn(completion.text, prompt.row))
-                except TimeoutError:
-                    raise Overdue() from None
-            return float(await code.call(f"reward function {label}", reward.timeout_s, fn, completion.text,
-                                         prompt.row))
+            value = float(await _user_call(code, reward, label, inspect.iscoroutinefunction(fn), fn, completion.text,
+                                           prompt.row))
+        if math.isfinite(value):
+            return value
+        why = f"reward function {label} returned {value}, not a finite number"  # (the core refuses it anyway)
     except Overdue:
         why = f"reward function {label} took longer than reward.timeout_s={reward.timeout_s:g} s"
     except Exception as e:  # a reward function's error is a data failure (docs/design.md §6)
-        why = f"reward function: {type(e).__name__}: {e}"
+        who = label or (f"{fn.__module__}:{fn.__qualname__}" if fn is not None else "of the row's task")
+        why = f"reward function {who} raised {type(e).__name__}: {e}"
     err = DataError(why)
     err.replica = completion.replica
     raise err
 
+
+async def _user_call(code: UserCode, reward: Any, label: str, is_async: bool, fn: Callable[..., Any],
+                     *args: Any) -> Any:
+    """One call of a user's reward function within reward.timeout_s: awaited on the loop if
+    it is `async def`, else on a worker thread (`code.call`); Overdue past the deadline."""
+    if is_async:
+        try:
+            async with asyncio.timeout(reward.timeout_s):
+                return await fn(*args)
+        except TimeoutError:
+            raise Overdue() from None
+    return await code.call(f"reward function {label}", reward.timeout_s, fn, *args)

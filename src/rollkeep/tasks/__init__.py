@@ -12,7 +12,7 @@ Every reward function is called as `fn(completion: str, row: dict) -> float` (se
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from ..core.errors import UserInputError
@@ -39,14 +39,18 @@ REWARDS: dict[str, RewardFn] = {
 _CONFIGURED: dict[str | None, RewardFn] = {}
 
 
-def use_rewards(spec: str | Mapping[str, str] | None) -> None:
-    """Resolve a run's `reward.fn` (importing its modules; a UserInputError, exit 2, names
-    what is wrong) and install it for `reward_fn`. All of it resolves before anything is
+def use_rewards(spec: str | Mapping[str, str] | None, fns: Sequence[Any] | None = None) -> None:
+    """Resolve a run's `reward.fn`, or its `reward.fns` (`fns`: the weighted sum of several,
+    `rollkeep.tasks.weighted`), importing their modules (a UserInputError, exit 2, names
+    what is wrong), and install it for `reward_fn`. All of it resolves before anything is
     installed; None installs nothing and removes an earlier run's functions."""
     from .custom import resolve
+    from .weighted import resolve_all
 
-    if spec is None:
-        table: dict[str | None, RewardFn] = {}
+    if fns:
+        table: dict[str | None, RewardFn] = {None: resolve_all(fns)}
+    elif spec is None:
+        table = {}
     elif isinstance(spec, str):
         table = {None: resolve(spec)}
     else:

@@ -93,6 +93,7 @@ from .commands import (
     Train,
     WakeAt,
 )
+from .failfast import FailFast, Watch
 from .finalize import finalize
 from .partial import PartialGenerations
 from .pinning import Pinning
@@ -133,6 +134,7 @@ class Settings:
     lost_versions: str = "keep"  # keep | regenerate: work generated under lost versions (recovery.lost_versions)
     eval_every: int = 0  # Evaluate the weights of every version divisible by it (eval.every_steps; 0: never)
     env_phase_s: float | None = None  # the cut's environment phase, at most this long (env.cut_timeout_s); None: none
+    fail_fast_attempts: int = 0  # stop when the first this many attempts fail alike (rollout.fail_fast_attempts; 0: off)
 
 
 @dataclass(frozen=True)
@@ -230,6 +232,11 @@ class Scheduler:
         self._env_hold: tuple[float, float] | None = None  # (since, deadline)
         self._env_phase = (0.0, 0)  # the last phase's wait and retired steps, for its Cut
         self._now = 0.0  # the poll's clock
+        # Fail fast on a bug in user code (failfast.py): while it watches, a group whose data
+        # budget is spent is parked here (gid -> its drop reason), neither retried nor dropped.
+        self.fail_fast = FailFast(settings.fail_fast_attempts)
+        self._parked: dict[str, str] = {}
+        self.user_code_failure: str | None = None  # set when it trips: every first attempt failed with this
         ledger.subscribe(self._on_event)
         for sink in () if sinks is None else sinks.in_order():
             ledger.subscribe(sink)
@@ -331,6 +338,9 @@ class Scheduler:
                 apply=self._apply,
             )
             wake = self._dispatch(now, out)
+            if self._parked and wake is None and not self._in_flight:  # nothing left to decide with
+                self.fail_fast.give_up()
+                self._release_parked()
         if self._deadlines:
             wake = self._deadlines[0][0] if wake is None else min(wake, self._deadlines[0][0])
         if self._env_hold is not None:  # the cut's environment phase ends by then
@@ -349,6 +359,8 @@ class Scheduler:
         return when the next backoff expires, if one is pending."""
         led, wake_at = self.ledger, None
         for gid in led.pending_ids():
+            if gid in self._parked:
+                continue  # its drop waits for the fail-fast watch
             rec = led.group(gid)
             pinned = self.pinning.version_for(rec.target_step)
             if pinned is not None and self.engine_version != pinned:
@@ -486,15 +498,38 @@ class Scheduler:
             self.tokens_generated += row.tokens - resumed  # a continued prefix was generated before
             if led.group(gid).state == GroupState.READY_TO_FINALIZE:
                 finalize(led, self.rows, gid, self.settings.scale_rewards, self._apply)
+            if self.fail_fast.watching:  # the code works: what it parked is dropped as its budgets said
+                self.fail_fast.sealed()
+                self._release_parked()
             return
         self._apply(Failed(group_id=gid, generation=g, attempt=attempt, kind=outcome.kind,
                            error=outcome.error[:500], replica=outcome.replica))
         rec = led.group(gid)
+        watch = self.fail_fast.state
+        if outcome.kind == DATA and watch is not Watch.CLEARED:
+            watch = self.fail_fast.failed(outcome.error)
+            if watch is Watch.TRIPPED and self.user_code_failure is None:
+                self.user_code_failure = outcome.error
+                self.on_signal(Reason.USER_CODE)
+            elif watch is Watch.CLEARED:
+                self._release_parked()
+                if gid not in led:  # it was parked: dropped just now
+                    return
         if self.settings.retry.spent(rec, g, outcome.kind):
+            if watch is not Watch.CLEARED:  # a bug in user code may be to blame: drop nothing yet
+                self._parked[gid] = budget_reason(outcome.kind, outcome.error)
+                return
             self._drop(gid, budget_reason(outcome.kind, outcome.error))
             return
         self._cancel_stale(gid)  # an all-or-nothing group abandoned its other siblings
         self._not_before[(gid, g)] = self.settings.retry.retry_at(rec, g, now)
+
+    def _release_parked(self) -> None:
+        """The fail-fast watch cleared: the parked groups are dropped as their budgets said."""
+        parked, self._parked = self._parked, {}
+        for gid, reason in parked.items():
+            if gid in self.ledger:  # (a parked group is still generating: nothing else ends it)
+                self._drop(gid, reason)
 
     def _cancel_stale(self, gid: str) -> None:
         stale = tuple(k for k in self._in_flight if k[0] == gid and not self.ledger.is_current(*k))
