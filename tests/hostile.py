@@ -44,8 +44,14 @@ def refused(capsys, code: int, args: list[str], expected: int) -> str:
     capsys.readouterr()
     assert code == expected or main(args) == expected
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "Traceback" not in err and err.count("\n") == 1, err
+    assert one_paragraph(err), err
     return err
+
+
+def one_paragraph(err: str) -> bool:
+    """An error as `rollkeep` prints one: `error: ...`, no traceback, no blank line (a list of
+    problems is one `  - ...` line each)."""
+    return err.startswith("error: ") and "Traceback" not in err and "\n\n" not in err.strip() and err.endswith("\n")
 
 
 def refuses(capsys, args: list[str], expected: int, root: Path) -> str:
@@ -54,7 +60,7 @@ def refuses(capsys, args: list[str], expected: int, root: Path) -> str:
     code = main(args)
     err = capsys.readouterr().err
     assert code == expected, err
-    assert err.startswith("error: ") and "Traceback" not in err and err.count("\n") == 1, err
+    assert one_paragraph(err), err
     assert tree(root) == before, "a refusal changed the run directory"
     return err
 

@@ -10,6 +10,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from hostile import one_paragraph
 from run_harness import DEFAULTS, FAST, config, trace_lines
 
 from rollkeep import tasks
@@ -60,7 +61,7 @@ def refused(capsys, args: list[str], run_dir: Path) -> str:
     code = main(args)
     err = capsys.readouterr().err
     assert code == 2, err
-    assert err.startswith("error: ") and "Traceback" not in err and err.count("\n") == 1, err
+    assert one_paragraph(err), err
     assert not run_dir.exists(), "a refused start created the run directory"
     return err
 

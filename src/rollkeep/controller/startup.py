@@ -116,7 +116,11 @@ def open_run(
     if env is not None and env.recovery == LEASE:
         prefixes.released = []  # the leases of episodes dropped from here on are released (`Runner`)
     check_restored(prefixes, env, str(store.root / (resume or "")))
-    if begun.resumed:  # a run already at (or past) train.total_steps: nothing is written (exit 0 or 2)
+    # A run already at (or past) train.total_steps: nothing is written (exit 0 or 2) -- unless
+    # the checkpoint resumed is not the one LATEST names (`--resume-from`, the remedy for a
+    # missing LATEST): then the start goes on, so that LATEST is pointed at it.
+    if begun.resumed and (restored is None or store.latest() == restored.name
+                          or ledger.version > cfg.train.total_steps):
         check_steps_left(ledger.version, cfg.train.total_steps, run_dir)
     # Only now that the restore chain (and the journal's tail) passed does anything on disk change,
     # once the journal's directories are known to take its segments (D10).
