@@ -54,7 +54,7 @@ from .leases import Leases
 from .metrics import MetricsLog, StepMeter, progress_fields
 from .startup import limits, open_run
 from .summary import RunResult, checkpoint_note, error_text, restarts_in_trace, summary_lines
-from .usercode import Stopped, UserCode, failed_alike, guarded_save, guarded_step
+from .usercode import Stopped, UserCode, fail_fast_stop, guarded_save, guarded_step
 
 _TRACE_FLUSH_S = 0.05  # buffered trace lines reach the file at least this often
 
@@ -122,8 +122,7 @@ class Runner:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
                 reason = await self._drive(loop)
-            if self.sched.user_code_failure is not None and self.user_stop is None:  # the core's fail-fast tripped
-                self.user_stop = failed_alike(self.sched.fail_fast.n, self.sched.user_code_failure)
+            self.user_stop = self.user_stop or fail_fast_stop(self.sched)  # the core's fail-fast, if it tripped
             if self._journal is not None:  # its last flush, before anything says the run finished (exit 5 if it fails)
                 self._journal.close()
             step, sha = self.sched.version, self.trainer.weights_sha256()
@@ -239,8 +238,7 @@ class Runner:
         record = self._meter.record(cmd.batch, metrics, began=t0, now=time.perf_counter(),
                                     tokens=self.sched.tokens_generated, counts=self.sched.counts(),
                                     pool=self.engine.stats() if isinstance(self.engine, EnginePool) else None)
-        record.update(self._attempts.effects.stats())  # (nothing when no call went outside)
-        record.update(self._attempts.reward_metrics(cmd.batch))  # reward/<name> under reward.fns
+        record.update(self._attempts.effects.stats() | self._attempts.reward_metrics(cmd.batch))  # effects, reward.fns
         self._metrics.write(cmd.step, record)
         if self.on_step is not None:
             self.on_step(cmd.step, record)

@@ -103,6 +103,11 @@ def _asked_to_stop(who: str, e: BaseException) -> Stopped:
                    "and raise an ordinary exception)")
 
 
+def fail_fast_stop(sched: Any) -> Stopped | None:
+    """What stopped the run if the scheduler's fail-fast tripped (`failed_alike`), else None."""
+    return None if sched.user_code_failure is None else failed_alike(sched.fail_fast.n, sched.user_code_failure)
+
+
 def failed_alike(n: int, error: str) -> Stopped:
     """The core's fail-fast tripped (core/schedule/failfast.py): the run's first `n` attempts
     all failed with `error`, which names the user's function and its exception."""
