@@ -177,16 +177,7 @@ def load_builtin(run_dir: str | Path, *, checkpoint: str | None = None, allow_hf
     from .models.tokenizer import CharTokenizer
     from .trainers.grpo import TorchTrainer
 
-    try:
-        tcfg = TorchTrainerConfig.model_validate(trainer_cfg)
-    except Exception as e:
-        raise CheckpointError(
-            f"checkpoint {restored.name}: its trainer config is not one this rollkeep reads",
-            path=str(restored.checkpoint.path / "MANIFEST.json"),
-            field="config.trainer",
-            found=" ".join(str(e).split())[:300],
-            remedy="export with the rollkeep version that wrote the checkpoint",
-        ) from None
+    tcfg = _trainer_config(TorchTrainerConfig, restored, trainer_cfg)
     tokenizer = CharTokenizer()
     m = tcfg.model
     gpt_cfg = GPTConfig(vocab_size=m.vocab_size or tokenizer.vocab_size, n_layer=m.n_layer,
@@ -204,6 +195,20 @@ def load_builtin(run_dir: str | Path, *, checkpoint: str | None = None, allow_hf
                   step=restored.ledger.version, config=config, weights_sha256=trainer.weights_sha256())
 
 
+def _trainer_config(cls: Any, restored: Any, trainer_cfg: dict[str, Any]) -> Any:
+    """The checkpoint's trainer section as `cls`, or a CheckpointError naming its MANIFEST."""
+    try:
+        return cls.model_validate(trainer_cfg)
+    except Exception as e:
+        raise CheckpointError(
+            f"checkpoint {restored.name}: its trainer config is not one this rollkeep reads",
+            path=str(restored.checkpoint.path / "MANIFEST.json"),
+            field="config.trainer",
+            found=" ".join(str(e).split())[:300],
+            remedy="export with the rollkeep version that wrote the checkpoint",
+        ) from None
+
+
 def _load_hf(restored: Any, trainer_cfg: dict[str, Any], config: dict[str, Any]) -> Loaded:
     """An hf run's checkpoint: the architecture and tokenizer of the run's
     `trainer.model_path`, with the checkpoint's master weights (one `model.safetensors`, or
@@ -213,16 +218,7 @@ def _load_hf(restored: Any, trainer_cfg: dict[str, Any], config: dict[str, Any])
     from .config import HFTrainerConfig
     from .trainers.hf import HFTrainer
 
-    try:
-        tcfg = HFTrainerConfig.model_validate(trainer_cfg)
-    except Exception as e:
-        raise CheckpointError(
-            f"checkpoint {restored.name}: its trainer config is not one this rollkeep reads",
-            path=str(restored.checkpoint.path / "MANIFEST.json"),
-            field="config.trainer",
-            found=" ".join(str(e).split())[:300],
-            remedy="export with the rollkeep version that wrote the checkpoint",
-        ) from None
+    tcfg = _trainer_config(HFTrainerConfig, restored, trainer_cfg)
     engine_cfg = config.get("engine") if isinstance(config.get("engine"), dict) else {}
     rng = torch.get_rng_state()  # the trainer seeds and restores the global generator
     try:
