@@ -108,11 +108,11 @@ class GroupCommit:
         self.check()  # the thread stopped on a disk error: stop the run (exit 5)
         loc = None
         try:
-            if isinstance(ev, Sealed):
+            if type(ev) is Sealed:
                 rid = RowId(ev.group_id, ev.generation, ev.attempt)
                 loc = self.rowlog.append(rid, self._rows.get(rid))
                 self._rows.locate(rid, loc)  # checkpoints from now on name it instead of copying it
-            elif isinstance(ev, Progressed | TurnSealed):  # the chunk the prefix store just added
+            elif isinstance(ev, (Progressed, TurnSealed)):  # the chunk the prefix store just added
                 chunk = self._prefixes.last(ev.group_id, ev.generation)
                 loc = self.rowlog.append(RowId(ev.group_id, ev.generation, ev.attempt), chunk_row(chunk.tokens))
                 self._prefixes.locate(ev.group_id, ev.generation, loc)

@@ -63,6 +63,8 @@ _EMPTY.flags.writeable = False
 
 Sibling = tuple[str, int]  # (group id, generation)
 
+_CHUNKED = (Progressed, TurnSealed)  # the events that add a chunk (a tuple: `A | B` is built per call)
+
 
 @dataclass(frozen=True, slots=True)
 class Link:
@@ -112,9 +114,9 @@ class PrefixStore:
     def apply(self, ev: Event, at: Any = None) -> None:
         """Follow one applied ledger event. A replayed `progressed` comes with `at`, the
         place of its chunk frame; a live one with its staged tokens."""
-        if not self._chains and not isinstance(ev, Progressed | TurnSealed):  # the common case: nothing to end
+        if not self._chains and type(ev) not in _CHUNKED:  # the common case: nothing to end
             return
-        if isinstance(ev, Progressed | TurnSealed):
+        if isinstance(ev, _CHUNKED):
             key = (ev.group_id, ev.generation)
             chain = _cut_back(self._chains.get(key, ()), ev.attempt, ev.resumed_from)
             tokens = self._staged.pop(key, None)

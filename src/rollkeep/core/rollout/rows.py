@@ -80,6 +80,10 @@ _ARRAY_DTYPES: dict[str, np.dtype] = {
 }
 
 
+_I32, _F32 = np.dtype(np.int32), np.dtype(np.float32)
+_min = np.minimum.reduce  # `arr.min()` without its Python wrapper
+
+
 def _frozen(arr: np.ndarray) -> np.ndarray:
     """`arr` if nothing can write to its memory, else a read-only copy."""
     if arr.flags.writeable:  # the common case (an engine's fresh array): copy at once
@@ -125,19 +129,37 @@ class Row:
     finish_reason: str
 
     def __post_init__(self) -> None:
-        # Runs once per generation, so it is written for speed: one pass over the four
-        # arrays, and a message only once something is wrong.
+        # Runs once per generation (the scheduler's hot path), so the common case is a few
+        # identity tests and one reduction per id array; the messages come from `_refuse`.
+        p, c, lp, v = self.prompt_ids, self.completion_ids, self.logprobs, self.versions
+        n = len(c) if type(c) is np.ndarray else -1
+        if not (type(p) is np.ndarray and p.dtype is _I32 and p.ndim == 1
+                and n >= 0 and c.dtype is _I32 and c.ndim == 1
+                and type(lp) is np.ndarray and lp.dtype is _F32 and lp.ndim == 1 and len(lp) == n
+                and type(v) is np.ndarray and v.dtype is _I32 and v.ndim == 1 and len(v) == n
+                and (not p.size or _min(p) >= 0) and (not n or (_min(c) >= 0 and _min(v) >= ENV_VERSION))
+                and type(self.reward) is float and self.finish_reason in FINISH_CODE):
+            self._refuse()
+        fix = object.__setattr__
+        for name, arr in (("prompt_ids", p), ("completion_ids", c), ("logprobs", lp), ("versions", v)):
+            if arr.flags.writeable:  # an engine's fresh array: a read-only copy, at once
+                arr = arr.copy()
+                arr.setflags(write=False)  # (cheaper than through `arr.flags`)
+                fix(self, name, arr)
+            else:
+                fix(self, name, _frozen(arr))
+
+    def _refuse(self) -> None:
+        """Raise ValueError naming the first thing wrong; or convert a reward of another
+        number type to float (an accepted input that missed the fast path)."""
         arrays = (self.prompt_ids, self.completion_ids, self.logprobs, self.versions)
         for (name, dtype), arr in zip(_ARRAY_DTYPES.items(), arrays, strict=True):
-            if type(arr) is not np.ndarray or arr.dtype != dtype or arr.ndim != 1:
-                if not isinstance(arr, np.ndarray):
-                    raise ValueError(
-                        f"Row.{name} must be a numpy array of {dtype}, got {type(arr).__name__}"
-                    )
-                if arr.dtype != dtype:
-                    raise ValueError(f"Row.{name} must have dtype {dtype}, got {arr.dtype}")
-                if arr.ndim != 1:
-                    raise ValueError(f"Row.{name} must be 1-D, got shape {arr.shape}")
+            if not isinstance(arr, np.ndarray):
+                raise ValueError(f"Row.{name} must be a numpy array of {dtype}, got {type(arr).__name__}")
+            if arr.dtype != dtype:
+                raise ValueError(f"Row.{name} must have dtype {dtype}, got {arr.dtype}")
+            if arr.ndim != 1:
+                raise ValueError(f"Row.{name} must be 1-D, got shape {arr.shape}")
         n = len(self.completion_ids)
         if len(self.logprobs) != n or len(self.versions) != n:
             name = "logprobs" if len(self.logprobs) != n else "versions"
@@ -161,9 +183,7 @@ class Row:
                 f"Row.finish_reason must be one of {list(FINISH_REASONS)}, "
                 f"got {self.finish_reason!r}"
             )
-        object.__setattr__(self, "reward", float(reward))
-        for name, arr in zip(_ARRAY_DTYPES, arrays, strict=True):
-            object.__setattr__(self, name, _frozen(arr))
+        object.__setattr__(self, "reward", float(reward))  # (an int or numpy number: valid)
 
     @property
     def tokens(self) -> int:

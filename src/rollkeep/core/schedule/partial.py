@@ -57,7 +57,7 @@ class PartialGenerations:
         """At dispatch: what the attempt continues from the sibling's kept chain: its tokens
         (all of them with `resume`, else through its last finished turn), the trajectory
         offsets where its finished turns end, and the last one's environment snapshot."""
-        if not (self.resume or self.turns):
+        if not (self.resume or self.turns) or not len(self.prefixes):  # (the common case: nothing kept)
             return None, (), None
         gid, g, _ = key
         whole_turns = not self.resume

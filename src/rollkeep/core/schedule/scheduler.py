@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from .. import crashpoints
 from ..checkpoint.cut import cut
@@ -98,6 +99,10 @@ from .finalize import finalize
 from .partial import PartialGenerations
 from .pinning import Pinning
 from .retry import RetryPolicy, budget_reason
+
+_max = np.maximum.reduce  # `arr.max()` without its Python wrapper (once per sibling)
+_READY_TO_FINALIZE = int(GroupState.READY_TO_FINALIZE)
+_A_RESERVED = int(AttemptStatus.RESERVED)
 
 crashpoints.register("train.before_commit")
 crashpoints.register("train.after_commit")
@@ -218,7 +223,7 @@ class Scheduler:
         self._writing = False  # a cut is being written (one at a time)
         self._changed_since_cut = True
         self._in_flight: dict[AttemptKey, float] = {}  # dispatched attempt → its deadline
-        self._deadlines: list[tuple[float, AttemptKey]] = []  # heap; entries may be stale
+        self._deadlines: list[tuple[float, tuple[AttemptKey, ...]]] = []  # heap of dispatches; entries may be stale
         self._not_before: dict[tuple[str, int], float] = {}  # backoff of a retried sibling
         self._queued: list[Command] = []  # commands decided inside a callback
         # Restored groups admitted under a version this lineage has not reached (a journal
@@ -252,7 +257,7 @@ class Scheduler:
         # before the journal sees it.
         self.prefixes.apply(ev)
         self.effects.apply(ev)
-        if not isinstance(ev, Configured):  # limits alone give a checkpoint nothing new
+        if type(ev) is not Configured:  # limits alone give a checkpoint nothing new
             self._changed_since_cut = True
 
     def _apply(self, ev: Event) -> None:
@@ -378,13 +383,15 @@ class Scheduler:
                 if self.engine_version is None or self.engine_version < floor:
                     continue  # waits for the lineage to reach it (the refit after that step wakes us)
                 del self._floor[gid]
-            gens = []
-            for g in rec.generations_with(AttemptStatus.RESERVED):
-                nb = self._not_before.get((gid, g))
-                if nb is not None and nb > now:
+            gens = [g for g, st in enumerate(rec.status) if st == _A_RESERVED]
+            if self._not_before:  # siblings retried after a failure wait for their backoff
+                waiting = [g for g in gens if self._not_before.get((gid, g), now) > now]
+                for g in waiting:
+                    nb = self._not_before[(gid, g)]
                     wake_at = nb if wake_at is None else min(wake_at, nb)
-                    continue
-                gens.append(g)
+                gens = [g for g in gens if g not in waiting]
+                for g in gens:
+                    self._not_before.pop((gid, g), None)
             if not gens:
                 continue
             self._apply(Dispatched(group_id=gid, generations=tuple(gens), version=self.engine_version))
@@ -398,30 +405,35 @@ class Scheduler:
                     remedy="the dataset changed while the run read it (a dataset object whose rows change); "
                     "keep it fixed for the run, then resume (the restore checks every recorded row)")
             deadline = now + self.settings.timeout_s
+            seed, stream, partial, in_flight = self.settings.seed, self.partial.enabled, self.partial, self._in_flight
+            keys = []
             for g in gens:
-                self._not_before.pop((gid, g), None)
-                key = (gid, g, rec.attempts[g])
-                prefix, turns, snapshot = self.partial.prefix_for(key)
+                attempt, data_retries = rec.attempts[g], rec.data_failures[g]
+                key = (gid, g, attempt)
+                prefix, turns, snapshot = partial.prefix_for(key)
                 req = GenRequest(
-                    group_id=gid, generation=g, attempt=rec.attempts[g], prompt=prompt,
-                    seed=sampling_seed(self.settings.seed, gid, g, rec.data_failures[g]),
-                    pinned_version=pinned, infra_retries=rec.infra_failures[g], data_retries=rec.data_failures[g],
+                    group_id=gid, generation=g, attempt=attempt, prompt=prompt,
+                    seed=sampling_seed(seed, gid, g, data_retries),
+                    pinned_version=pinned, infra_retries=rec.infra_failures[g], data_retries=data_retries,
                     prefix=prefix, turns=turns, snapshot=snapshot,
                 )
-                self._in_flight[key] = deadline
-                heapq.heappush(self._deadlines, (deadline, key))
-                out.append(Dispatch(req, stream=self.partial.enabled))
+                in_flight[key] = deadline
+                keys.append(key)
+                out.append(Dispatch(req, stream=stream))
+            # One heap entry for the siblings dispatched together: they share the deadline.
+            heapq.heappush(self._deadlines, (deadline, tuple(keys)))
         return wake_at
 
     def _expire(self, now: float, out: list[Command]) -> None:
         """Attempts past their deadline (`rollout.timeout_s`) fail as infra and are aborted."""
         while self._deadlines and self._deadlines[0][0] <= now:
-            deadline, key = heapq.heappop(self._deadlines)
-            if self._in_flight.get(key) != deadline:
-                continue  # finished or cancelled already
-            out.append(Cancel((key,)))
-            self.on_result(key, Failure(INFRA, f"deadline: no result within rollout.timeout_s="
-                                               f"{self.settings.timeout_s:g} s"), now)
+            deadline, keys = heapq.heappop(self._deadlines)
+            for key in keys:
+                if self._in_flight.get(key) != deadline:
+                    continue  # finished or cancelled already
+                out.append(Cancel((key,)))
+                self.on_result(key, Failure(INFRA, f"deadline: no result within rollout.timeout_s="
+                                                   f"{self.settings.timeout_s:g} s"), now)
 
     def on_progress(self, key: AttemptKey, chunk: Chunk, now: float) -> None:
         """New tokens of an in-flight attempt, streamed by the engine; recorded as coalesced
@@ -472,31 +484,25 @@ class Scheduler:
         if not led.is_current(gid, g, attempt):
             self.partial.forget(key)
             return
-        # Its last chunks are recorded before its seal (or forgotten with a failure).
-        resumed = 0
-        if in_flight and isinstance(outcome, Generated):
-            resumed = self.partial.before_seal(key, self._apply)
+        if isinstance(outcome, Generated):
+            # Its last chunks are recorded before its seal (or forgotten if it fails after all).
+            resumed = self.partial.before_seal(key, self._apply) if in_flight else 0
+            if not in_flight:
+                self.partial.forget(key)
+            outcome = self._checked(gid, g, outcome)
         else:
             self.partial.forget(key)
-        if isinstance(outcome, Generated) and (unknown := self.effects.unknown(gid, g, policy=FAIL)):
-            # FINALIZATION_UNKNOWN: what it was finalized with depends on a call that may or may not
-            # have happened (its outcome died with a process); it is never sealed.
-            outcome = Failure(DATA, f"{EFFECT_UNKNOWN}: the outcome of {unknown[0].kind} call {unknown[0].key} "
-                              "was lost with a process (on_unknown=fail)", outcome.replica)
-        if isinstance(outcome, Generated) and not (math.isfinite(outcome.reward)
-                                                   and abs(outcome.reward) <= MAX_REWARD):
-            outcome = Failure(DATA, f"reward {outcome.reward} (rewards must be finite and within "
-                              f"±{MAX_REWARD:g}, the range a group's advantages are computed in)", outcome.replica)
         if isinstance(outcome, Generated):
             c = outcome.completion
             row = Row(prompt_ids=c.prompt_ids, completion_ids=c.completion_ids, logprobs=c.logprobs,
                       versions=c.versions, reward=outcome.reward, finish_reason=c.finish_reason)
+            tokens = len(row.completion_ids)
             self.rows.put(RowId(gid, g, attempt), row)
-            version = int(row.versions.max()) if row.tokens else self.engine_version
-            self._apply(Sealed(group_id=gid, generation=g, attempt=attempt, version=version, tokens=row.tokens,
+            version = int(_max(row.versions)) if tokens else self.engine_version
+            self._apply(Sealed(group_id=gid, generation=g, attempt=attempt, version=version, tokens=tokens,
                                resumed_from=resumed, replica=outcome.replica))
-            self.tokens_generated += row.tokens - resumed  # a continued prefix was generated before
-            if led.group(gid).state == GroupState.READY_TO_FINALIZE:
+            self.tokens_generated += tokens - resumed  # a continued prefix was generated before
+            if led.group(gid).state == _READY_TO_FINALIZE:
                 finalize(led, self.rows, gid, self.settings.scale_rewards, self._apply)
             if self.fail_fast.watching:  # the code works: what it parked is dropped as its budgets said
                 self.fail_fast.sealed()
@@ -523,6 +529,18 @@ class Scheduler:
             return
         self._cancel_stale(gid)  # an all-or-nothing group abandoned its other siblings
         self._not_before[(gid, g)] = self.settings.retry.retry_at(rec, g, now)
+
+    def _checked(self, gid: str, g: int, outcome: Generated) -> Outcome:
+        """A generation that may not be sealed becomes the data failure that says why."""
+        if self.effects and (unknown := self.effects.unknown(gid, g, policy=FAIL)):
+            # FINALIZATION_UNKNOWN: what it was finalized with depends on a call that may or may not
+            # have happened (its outcome died with a process); it is never sealed.
+            return Failure(DATA, f"{EFFECT_UNKNOWN}: the outcome of {unknown[0].kind} call {unknown[0].key} "
+                           "was lost with a process (on_unknown=fail)", outcome.replica)
+        if not (math.isfinite(outcome.reward) and abs(outcome.reward) <= MAX_REWARD):
+            return Failure(DATA, f"reward {outcome.reward} (rewards must be finite and within "
+                           f"±{MAX_REWARD:g}, the range a group's advantages are computed in)", outcome.replica)
+        return outcome
 
     def _release_parked(self) -> None:
         """The fail-fast watch cleared: the parked groups are dropped as their budgets said."""
