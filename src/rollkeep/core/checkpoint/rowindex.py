@@ -25,9 +25,10 @@ retained checkpoint lists).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import repeat
+from operator import attrgetter
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -40,7 +41,7 @@ from ..rollout.rows import RowId
 from ..rowlog.segments import FRAME_HEADER, MAX_OFFSET, ROWS_DIR, RowLocation
 from .store import CheckpointStore
 
-__all__ = ["INDEX_SCHEMA", "ROWS_INDEX", "decode_index", "encode_index", "extents", "referenced_segments",
+__all__ = ["INDEX_SCHEMA", "ROWS_INDEX", "RowColumns", "decode_index", "encode_index", "extents", "index_rows", "referenced_segments",
            "rows_dir_for", "segments_listed"]
 
 ROWS_INDEX = "rows.index"
@@ -76,23 +77,71 @@ _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(_Index).decode
 
 
-def _table(entries: list[tuple[str, int, int, int, RowLocation]]) -> _Table:
-    cols = {"generation": [e[1] for e in entries], "attempt": [e[2] for e in entries],
-            "end": [e[3] for e in entries], "segment": [e[4].segment for e in entries],
-            "offset": [e[4].offset for e in entries], "length": [e[4].length for e in entries],
-            "checksum": [e[4].checksum for e in entries]}
-    return _Table([e[0] for e in entries], **{k: np.array(v, _COLUMNS[k]).tobytes() for k, v in cols.items()})
+@dataclass(frozen=True)
+class RowColumns:
+    """Entries of a `rows.index` table as columns (entry i across them): what a checkpoint
+    writes and a restore compares with the ledger, without an object per row."""
+
+    group_ids: list[str]
+    generation: np.ndarray
+    attempt: np.ndarray
+    end: np.ndarray
+    segment: np.ndarray
+    offset: np.ndarray
+    length: np.ndarray
+    checksum: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.group_ids)
+
+    def ids(self) -> list[RowId]:
+        # tuple.__new__ in C: a NamedTuple's own __new__ is Python, ~5x slower per row.
+        return list(map(tuple.__new__, repeat(RowId), zip(self.group_ids, self.generation.tolist(),
+                                                           self.attempt.tolist(), strict=True)))
+
+    def locations(self) -> Iterator[RowLocation]:
+        return _locations(self.__dict__)
+
+    def extents(self, more: Iterable[RowLocation] = ()) -> list[list[int]]:
+        """`extents` of these entries' locations and `more`."""
+        extra = list(more)
+        return _extents(np.concatenate([self.segment.astype(np.int64), np.array([x.segment for x in extra], np.int64)]),
+                        np.concatenate([self.offset + self.length.astype(np.uint64),
+                                        np.array([x.offset + x.length for x in extra], np.uint64)]))
 
 
-def encode_index(entries: Iterable[tuple[RowId, RowLocation]],
+def index_rows(group_ids: list[str], generation, attempt, locations: list[RowLocation], end=None) -> RowColumns:
+    """`RowColumns` of rows (or chunks, with their `end`s) and their places in the row log."""
+    n = len(locations)
+
+    def column(field: str, dtype: str) -> np.ndarray:
+        return np.fromiter(map(attrgetter(field), locations), dtype, n)
+
+    return RowColumns(group_ids, np.asarray(generation, _COLUMNS["generation"]),
+                      np.asarray(attempt, _COLUMNS["attempt"]),
+                      np.zeros(n, _COLUMNS["end"]) if end is None else np.asarray(end, _COLUMNS["end"]),
+                      *(column(f, _COLUMNS[f]) for f in ("segment", "offset", "length", "checksum")))
+
+
+def _table(cols: RowColumns) -> _Table:
+    return _Table(cols.group_ids, **{k: np.ascontiguousarray(getattr(cols, k), v).tobytes()
+                                     for k, v in _COLUMNS.items()})
+
+
+def encode_index(entries: RowColumns | Iterable[tuple[RowId, RowLocation]],
                  chains: Mapping[tuple[str, int], Iterable[Link]] | None = None) -> bytes:
-    """`entries`: the rows named by reference; `chains`: the partial generations, every
-    chunk with its place (`Link.at`)."""
-    rows = [(gid, gen, att, 0, loc) for (gid, gen, att), loc in entries]  # ids: the ledger's, checked
+    """`entries`: the rows named by reference (columns, or (id, place) pairs); `chains`:
+    the partial generations, every chunk with its place (`Link.at`)."""
+    if not isinstance(entries, RowColumns):
+        pairs = list(entries)  # ids: the ledger's, checked
+        entries = index_rows([rid[0] for rid, _ in pairs], [rid[1] for rid, _ in pairs],
+                             [rid[2] for rid, _ in pairs], [loc for _, loc in pairs])
     links = [(gid, gen, ch) for (gid, gen), chain in (chains or {}).items() for ch in chain]
-    chunks = [(gid, gen, ch.attempt, ch.end, ch.at) for gid, gen, ch in links]
+    chunks = index_rows([gid for gid, _, _ in links], [gen for _, gen, _ in links],
+                        [ch.attempt for _, _, ch in links], [ch.at for _, _, ch in links],
+                        [ch.end for _, _, ch in links])
     turns = [(i, ch.turn, ch.snapshot) for i, (_, _, ch) in enumerate(links) if ch.turn >= 0]
-    return _encode(_Index(INDEX_SCHEMA, _table(rows), _table(chunks), turns))
+    return _encode(_Index(INDEX_SCHEMA, _table(entries), _table(chunks), turns))
 
 
 @dataclass(frozen=True)
@@ -103,6 +152,7 @@ class Index:
     rows: dict[RowId, RowLocation]
     chains: dict[tuple[str, int], tuple[Link, ...]]
     extents: list[list[int]]
+    columns: RowColumns  # `rows` as columns, in the file's order
 
 
 def decode_index(data: bytes, *, path: str = ROWS_INDEX) -> Index:
@@ -123,10 +173,9 @@ def decode_index(data: bytes, *, path: str = ROWS_INDEX) -> Index:
         raise bad("Unsupported rows index schema", f"one of {list(_SCHEMAS_READ)}", str(index.schema), "schema")
     rows, ends = _columns(index.rows, bad, "rows")
     chunks, chunk_ends = _columns(index.chunks, bad, "chunks")
-    # tuple.__new__ in C: a NamedTuple's own __new__ is Python, ~5x slower per row.
-    ids = list(map(tuple.__new__, repeat(RowId), zip(index.rows.group_ids, rows["generation"].tolist(),
-                                                       rows["attempt"].tolist(), strict=True)))
-    out = dict(zip(ids, _locations(rows), strict=True))
+    columns = RowColumns(index.rows.group_ids, *(rows[col] for col in _COLUMNS))
+    ids = columns.ids()
+    out = dict(zip(ids, columns.locations(), strict=True))
     if len(out) != len(ids):
         dup = next(rid for rid, c in Counter(ids).items() if c > 1)
         raise bad("The rows index names a row twice", "each (group_id, generation, attempt) once",
@@ -150,7 +199,7 @@ def decode_index(data: bytes, *, path: str = ROWS_INDEX) -> Index:
                       f"turn {turn} after {finished} finished turn(s)", "turns")
         chains[(gid, gen)] = (*chain, Link(att, end, None, loc, turn, snapshot))
     return Index(out, chains, _extents(np.concatenate([rows["segment"], chunks["segment"]]),
-                                       np.concatenate([ends, chunk_ends])))
+                                       np.concatenate([ends, chunk_ends])), columns)
 
 
 def _turns(entries: list[tuple[int, int, bytes | None]], n_chunks: int, bad) -> dict[int, tuple[int, bytes | None]]:
