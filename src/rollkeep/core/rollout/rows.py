@@ -88,7 +88,7 @@ def _frozen(arr: np.ndarray) -> np.ndarray:
     """`arr` if nothing can write to its memory, else a read-only copy."""
     if arr.flags.writeable:  # the common case (an engine's fresh array): copy at once
         out = arr.copy()
-        out.flags.writeable = False
+        out.setflags(write=False)
         return out
     base: Any = arr
     while True:
@@ -107,7 +107,36 @@ def _frozen(arr: np.ndarray) -> np.ndarray:
     return out
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+def _refuse(*fields: Any) -> float:
+    """Raise ValueError naming the first thing wrong with a row's fields; else (a valid row
+    that missed the fast path: a reward of another number type) the reward as a float."""
+    arrays, (reward, finish_reason) = fields[:4], fields[4:]
+    for (name, dtype), arr in zip(_ARRAY_DTYPES.items(), arrays, strict=True):
+        if not isinstance(arr, np.ndarray):
+            raise ValueError(f"Row.{name} must be a numpy array of {dtype}, got {type(arr).__name__}")
+        if arr.dtype != dtype:
+            raise ValueError(f"Row.{name} must have dtype {dtype}, got {arr.dtype}")
+        if arr.ndim != 1:
+            raise ValueError(f"Row.{name} must be 1-D, got shape {arr.shape}")
+    n = len(arrays[1])
+    for name, arr in (("logprobs", arrays[2]), ("versions", arrays[3])):
+        if len(arr) != n:
+            raise ValueError(f"Row.{name} has length {len(arr)}, "
+                             f"but completion_ids has length {n}: one value per completion token")
+    for name, arr in (("prompt_ids", arrays[0]), ("completion_ids", arrays[1])):
+        if arr.size and arr.min() < 0:
+            raise ValueError(f"Row.{name} must be non-negative, found {int(arr.min())}")
+    if arrays[3].size and arrays[3].min() < ENV_VERSION:
+        raise ValueError(f"Row.versions must be >= 0 (or {ENV_VERSION}, an environment's token), "
+                         f"found {int(arrays[3].min())}")
+    if isinstance(reward, bool) or not isinstance(reward, (int, float, np.integer, np.floating)):
+        raise ValueError(f"Row.reward must be a float, got {type(reward).__name__}")
+    if not isinstance(finish_reason, str) or finish_reason not in FINISH_CODE:
+        raise ValueError(f"Row.finish_reason must be one of {list(FINISH_REASONS)}, got {finish_reason!r}")
+    return float(reward)
+
+
+@dataclass(frozen=True, slots=True, eq=False, init=False)
 class Row:
     """One finished generation. Immutable: its arrays are read-only.
 
@@ -128,62 +157,27 @@ class Row:
     reward: float
     finish_reason: str
 
-    def __post_init__(self) -> None:
+    def __init__(self, prompt_ids: np.ndarray, completion_ids: np.ndarray, logprobs: np.ndarray,
+                 versions: np.ndarray, reward: float, finish_reason: str) -> None:
         # Runs once per generation (the scheduler's hot path), so the common case is a few
-        # identity tests and one reduction per id array; the messages come from `_refuse`.
-        p, c, lp, v = self.prompt_ids, self.completion_ids, self.logprobs, self.versions
+        # identity tests, one reduction per id array and one read-only copy per array of an
+        # engine's (fresh, writable) arrays; `_refuse` has the messages.
+        p, c, lp, v = prompt_ids, completion_ids, logprobs, versions
         n = len(c) if type(c) is np.ndarray else -1
         if not (type(p) is np.ndarray and p.dtype is _I32 and p.ndim == 1
                 and n >= 0 and c.dtype is _I32 and c.ndim == 1
                 and type(lp) is np.ndarray and lp.dtype is _F32 and lp.ndim == 1 and len(lp) == n
                 and type(v) is np.ndarray and v.dtype is _I32 and v.ndim == 1 and len(v) == n
                 and (not p.size or _min(p) >= 0) and (not n or (_min(c) >= 0 and _min(v) >= ENV_VERSION))
-                and type(self.reward) is float and self.finish_reason in FINISH_CODE):
-            self._refuse()
+                and type(reward) is float and finish_reason in FINISH_CODE):
+            reward = _refuse(p, c, lp, v, reward, finish_reason)
         fix = object.__setattr__
-        for name, arr in (("prompt_ids", p), ("completion_ids", c), ("logprobs", lp), ("versions", v)):
-            if arr.flags.writeable:  # an engine's fresh array: a read-only copy, at once
-                arr = arr.copy()
-                arr.setflags(write=False)  # (cheaper than through `arr.flags`)
-                fix(self, name, arr)
-            else:
-                fix(self, name, _frozen(arr))
-
-    def _refuse(self) -> None:
-        """Raise ValueError naming the first thing wrong; or convert a reward of another
-        number type to float (an accepted input that missed the fast path)."""
-        arrays = (self.prompt_ids, self.completion_ids, self.logprobs, self.versions)
-        for (name, dtype), arr in zip(_ARRAY_DTYPES.items(), arrays, strict=True):
-            if not isinstance(arr, np.ndarray):
-                raise ValueError(f"Row.{name} must be a numpy array of {dtype}, got {type(arr).__name__}")
-            if arr.dtype != dtype:
-                raise ValueError(f"Row.{name} must have dtype {dtype}, got {arr.dtype}")
-            if arr.ndim != 1:
-                raise ValueError(f"Row.{name} must be 1-D, got shape {arr.shape}")
-        n = len(self.completion_ids)
-        if len(self.logprobs) != n or len(self.versions) != n:
-            name = "logprobs" if len(self.logprobs) != n else "versions"
-            raise ValueError(
-                f"Row.{name} has length {len(getattr(self, name))}, "
-                f"but completion_ids has length {n}: one value per completion token"
-            )
-        for name, arr in (("prompt_ids", arrays[0]), ("completion_ids", arrays[1])):
-            if arr.size and arr.min() < 0:
-                raise ValueError(f"Row.{name} must be non-negative, found {int(arr.min())}")
-        if arrays[3].size and arrays[3].min() < ENV_VERSION:
-            raise ValueError(f"Row.versions must be >= 0 (or {ENV_VERSION}, an environment's token), "
-                             f"found {int(arrays[3].min())}")
-        reward = self.reward
-        if isinstance(reward, bool) or not isinstance(
-            reward, (int, float, np.integer, np.floating)
-        ):
-            raise ValueError(f"Row.reward must be a float, got {type(reward).__name__}")
-        if not isinstance(self.finish_reason, str) or self.finish_reason not in FINISH_CODE:
-            raise ValueError(
-                f"Row.finish_reason must be one of {list(FINISH_REASONS)}, "
-                f"got {self.finish_reason!r}"
-            )
-        object.__setattr__(self, "reward", float(reward))  # (an int or numpy number: valid)
+        fix(self, "prompt_ids", _frozen(p))
+        fix(self, "completion_ids", _frozen(c))
+        fix(self, "logprobs", _frozen(lp))
+        fix(self, "versions", _frozen(v))
+        fix(self, "reward", reward)
+        fix(self, "finish_reason", finish_reason)
 
     @property
     def tokens(self) -> int:

@@ -105,6 +105,8 @@ class PartialGenerations:
     def before_seal(self, key: AttemptKey, apply: Apply) -> int:
         """Record the attempt's last chunks if it recorded any before (else its seal says it
         all), then forget it; return its `resumed_from`."""
+        if not (self._recorded or self._resumed or self._end or self._pending or self._due):
+            return 0  # the common case (nothing streamed, nothing resumed): nothing to forget
         if key in self._recorded:
             self.flush(key, apply)
         resumed = self._resumed.get(key, 0)

@@ -220,6 +220,7 @@ class Scheduler:
         self.engine_version: int | None = None  # the weights the engine holds (on_refit)
         self.tokens_generated = 0  # completion tokens this run's sealed attempts generated
         self._step: int | None = None  # the step being trained
+        self._step_tokens = 0  # and the completion tokens of its batch
         self._writing = False  # a cut is being written (one at a time)
         self._changed_since_cut = True
         self._in_flight: dict[AttemptKey, float] = {}  # dispatched attempt → its deadline
@@ -630,11 +631,14 @@ class Scheduler:
             self._go("stop")
 
     def _batch(self, step: int, gids: list[str]) -> Batch:
-        groups = []
+        """The step's batch; its completion tokens are what `on_trained` records the step trained."""
+        groups, tokens, get = [], 0, self.rows.get
         for gid in gids:
             rec = self.ledger.group(gid)
-            rows = tuple(self.rows.get(RowId(gid, g, rec.attempts[g])) for g in range(rec.group_size))
+            rows = tuple(get(RowId(gid, g, a)) for g, a in enumerate(rec.attempts))
+            tokens += sum(len(r.completion_ids) for r in rows)
             groups.append(TrainGroup(gid, rec.epoch, rec.ordinal, rec.idx, rec.task, tuple(rec.advantages), rows))
+        self._step_tokens = tokens
         return Batch(step=step, groups=tuple(groups))
 
     def _stop(self, out: list[Command]) -> None:
@@ -737,10 +741,7 @@ class Scheduler:
                                found=str(step), remedy="this is a bug in the runner")
         crashpoints.hit("train.before_commit")
         ev = self.ledger.commit_event(step)
-        rows = self.rows
-        tokens = sum(rows.get(RowId(gid, g, rec.attempts[g])).tokens
-                     for gid in ev.group_ids for rec in (self.ledger.group(gid),) for g in range(rec.group_size))
-        self._apply(msgspec.structs.replace(ev, tokens=tokens))
+        self._apply(msgspec.structs.replace(ev, tokens=self._step_tokens))
         crashpoints.hit("train.after_commit")
         self._step = None
         self._go("trained")
