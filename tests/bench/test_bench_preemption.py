@@ -161,6 +161,8 @@ def test_restart_latency_restarts_the_same_checkpoint_and_orders_its_times(tmp_p
         assert run["resumed_from_step"] == 10
         assert 0 < run["import_torch_inprocess_s"] < run["import_torch_s"]
         assert 0 < run["run_started_s"] <= run["first_dispatch_s"]
+        assert run["run_started_s"] <= run["to_first_step_s"]
+        assert run["first_step_overhead_s"] == run["to_first_step_s"] - run["import_torch_s"]
         assert run["restore_chain_s"] > 0
     assert r["median"]["overhead_s"] == statistics.median(x["overhead_s"] for x in r["runs"])
     assert CheckpointStore(tmp_path / "run" / "checkpoints").latest() == "step_000010"

@@ -55,7 +55,7 @@ _IMPORT_TORCH = (
     "print(time.time(), time.perf_counter() - t)"
 )
 MEASURES = ("import_torch_s", "import_torch_inprocess_s", "run_started_s", "first_dispatch_s",
-            "overhead_s", "restore_chain_s")
+            "overhead_s", "to_first_step_s", "first_step_overhead_s", "restore_chain_s")
 
 
 def restart_latency(
@@ -86,7 +86,7 @@ def restart_latency(
         runs = []
         for r in range(repeats):
             torch_wall, torch_inside = _import_torch(timeout)
-            started, dispatched, step = _restart(cmd, run_dir, root / f"restart-{r}.stderr", timeout)
+            started, dispatched, stepped, step = _restart(cmd, run_dir, root / f"restart-{r}.stderr", timeout)
             chain = _restore_chain_seconds(config, overrides, run_dir)
             runs.append({
                 "import_torch_s": torch_wall,
@@ -94,11 +94,13 @@ def restart_latency(
                 "run_started_s": started,
                 "first_dispatch_s": dispatched,
                 "overhead_s": dispatched - torch_wall,
+                "to_first_step_s": stepped,
+                "first_step_overhead_s": stepped - torch_wall,
                 "restore_chain_s": chain,
                 "resumed_from_step": step,
             })
             log(f"restart: {r + 1}/{repeats}: import torch {torch_wall:.3f} s, run_started "
-                f"{started:.3f} s, first dispatched {dispatched:.3f} s (step {step}), "
+                f"{started:.3f} s, first dispatched {dispatched:.3f} s, first step {stepped:.3f} s (from step {step}), "
                 f"restore chain {chain:.3f} s")
     med = {k: statistics.median(x[k] for x in runs) for k in MEASURES}
     return {
@@ -146,9 +148,10 @@ def _import_torch(timeout: float) -> tuple[float, float]:
     return done - launched, inside
 
 
-def _restart(cmd: list[str], run_dir: Path, stderr: Path, timeout: float) -> tuple[float, float, int]:
-    """One restart: seconds from launch to `run_started` and to the new run's first
-    `dispatched` (trace times), and the step it resumed from."""
+def _restart(cmd: list[str], run_dir: Path, stderr: Path,
+             timeout: float) -> tuple[float, float, float, int]:
+    """One restart: seconds from launch to `run_started`, to the new run's first
+    `dispatched` and to its first `step_committed` (trace times), and the step it resumed from."""
     trace = run_dir / "trace.jsonl"
     mark = _trace_mark(trace)
     with open(stderr, "wb") as err:
@@ -156,13 +159,15 @@ def _restart(cmd: list[str], run_dir: Path, stderr: Path, timeout: float) -> tup
         proc = subprocess.Popen(cmd, env=_env(None), stdout=subprocess.DEVNULL, stderr=err)
         try:
             deadline = time.monotonic() + timeout
-            started = dispatched = None
+            started = dispatched = stepped = None
             tail = b""
             with open(trace, "rb") as f:
                 f.seek(mark)
-                while dispatched is None:
+                while stepped is None or dispatched is None:
                     if time.monotonic() > deadline or proc.poll() is not None:
-                        raise _failed("did not dispatch a generation after its restore", stderr, timeout)
+                        raise _failed("did not dispatch a generation after its restore" if dispatched
+                                      is None else "did not commit a step after its restore",
+                                      stderr, timeout)
                     tail += f.read()
                     *lines, tail = tail.split(b"\n")
                     for line in lines:
@@ -172,9 +177,12 @@ def _restart(cmd: list[str], run_dir: Path, stderr: Path, timeout: float) -> tup
                             continue
                         if x["event"] == "run_started":
                             started = x
-                        elif x["event"] == "dispatched" and started and x["run_id"] == started["run_id"]:
+                        elif not started or x.get("run_id") != started["run_id"]:
+                            continue
+                        elif x["event"] == "dispatched" and dispatched is None:
                             dispatched = x
-                            break
+                        elif x["event"] == "step_committed" and stepped is None:
+                            stepped = x  # may precede the first dispatch (restored rollouts)
                     else:
                         time.sleep(0.002)
         finally:
@@ -183,7 +191,8 @@ def _restart(cmd: list[str], run_dir: Path, stderr: Path, timeout: float) -> tup
             proc.wait()
     if started["resumed_from_step"] is None:
         raise _failed("started fresh instead of resuming", stderr, timeout)
-    return started["t"] - launched, dispatched["t"] - launched, started["resumed_from_step"]
+    return (started["t"] - launched, dispatched["t"] - launched, stepped["t"] - launched,
+            started["resumed_from_step"])
 
 
 def _restore_chain_seconds(config: str, overrides: list[str], run_dir: Path) -> float:
