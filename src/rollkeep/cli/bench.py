@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Any
 
-SUITES = ("core", "preemption", "speedup", "waste", "restart", "cluster", "remote", "effects", "ranks", "all")
+SUITES = ("core", "controller", "preemption", "speedup", "waste", "restart", "cluster", "remote", "effects", "ranks", "all")
 
 HELP = """\
 Run the benchmark suite and print what it measured, side by side, in one invocation:
@@ -18,6 +18,13 @@ Run the benchmark suite and print what it measured, side by side, in one invocat
   core        ledger lifecycle rate, cut hold, encoded bytes, decode + audit time and
               memory per in-flight group; checkpoint write and restore time; the
               control-plane ceiling (next to the targets of docs/design.md §9)
+  controller  the sans-IO scheduler alone (no asyncio, no engine): siblings per CPU-second
+              at G=16, bare and with the trace and the journal (targets 50,000 / 20,000),
+              medians of --repeats interleaved runs (default 5); the same through the
+              runner on the toy engine; the scale sweep: per-result scheduling at G = 4 ...
+              64 and 1 k / 10 k / 100 k groups in flight, cut, write (against dd) and
+              restore at 1 k / 10 k / 100 k in-flight groups and G = 4 ... 64, each with
+              its fitted exponent (docs/design.md §9)
   preemption  goodput under preemption: the same job (toy engine with uneven latency, and
               the built-in GPT) SIGKILLed K times at the same random instants for each
               variant (journal; sibling, prompt_group, cursor_only from the checkpoint
@@ -65,6 +72,7 @@ in_order (waste).
 examples:
   rollkeep bench --quick                                  # everything small, about a minute and a half
   rollkeep bench --suite core --json core.json            # the custody core, a few minutes
+  rollkeep bench --suite controller --json c.json         # scheduler rates and the scale sweep, ~5 minutes
   rollkeep bench --suite preemption --kills 4 --repeats 3 --json p.json  # ~7 minutes
   rollkeep bench --suite speedup                          # ~3 minutes
   rollkeep bench --suite waste --json w.json              # ~30 seconds
@@ -152,6 +160,12 @@ def _run(args: argparse.Namespace, *, out: dict | None = None) -> int:
         results["ledger"] = ledger.run(args.quick)
         print("== controller")
         results["controller"] = controller.run(args.quick)
+    if "controller" in suites:
+        from ..bench import scale
+
+        print("== the control plane: the scheduler alone, and the scale sweep")
+        results["control_plane"] = scale.run(quick=args.quick, repeats=args.repeats or (1 if args.quick else 5),
+                                             log=_note)
     if "preemption" in suites:
         from ..bench.preemption import EPISODE_WORKLOADS, LONG_WORKLOADS, WORKLOADS, goodput
 

@@ -127,7 +127,7 @@ class EffectStore:
     def apply(self, ev: Event) -> None:
         """Follow one applied ledger event. Raises ValueError for an `effect_done` that ends
         no intent of the sibling (a forged or damaged journal: the caller refuses it)."""
-        if not self._records and not isinstance(ev, EffectIntent):  # the common case: nothing to follow
+        if not self._records and type(ev) is not EffectIntent:  # the common case: nothing to follow
             return
         if isinstance(ev, EffectIntent):
             sib = (ev.group_id, ev.generation)

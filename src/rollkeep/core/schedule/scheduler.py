@@ -356,7 +356,9 @@ class Scheduler:
         # Cancels decided in callbacks (and in this poll) go first: their attempts are
         # already superseded, so nothing waits for them.
         out[:0], self._queued = self._queued, []
-        return [self._captured(c) if isinstance(c, Cut) else c for c in out]
+        if self._writing:  # a Cut was decided (this poll or in flight): capture it now
+            return [self._captured(c) if type(c) is Cut else c for c in out]
+        return out
 
     # -------------------------------------------------------------- rollout side
 

@@ -1,0 +1,154 @@
+"""`rollkeep bench --suite controller`: the control plane's costs and how they scale.
+
+  scheduler   the sans-IO scheduler alone (`bench.scheduler`): siblings per CPU-second at
+              G = 16, bare and with the trace and the journal, medians of interleaved repeats
+  ceiling     the same through the runner (`controller.train`) on the toy engine and
+              trainer at zero latency: siblings per CPU-second of the whole process
+  sweep       cost against size, with the fitted exponent (the slope of log cost on log
+              size; 1.0 = linear): per-result scheduling at G = 4 ... 64 (per group) and
+              with 1 k / 10 k / 100 k groups in flight (per sibling); the cut's hold,
+              the checkpoint's write and its restore at 1 k / 10 k / 100 k in-flight groups
+              (G = 16) and at G = 4 ... 64 (10 k groups)
+
+Per-result scheduling "with N in flight" runs `bench.scheduler` with N/2 prompts per step
+and one step of lookahead, so about N groups are admitted at once.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+from .scheduler import run_scheduler
+
+
+def fitted_exponent(sizes: Sequence[float], costs: Sequence[float]) -> float | None:
+    """Least-squares slope of log(cost) on log(size): cost ∝ size^exponent."""
+    pts = [(math.log(s), math.log(c)) for s, c in zip(sizes, costs, strict=True) if s > 0 and c > 0]
+    if len(pts) < 2:
+        return None
+    mx = sum(x for x, _ in pts) / len(pts)
+    my = sum(y for _, y in pts) / len(pts)
+    var = sum((x - mx) ** 2 for x, _ in pts)
+    return sum((x - mx) * (y - my) for x, y in pts) / var if var else None
+
+
+def scheduler_rates(repeats: int, *, quick: bool) -> dict:
+    """Siblings per CPU-second, bare and with sinks, interleaved `repeats` times."""
+    p, steps = (64, 4) if quick else (256, 8)
+    runs: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(repeats):
+        for sinks in (False, True):
+            runs[sinks].append(run_scheduler(group_size=16, prompts_per_step=p, steps=steps,
+                                             sinks=sinks)["siblings_per_cpu_s"])
+    return {"group_size": 16, "prompts_per_step": p, "steps": steps, "repeats": repeats,
+            "bare_siblings_per_cpu_s": statistics.median(runs[False]),
+            "sinks_siblings_per_cpu_s": statistics.median(runs[True]),
+            "bare_runs": runs[False], "sinks_runs": runs[True]}
+
+
+def runner_ceiling(repeats: int, *, quick: bool) -> dict:
+    """The toy job through the runner, CPU-seconds of the process per sibling."""
+    from .controller import ceiling
+
+    steps = 10 if quick else 40
+    rates = []
+    for _ in range(repeats):
+        t0 = time.process_time()
+        r = ceiling(steps=steps)
+        rates.append(r["steps"] * r["prompts_per_step"] * r["group_size"] / (time.process_time() - t0))
+    return {"steps": steps, "repeats": repeats, "siblings_per_cpu_s": statistics.median(rates), "runs": rates}
+
+
+def _median_of(f: Callable[[], dict], key: str, repeats: int) -> float:
+    return statistics.median(f()[key] for _ in range(repeats))
+
+
+def sweep(*, quick: bool, repeats: int = 1) -> dict:
+    from .controller import checkpoint_costs
+
+    out: dict = {}
+    gs = [4, 16] if quick else [4, 8, 16, 32, 64]
+    per_group = []
+    for g in gs:
+        r = run_scheduler(group_size=g, prompts_per_step=64 if quick else 256, steps=4)
+        per_group.append(r["cpu_s"] / (r["siblings"] / g))
+    out["scheduling_by_group_size"] = {"group_size": gs, "cpu_s_per_group": per_group,
+                                       "exponent": fitted_exponent(gs, per_group)}
+    ns = [1000, 4000] if quick else [1000, 10_000, 100_000]
+    per_sibling = []
+    for n in ns:
+        r = run_scheduler(group_size=16, prompts_per_step=n // 2, steps=2)
+        per_sibling.append(r["cpu_s"] / r["siblings"])
+    out["scheduling_by_inflight"] = {"inflight_groups": ns, "cpu_s_per_sibling": per_sibling,
+                                     "exponent": fitted_exponent(ns, per_sibling)}
+    ck = [checkpoint_costs(n) for n in ns]
+    out["checkpoint_by_inflight"] = _checkpoint_fit(ns, ck)
+    ng = 2000 if quick else 10_000
+    ckg = [checkpoint_costs(ng, group_size=g) for g in gs]
+    out["checkpoint_by_group_size"] = {"inflight_groups": ng, **_checkpoint_fit(gs, ckg, size="group_size")}
+    return out
+
+
+def disk_write_s(nbytes: int) -> float:
+    """What `dd ... conv=fsync` takes for `nbytes` in the temporary directory: one write of
+    that many bytes and an fsync, best of three (the disk's bandwidth, the write's yardstick)."""
+    import os
+    import tempfile
+
+    data, best = b"\0" * nbytes, math.inf
+    for _ in range(3):
+        with tempfile.NamedTemporaryFile() as f:
+            t0 = time.perf_counter()
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _checkpoint_fit(sizes: list[int], results: list[dict], *, size: str = "inflight_groups") -> dict:
+    fit: dict = {size: sizes}
+    fit["write_over_disk"] = [disk_write_s(r["bytes"]) / r["write_s"] for r in results]
+    for key in ("cut_hold_s_median", "write_s", "restore_s", "bytes"):
+        values = [r[key] for r in results]
+        fit[key] = values
+        fit[key + "_exponent"] = fitted_exponent(sizes, values)
+    return fit
+
+
+def run(*, quick: bool, repeats: int, log=print) -> dict:
+    out: dict = {}
+    s = out["scheduler"] = scheduler_rates(max(repeats, 1 if quick else 5), quick=quick)
+    log(f"scheduler alone (sans-IO, G=16, P={s['prompts_per_step']}, medians of {s['repeats']} interleaved): "
+        f"{s['bare_siblings_per_cpu_s']:,.0f} siblings per CPU-second bare (target >= 50,000), "
+        f"{s['sinks_siblings_per_cpu_s']:,.0f} with the trace and the journal (target >= 20,000)")
+    c = out["runner"] = runner_ceiling(1 if quick else 3, quick=quick)
+    log(f"through the runner (toy engine and trainer, zero latency): {c['siblings_per_cpu_s']:,.0f} siblings "
+        f"per CPU-second of the process (median of {c['repeats']})")
+    w = out["sweep"] = sweep(quick=quick)
+    g = w["scheduling_by_group_size"]
+    log("per-result scheduling by G: " + ", ".join(
+        f"G={n} {t * 1e6:.0f} us/group" for n, t in zip(g["group_size"], g["cpu_s_per_group"], strict=True))
+        + f"; exponent {_fmt(g['exponent'])} (1.0 = linear in G)")
+    i = w["scheduling_by_inflight"]
+    log("per-result scheduling by groups in flight: " + ", ".join(
+        f"{n:,} {t * 1e6:.1f} us/sibling" for n, t in zip(i["inflight_groups"], i["cpu_s_per_sibling"], strict=True))
+        + f"; exponent {_fmt(i['exponent'])} (0 = flat)")
+    for name, fit, unit in (("in-flight groups (G=16)", w["checkpoint_by_inflight"], "inflight_groups"),
+                            (f"G ({w['checkpoint_by_group_size']['inflight_groups']:,} groups)",
+                             w["checkpoint_by_group_size"], "group_size")):
+        log(f"checkpoint by {name}: " + "; ".join(
+            f"{n:,}: cut {h * 1e6:.0f} us, write {wr:.3f} s, restore {rs:.3f} s, {b / 1e6:.1f} MB"
+            for n, h, wr, rs, b in zip(fit[unit], fit["cut_hold_s_median"], fit["write_s"], fit["restore_s"],
+                                       fit["bytes"], strict=True))
+            + "; write/dd " + ", ".join(f"{x:.0%}" for x in fit["write_over_disk"])
+            + f"; exponents: cut {_fmt(fit['cut_hold_s_median_exponent'])}, write {_fmt(fit['write_s_exponent'])}, "
+            f"restore {_fmt(fit['restore_s_exponent'])}")
+    return out
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
