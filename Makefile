@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch pinned in the same command as everything that depends on it (CPU build).
 	$(PY) -m pip install -q torch==2.13.0 -e '.[dev]'
+	# Byte-compiled now, not at the first (re)start of a run (issue 29: restart latency).
+	$(PY) -m compileall -q src
 	touch $(STAMP)
 
 install: $(STAMP)
