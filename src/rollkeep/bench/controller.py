@@ -51,10 +51,10 @@ def _row(tokens: int) -> Row:
     )
 
 
-def checkpoint_costs(n: int, tokens: int = 64, *, by_reference: bool = True) -> dict:
+def checkpoint_costs(n: int, tokens: int = 64, *, by_reference: bool = True, group_size: int = G) -> dict:
     """`by_reference`: the rows are in the row log first, as the journal puts them, so the
     checkpoint names them (`rows.index`); else it copies them (the journal off)."""
-    led = inflight_ledger(n)
+    led = inflight_ledger(n, group_size)
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp)
         rows = RowStore(reader=RowLogReader(run / ROWS_DIR).read)

@@ -67,15 +67,15 @@ def lifecycle(n_groups: int, per_step: int = 64, *, per_sibling_dispatch: bool =
     return n_groups / (time.perf_counter() - t0)
 
 
-def inflight_ledger(n: int) -> Ledger:
-    """n admitted groups of 16 siblings, all dispatched, half sealed."""
+def inflight_ledger(n: int, group_size: int = G) -> Ledger:
+    """n admitted groups of `group_size` (16) siblings, all dispatched, half sealed."""
     led = Ledger(n_rows=n, seed=0, epochs=1)
     for o in range(n):
-        led.apply(Taken(epoch=0, ordinal=o, idx=o, task="math", row_fingerprint=(o * 2654435761) % 2**64, group_size=G))
+        led.apply(Taken(epoch=0, ordinal=o, idx=o, task="math", row_fingerprint=(o * 2654435761) % 2**64, group_size=group_size))
         gid = f"e0.{o}"
         led.apply(Admitted(group_id=gid, target_step=1 + o // 1024, version=0))
-        led.apply(Dispatched(group_id=gid, generations=tuple(range(G)), version=0))
-        for g in range(0, G, 2):
+        led.apply(Dispatched(group_id=gid, generations=tuple(range(group_size)), version=0))
+        for g in range(0, group_size, 2):
             led.apply(Sealed(group_id=gid, generation=g, attempt=0, version=0, tokens=100))
     return led
 
