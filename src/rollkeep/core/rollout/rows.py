@@ -172,13 +172,10 @@ class Row:
                 and type(reward) is float and finish_reason in FINISH_CODE):
             reward = _refuse(p, c, lp, v, reward, finish_reason)
         fix = object.__setattr__
-        for name, arr in (("prompt_ids", p), ("completion_ids", c), ("logprobs", lp), ("versions", v)):
-            if arr.flags.writeable:  # `_frozen`'s common case, inline
-                arr = arr.copy()
-                arr.setflags(write=False)
-                fix(self, name, arr)
-            else:
-                fix(self, name, _frozen(arr))
+        fix(self, "prompt_ids", _frozen(p))
+        fix(self, "completion_ids", _frozen(c))
+        fix(self, "logprobs", _frozen(lp))
+        fix(self, "versions", _frozen(v))
         fix(self, "reward", reward)
         fix(self, "finish_reason", finish_reason)
 

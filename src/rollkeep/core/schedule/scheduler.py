@@ -388,13 +388,15 @@ class Scheduler:
                 del self._floor[gid]
             gens = [g for g, st in enumerate(rec.status) if st == _A_RESERVED]
             if self._not_before:  # siblings retried after a failure wait for their backoff
-                waiting = [g for g in gens if self._not_before.get((gid, g), now) > now]
-                for g in waiting:
-                    nb = self._not_before[(gid, g)]
-                    wake_at = nb if wake_at is None else min(wake_at, nb)
-                gens = [g for g in gens if g not in waiting]
+                due = []
                 for g in gens:
-                    self._not_before.pop((gid, g), None)
+                    nb = self._not_before.get((gid, g))
+                    if nb is not None and nb > now:
+                        wake_at = nb if wake_at is None else min(wake_at, nb)
+                    else:
+                        self._not_before.pop((gid, g), None)
+                        due.append(g)
+                gens = due
             if not gens:
                 continue
             self._apply(Dispatched(group_id=gid, generations=tuple(gens), version=self.engine_version))
