@@ -75,7 +75,7 @@ def test_check_limits_names_num_prompts_per_step():
         )
 
 
-@pytest.mark.parametrize("sampler", ["in_order", "weight_fifo"])
+@pytest.mark.parametrize("sampler", ["in_order", "weight_fifo", "windowed"])
 def test_check_limits_gated_samplers_never_buffer_past_capacity(sampler):
     with pytest.raises(ConfigError, match=r"max_buffered_rollouts is 5 .* = 4"):
         check_limits(
@@ -87,15 +87,15 @@ def test_check_limits_gated_samplers_never_buffer_past_capacity(sampler):
         )
 
 
-def test_check_limits_windowed_may_buffer_past_capacity_but_not_below_a_step():
+def test_check_limits_windowed_must_buffer_a_step():
     limits = check_limits(
         "windowed",
         num_prompts_per_step=2,
         window=1,
-        max_inflight_prompts=3,
-        max_buffered_rollouts=9,
+        max_inflight_prompts=9,  # above capacity: the gate bounds it (as for weight_fifo)
+        max_buffered_rollouts=None,
     )
-    assert (limits.capacity, limits.max_inflight_prompts, limits.max_buffered_rollouts) == (4, 3, 9)
+    assert (limits.capacity, limits.max_inflight_prompts, limits.max_buffered_rollouts) == (4, 9, 4)
     with pytest.raises(ConfigError, match=r"max_buffered_rollouts is 1 but a step needs 2"):
         check_limits(
             "windowed",
@@ -373,49 +373,61 @@ def test_weight_fifo_skips_groups_older_than_the_window():
 # --- windowed --------------------------------------------------------------------------------
 
 
-def test_windowed_gate_is_bounded_only_by_inflight_and_buffered():
-    d = Driver(
-        n_rows=30,
-        sampler="windowed",
-        num_prompts_per_step=2,
-        window=0,
-        max_inflight_prompts=3,
-        max_buffered_rollouts=4,
-    )
+def test_windowed_gate_keeps_at_most_capacity_groups_alive_and_the_limits_below_it():
+    """weight_fifo's gate: claimed and READY groups count until their step commits, so no
+    more is generated than the window's steps can train (issue 29: with the gate bounded
+    only by the two limits, half the generation aged out of the window)."""
+    d = Driver(n_rows=30, sampler="windowed", num_prompts_per_step=2, window=1, max_inflight_prompts=3)
     first = admit_all(d)
-    assert len(first) == 3 > d.limits.capacity  # ungated: capacity is 2
-    for gid in first:
-        d.complete(gid)
-    second = admit_all(d)
-    assert len(second) == 3  # 3 ready < 4 buffered, 0 in flight < 3
-    d.complete(second[0])
-    assert (d.ledger.n_ready(), d.ledger.n_inflight()) == (4, 2)
-    assert d.sampler.admission(d.ledger) == (False, None)  # closed by max_buffered_rollouts
-    assert ords(d.train_step().group_ids) == [0, 1]
-    assert d.sampler.admission(d.ledger) == (True, None)
+    assert len(first) == 3  # max_inflight_prompts closes it below capacity 4
+    d.complete(first[0])
+    assert len(admit_all(d)) == 1  # 3 in flight + 1 READY = capacity
+    for gid, rec in list(d.ledger.groups()):
+        if rec.state != GroupState.READY:
+            d.complete(gid)
+    gids = d.sampler.select(d.ledger, 1, final=False)
+    d.apply(Claimed(step=1, group_ids=tuple(gids)))
+    assert d.sampler.admission(d.ledger) == (False, None)  # the claimed groups still count
+    d.apply(d.ledger.commit_event(1))
+    assert len(admit_all(d)) == 2
+
+
+def test_windowed_overtakes_a_straggler_that_weight_fifo_waits_for():
+    """The one way a windowed group goes stale: it is still generating while the W+1 steps
+    of its window claim newer groups. weight_fifo, with the same gate, waits for it."""
+    for name in ("windowed", "weight_fifo"):
+        d = Driver(n_rows=30, sampler=name, num_prompts_per_step=1, window=1)
+        straggler, fast = admit_all(d)  # capacity 2, both started at version 0
+        d.complete(fast)
+        assert ords(d.train_step().group_ids) == [1]
+        newer = d.take_and_admit()  # started at version 1
+        d.complete(newer)
+        step = d.train_step()
+        if name == "weight_fifo":  # the straggler is due at step 2: wait for it
+            assert step is None and d.sampler.select(d.ledger, 2, final=False) is None
+            continue
+        assert ords(step.group_ids) == [2]  # overtaken
+        d.complete(straggler)
+        assert d.sampler.stale(d.ledger) == [straggler]
 
 
 def test_windowed_stale_lists_groups_outside_the_window_and_eviction_regenerates_them():
-    d = Driver(
-        n_rows=10,
-        sampler="windowed",
-        num_prompts_per_step=1,
-        window=0,
-        max_inflight_prompts=3,
-        max_buffered_rollouts=3,
-    )
-    for gid in admit_all(d):
-        d.complete(gid)
-    assert ords(d.ledger.ready_ids()) == [0, 1, 2]
-    assert ords(d.train_step().group_ids) == [0]  # version 1: 1 and 2 are one version old
-    assert d.sampler.stale(d.ledger) == [g(1), g(2)]
-    assert d.sampler.select(d.ledger, 2, final=True) is None
+    d = Driver(n_rows=10, sampler="windowed", num_prompts_per_step=1, window=1)
+    assert admit_all(d) == [g(0), g(1)]  # capacity 2, both started at version 0
+    d.complete(g(1))
+    assert ords(d.train_step().group_ids) == [1]
+    assert d.take_and_admit() == g(2)  # started at version 1
+    d.complete(g(2))
+    assert ords(d.train_step().group_ids) == [2]  # version 2: g(0) overtaken twice
+    d.complete(g(0))
+    assert d.sampler.stale(d.ledger) == [g(0)]
+    assert d.sampler.select(d.ledger, 3, final=True) is None
 
-    before = d.ledger.group(g(1))
+    before = d.ledger.group(g(0))
     freed_before = len(d.freed)
-    d.evict(g(1))
-    rec = d.ledger.group(g(1))
-    assert d.ledger.owner((0, 1)) == Owner.LEDGER
+    d.evict(g(0))
+    rec = d.ledger.group(g(0))
+    assert d.ledger.owner((0, 0)) == Owner.LEDGER
     assert (rec.state, rec.target_step, rec.start_version, rec.advantages) == (
         GroupState.RESERVED,
         None,
@@ -424,47 +436,44 @@ def test_windowed_stale_lists_groups_outside_the_window_and_eviction_regenerates
     )
     assert list(rec.status) == [AttemptStatus.RESERVED] * 2
     assert list(rec.attempts) == [a + 1 for a in before.attempts]  # fresh attempts
-    assert d.freed[freed_before:] == [(g(1), 0, 0), (g(1), 1, 0)]  # its rows are garbage
-    assert d.ledger.ready_ids() == [g(2)] and d.sampler.stale(d.ledger) == [g(2)]
+    assert d.freed[freed_before:] == [(g(0), 0, 0), (g(0), 1, 0)]  # its rows are garbage
+    assert d.ledger.ready_ids() == [] and d.sampler.stale(d.ledger) == []
     with pytest.raises(IllegalTransition):
-        d.evict(g(1))  # only READY groups are evicted
+        d.evict(g(0))  # only READY groups are evicted
 
-    d.evict(g(2))
-    assert d.take_and_admit() == g(1)  # RESERVED groups are admitted before new keys
-    assert d.ledger.group(g(1)).start_version == 1 and d.ledger.cursor == Key(0, 3)
+    assert d.take_and_admit() == g(0)  # RESERVED groups are admitted before new keys
+    assert d.ledger.group(g(0)).start_version == 2 and d.ledger.cursor == Key(0, 3)
     d.run_to_end()
     assert sorted(d.trained_ordinals()) == list(range(10))
-    assert d.dispatched(g(1)) == [0, 1, 0, 1]  # generated twice, trained once
+    assert d.dispatched(g(0)) == [0, 1, 0, 1]  # generated twice, trained once
 
 
-def test_windowed_readmits_evicted_groups_that_fill_max_inflight():
-    """Regression: two slow groups finish two versions late under the default limits
-    (max_inflight_prompts = 2) and are evicted. Counted as in flight while RESERVED, they
-    used to keep the gate shut for themselves, and the run stalled."""
-    d = Driver(n_rows=8, sampler="windowed", num_prompts_per_step=1, window=1)
-    assert (d.limits.max_inflight_prompts, d.limits.max_buffered_rollouts) == (2, 2)
-    assert admit_all(d) == [g(0), g(1)]
-    d.complete(g(0))
-    assert d.take_and_admit() == g(2)
-    assert ords(d.train_step().group_ids) == [0]
-    d.complete(g(1))
+def test_windowed_readmits_evicted_stragglers_before_new_prompts():
+    """Two stragglers overtaken by two steps are evicted together. RESERVED, they count as
+    in flight, and the gate for a group already taken must still let them in (a regression:
+    counted against themselves, they kept it shut and the run stalled)."""
+    d = Driver(n_rows=10, sampler="windowed", num_prompts_per_step=2, window=1, max_inflight_prompts=3)
+    assert admit_all(d) == [g(0), g(1), g(2)]  # version 0
+    d.complete(g(2))
     assert d.take_and_admit() == g(3)
-    assert ords(d.train_step().group_ids) == [1]
-    d.complete(g(2))  # started at version 0, finished at 2: already stale
-    assert d.take_and_admit() == g(4)
+    d.complete(g(3))
+    assert ords(d.train_step().group_ids) == [2, 3]
+    assert admit_all(d) == [g(4)]  # in flight: 0, 1, 4
     d.complete(g(4))
-    assert ords(d.train_step().group_ids) == [4]
-    d.complete(g(3))  # started at version 1, finished at 3
-    assert d.sampler.stale(d.ledger) == [g(2), g(3)]
+    assert admit_all(d) == [g(5)]  # alive: 0, 1, 4, 5 = capacity
+    d.complete(g(5))
+    assert ords(d.train_step().group_ids) == [4, 5]  # version 2: 0 and 1 overtaken twice
+    d.complete(g(0))
+    d.complete(g(1))
+    assert d.sampler.stale(d.ledger) == [g(0), g(1)]
     for gid in d.sampler.stale(d.ledger):
         d.evict(gid)
     counts = d.ledger.counts()
     assert (counts["reserved"], counts["generating"], counts["ready"]) == (2, 0, 0)
-    # Nothing runs and nothing is ready: the two waiting groups must not block themselves.
-    assert d.sampler.admission(d.ledger) == (False, None)  # no new prompt: in flight is full
     assert d.sampler.admission(d.ledger, new=False) == (True, None)
+    assert admit_all(d) == [g(0), g(1), g(6)]  # the evicted first, then new keys
     d.run_to_end()
-    assert sorted(d.trained_ordinals()) == list(range(8))
+    assert sorted(d.trained_ordinals()) == list(range(10))
 
 
 # --- drops, refills and shrinks --------------------------------------------------------------

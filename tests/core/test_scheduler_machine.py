@@ -50,8 +50,9 @@ def configs(draw) -> dict:
         deterministic=sampler == "in_order" and draw(st.booleans()),
         checkpoint_on_shutdown=draw(st.booleans()),
     )
-    if sampler == "windowed":
-        kw.update(max_inflight_prompts=draw(st.integers(1, 4)), max_buffered_rollouts=draw(st.integers(p, 4)))
+    if sampler == "windowed":  # the limits below the gate's capacity p * (window + 1)
+        cap = p * (kw["window"] + 1)
+        kw.update(max_inflight_prompts=draw(st.integers(1, 4)), max_buffered_rollouts=draw(st.integers(p, cap)))
     return kw
 
 

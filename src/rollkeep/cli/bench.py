@@ -40,7 +40,8 @@ Run the benchmark suite and print what it measured, side by side, in one invocat
   waste       wasted generation: the same uneven toy job, uninterrupted and without
               failures, per sampler (in_order, weight_fifo, windowed): completions
               generated / trained (1.00 = nothing generated twice), groups evicted as
-              stale, run time and throughput
+              stale, run time and throughput, goodput (tokens trained / generated),
+              and goodput with the job SIGKILLed --kills times (0: not run)
   restart     restart latency: the default job killed after its first RL checkpoint and
               restarted again and again (each restart SIGKILLed at its first dispatch):
               process start -> run_started and -> the first generation dispatched after
@@ -193,7 +194,7 @@ def _run(args: argparse.Namespace, *, out: dict | None = None) -> int:
         from ..bench.waste import waste
 
         print(f"== wasted generation per sampler ({repeats} repeat(s))")
-        results["waste"] = waste(repeats=repeats, quick=args.quick, log=_note)
+        results["waste"] = waste(repeats=repeats, quick=args.quick, log=_note, kills=kills)
         _print(waste_table(results["waste"]))
     if "restart" in suites:
         from ..bench.restart import restart_latency
@@ -346,6 +347,8 @@ def waste_table(r: dict) -> tuple[str, Any]:
         "steps/s",
         "trained\ncompletions/s",
         "vs in_order\n(speed)",
+        "goodput",
+        f"goodput\n{r.get('kills', 0)} kills",
     )
     for sampler, m in r["samplers"].items():
         t.add_row(
@@ -358,6 +361,8 @@ def waste_table(r: dict) -> tuple[str, Any]:
             f"{m['steps_per_s']:.2f}",
             f"{m['trained_per_s']:.0f}",
             _x(m.get("speed_vs_in_order", float("nan"))),
+            f"{m['goodput']:.3f}",
+            f"{m['killed_goodput']:.3f}" if "killed_goodput" in m else "-",
         )
     return title, t
 

@@ -17,10 +17,11 @@ checkpoint lose or re-stamp the groups generated ahead when they resume).
                  step k claims the oldest READY groups (by start version, then key), but
                  only if every group left behind can still be trained by its due step,
                  else it waits. Without failures no group is ever evicted (see WeightFifo).
-    windowed     ungated (only max_inflight_prompts and max_buffered_rollouts bound it);
-                 step k claims the oldest READY groups within the window and waits for no
-                 one; READY groups that fall out of the window are evicted — regenerated or
-                 dropped, by `on_stale`. It regenerates by design (see Windowed).
+    windowed     weight_fifo's gate (capacity P × (window + 1) live groups); step k claims
+                 the oldest READY groups within the window and waits for no one; READY
+                 groups that fall out of the window are evicted — regenerated or dropped,
+                 by `on_stale`. Only a group overtaken while it generates can go stale
+                 (see Windowed).
 
 `P` is `num_prompts_per_step`. Counts are in groups (one group = one prompt × its
 siblings).
@@ -93,7 +94,7 @@ def check_limits(
             "finished groups buffered at once (train.num_prompts_per_step): the run would stall; "
             f"set it to at least {num_prompts_per_step}"
         )
-    if sampler in ("in_order", "weight_fifo") and buffered > capacity:
+    if buffered > capacity:
         problems.append(
             f"max_buffered_rollouts is {buffered} but the {sampler} gate never buffers more than "
             f"its capacity num_prompts_per_step × (window + 1) = {capacity}; set it to at most "
@@ -142,6 +143,14 @@ def _by_key(ledger: Ledger, gids: list[str]) -> list[str]:
 
 def _room(ledger: Ledger, limits: Limits) -> bool:
     return ledger.n_inflight() < limits.max_inflight_prompts and ledger.n_ready() < limits.max_buffered_rollouts
+
+
+def _capacity_gate(ledger: Ledger, limits: Limits, *, new: bool) -> tuple[bool, None]:
+    """weight_fifo's and windowed's admission: open while fewer than capacity = P·(W+1)
+    groups are alive, claimed ones included (WeightFifo says why that is the bound)."""
+    if new:  # every live group counts: claimed ones, and RESERVED ones waiting to be admitted
+        return _room(ledger, limits) and len(ledger) < limits.capacity, None
+    return len(ledger) - len(ledger.reserved_ids()) < limits.capacity, None
 
 
 @dataclass(frozen=True)
@@ -238,10 +247,7 @@ class WeightFifo:
     stamps: bool = False
 
     def admission(self, ledger: Ledger, *, new: bool = True) -> tuple[bool, int | None]:
-        capacity = self.limits.capacity
-        if new:  # every live group counts: claimed ones, and RESERVED ones waiting to be admitted
-            return _room(ledger, self.limits) and len(ledger) < capacity, None
-        return len(ledger) - len(ledger.reserved_ids()) < capacity, None
+        return _capacity_gate(ledger, self.limits, new=new)
 
     def select(self, ledger: Ledger, step: int, *, final: bool) -> list[str] | None:
         p = self.limits.num_prompts_per_step
@@ -284,16 +290,30 @@ class WeightFifo:
 
 @dataclass(frozen=True)
 class Windowed:
-    """Ungated; trains the oldest READY groups within the window; evicts the stale ones.
+    """weight_fifo's gate; trains the oldest READY groups within the window, waiting for
+    no one; evicts the stale ones.
 
-    Admission is bounded only by max_inflight_prompts and max_buffered_rollouts, both of
-    which may exceed the P·(W+1) groups that the W+1 steps of a window can train, and
-    selection waits for no one: it takes the oldest READY groups within the window, so a
-    slow group is overtaken by newer ones. Groups that cannot be trained before they fall
-    out of the window are evicted — with `on_stale: regenerate` generated again from fresh
-    weights (the ledger keeps custody: each prompt is still trained exactly once), with
-    `drop` dropped with the reason "stale". That regeneration is the price of never
-    holding generation back: use weight_fifo to waste nothing.
+    Admission is weight_fifo's: open while fewer than P·(W+1) groups are alive, claimed
+    ones included, so invariant (I) of WeightFifo holds at admission: no more is generated
+    than the W+1 steps of the window can train. (Admission used to be bounded only by
+    max_inflight_prompts and max_buffered_rollouts, which could exceed P·(W+1): the READY
+    groups beyond it aged out of the window with no kill at all, and about half of all
+    generation was evicted and done again.)
+
+    Selection is what sets windowed apart: it takes the P oldest READY groups within the
+    window and waits for no one, so a step never stalls behind a slow group. Selection
+    keeps (I) whenever the groups it takes include those of weight_fifo's `need(t)`; it
+    breaks it only when a group still generating is overtaken by newer READY ones. Hence
+    the rule: **a group goes stale only if it is still generating when W+1 steps after its
+    admission have claimed their groups without it** — a straggler, whose generation took
+    longer than the window's steps did. In the steady state the gate leaves step v+2 with
+    the P groups started at v and the P just admitted at v+1 as its only candidates, so a
+    straggler started at v is overtaken only by a group that started a whole train step
+    later and finished first. Such a group is evicted — with `on_stale: regenerate`
+    generated again from fresh weights (the ledger keeps custody: each prompt is still
+    trained exactly once), with `drop` dropped with the reason "stale". Use weight_fifo to
+    wait for stragglers and waste nothing; windowed trades that waste for never waiting.
+    Failures, restarts and a change of P or W on resume act as for weight_fifo.
     """
 
     limits: Limits
@@ -301,7 +321,7 @@ class Windowed:
     stamps: bool = False
 
     def admission(self, ledger: Ledger, *, new: bool = True) -> tuple[bool, int | None]:
-        return (not new or _room(ledger, self.limits)), None
+        return _capacity_gate(ledger, self.limits, new=new)
 
     def select(self, ledger: Ledger, step: int, *, final: bool) -> list[str] | None:
         p = self.limits.num_prompts_per_step
