@@ -4,9 +4,9 @@ and its check, snapshot), an episode continued after k finished turns, and its t
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -339,7 +339,7 @@ def test_a_replay_that_answers_differently_is_a_data_error_naming_the_environmen
 
 def test_a_snapshot_environment_without_its_snapshot_or_with_a_bad_one_is_a_data_error() -> None:
     cmds, _ = uninterrupted(SNAPSHOT)
-    req = dataclasses.replace(continued(cmds, 2), snapshot=None)
+    req = msgspec.structs.replace(continued(cmds, 2), snapshot=None)
     m, engine = machine(req, recovery=SNAPSHOT)
     with pytest.raises(DataError) as e:
         drive(m, engine)
@@ -401,7 +401,7 @@ def every_scenario() -> list[Episode]:
     cmds, _ = uninterrupted("replay")
     run(*machine(continued(cmds, 2), max_turns=4), Env(answer=lambda n: "0"))
     cmds, _ = uninterrupted(SNAPSHOT)
-    run(*machine(dataclasses.replace(continued(cmds, 2), snapshot=None), recovery=SNAPSHOT))
+    run(*machine(msgspec.structs.replace(continued(cmds, 2), snapshot=None), recovery=SNAPSHOT))
     env = Env()
     env.snapshot = lambda: "no"  # type: ignore[method-assign]
     run(*machine(recovery=SNAPSHOT), env)

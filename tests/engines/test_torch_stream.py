@@ -15,8 +15,8 @@ worker included)."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -32,7 +32,7 @@ TOK = CharTokenizer()
 
 def with_prefix(r: GenRequest, c: Completion, k: int) -> GenRequest:
     """`r` continuing from the first k tokens of `c`."""
-    return dataclasses.replace(
+    return msgspec.structs.replace(
         r, prefix=Prefix(c.completion_ids[:k].copy(), c.logprobs[:k].copy(), c.versions[:k].copy())
     )
 
@@ -117,7 +117,7 @@ def test_chunks_are_the_new_tokens_in_order_and_all_arrive_before_generate_retur
         try:
             base = await together(engine, gate, fresh)
             resumed = [with_prefix(fresh[0], base[0], 2), with_prefix(fresh[3], base[3], 1),
-                       with_prefix(dataclasses.replace(fresh[1], pinned_version=0), base[1], 3)]
+                       with_prefix(msgspec.structs.replace(fresh[1], pinned_version=0), base[1], 3)]
             reqs = fresh + resumed
             chunks: list[list[Chunk]] = [[] for _ in reqs]
             out = await together(engine, gate, reqs, chunks)
@@ -309,7 +309,7 @@ def test_a_prefix_that_already_ends_the_completion_is_returned_as_is():
             out = []
             for version in (None, 0):
                 for text, prefix in [("1+1=", eos_prefix), ("1+1=", full), ("9" * 60, near_end)]:
-                    r = dataclasses.replace(req(text, 1, version=version), prefix=prefix)
+                    r = msgspec.structs.replace(req(text, 1, version=version), prefix=prefix)
                     out.append((prefix, await engine.generate(r, chunks.append)))
         finally:
             await engine.close()
@@ -335,12 +335,12 @@ def test_a_continuation_keeps_the_prefix_versions_and_stamps_its_own():
         Gate(engine, edit=no_eos)
         chunks: list[Chunk] = []
         try:
-            c = await engine.generate(dataclasses.replace(req("1+1=", 1), prefix=prefix), chunks.append)
+            c = await engine.generate(msgspec.structs.replace(req("1+1=", 1), prefix=prefix), chunks.append)
             with pytest.raises(ValueError, match="2 tokens, 1 log-probs"):
-                await engine.generate(dataclasses.replace(
+                await engine.generate(msgspec.structs.replace(
                     req("1+1=", 1), prefix=Prefix(prefix.completion_ids, prefix.logprobs[:1], prefix.versions)))
             with pytest.raises(ValueError, match="outside the vocabulary"):
-                await engine.generate(dataclasses.replace(
+                await engine.generate(msgspec.structs.replace(
                     req("1+1=", 1), prefix=Prefix(np.array([10_000], np.int32), prefix.logprobs[:1], prefix.versions[:1])))
         finally:
             await engine.close()

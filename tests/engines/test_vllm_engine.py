@@ -5,7 +5,6 @@ end needs vllm and CUDA (scripts/gpu_check.sh checks much more there); neither h
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import importlib.util
 import random
 import sys
@@ -14,6 +13,7 @@ import types
 from types import SimpleNamespace
 
 import fake_vllm
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -430,7 +430,7 @@ def test_the_engine_protocol_streams_chunks_to_the_loop_and_continues_req_prefix
         cut = Tokens(full.completion_ids[:2], full.logprobs[:2], full.versions[:2])
         streamed = list(seen)
         seen.clear()
-        cont = await eng.generate(dataclasses.replace(request(seed=11), prefix=cut), progress)
+        cont = await eng.generate(msgspec.structs.replace(request(seed=11), prefix=cut), progress)
         return full, streamed, cont
 
     full, streamed, cont = run(closing(eng, body()))
@@ -604,7 +604,7 @@ def test_an_episode_runs_on_the_engine_and_continues_after_its_finished_turns(fa
     assert [k for _, k in turns] == [0, 1] and int((~env).sum()) == 9  # three turns of 3 tokens
     assert whole.completion_ids[env].tolist() == fake_vllm.Tokenizer().encode("=1;=2;", add_special_tokens=False)
     first = turns[0][0]
-    continued, rest = episode(dataclasses.replace(request(), prefix=first, turns=(len(first),)))
+    continued, rest = episode(msgspec.structs.replace(request(), prefix=first, turns=(len(first),)))
     assert continued.completion_ids.tolist() == whole.completion_ids.tolist() and [k for _, k in rest] == [1]
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import xxhash
 
@@ -69,8 +70,12 @@ Chunk = Tokens
 Prefix = Tokens
 
 
-@dataclass(frozen=True)
-class GenRequest:
+class GenRequest(msgspec.Struct, frozen=True):
+    """What an engine is asked for one attempt of one sibling. Immutable; a msgspec Struct
+    rather than a frozen dataclass because one is built per dispatched sibling on the
+    scheduler's hot path (≈ 0.3 µs against ≈ 3 µs); `msgspec.structs.replace` copies one
+    with fields changed."""
+
     group_id: str
     generation: int
     attempt: int

@@ -47,12 +47,12 @@ driver (CustodyError), as is an input in a state that does not wait for it.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import msgspec
 import numpy as np
 
 from ..errors import CustodyError
@@ -358,8 +358,8 @@ class Episode:
     def _generate(self) -> Generate:
         start = self._start()
         cap = None if self.max_turn_tokens is None else start + self.max_turn_tokens
-        return Generate(dataclasses.replace(self.req, prefix=self.traj if len(self.traj) else None,
-                                            turns=tuple(self.turns), max_tokens=cap))
+        return Generate(msgspec.structs.replace(self.req, prefix=self.traj if len(self.traj) else None,
+                                                turns=tuple(self.turns), max_tokens=cap))
 
     def _response_ids(self, texts: list[str], model: np.ndarray, response: str) -> np.ndarray:
         """The response's tokens after the turns and responses `texts`, which end with the
