@@ -166,5 +166,8 @@ def test_restart_latency_restarts_the_same_checkpoint_and_orders_its_times(tmp_p
         assert run["restore_chain_s"] > 0
     assert r["median"]["overhead_s"] == statistics.median(x["overhead_s"] for x in r["runs"])
     assert CheckpointStore(tmp_path / "run" / "checkpoints").latest() == "step_000010"
-    title, _ = restart_table(r)
-    assert "restart latency" in title
+    assert r["meets_first_step_target"] == (r["median"]["first_step_overhead_s"] <= r["target_first_step_overhead_s"])
+    title, table = restart_table(r)
+    assert "restart latency" in title and "first trained step" in title
+    labels = list(table.columns[0].cells)
+    assert any("first step committed" in label for label in labels), labels

@@ -232,11 +232,13 @@ def _build_hf(cfg: Config, dataset: Dataset, source: PromptSource, eval_rows, en
 def _ranks(cfg: Config) -> dict[str, Any]:
     """Where trainer ranks (`trainer.world_size` > 1) write their output, and where they
     run: Ray actors with `cluster.backend: ray`, child processes otherwise."""
-    from ..trainers.ranks import RayPlacement
-
     c = cfg.cluster
-    return {"log_dir": Path(cfg.run_dir) / "ranks",
-            "ray": RayPlacement(c.trainer_cpus, c.trainer_gpus) if c.backend == "ray" else None}
+    ray = None
+    if c.backend == "ray":  # the ranks' module only when used: not on a local run's start-up
+        from ..trainers.ranks import RayPlacement
+
+        ray = RayPlacement(c.trainer_cpus, c.trainer_gpus)
+    return {"log_dir": Path(cfg.run_dir) / "ranks", "ray": ray}
 
 
 async def start_replicas(engine: Engine, cfg: Config) -> None:
