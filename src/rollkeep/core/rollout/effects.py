@@ -193,6 +193,9 @@ class EffectStore:
     def __len__(self) -> int:
         return sum(map(len, self._records.values()))
 
+    def __bool__(self) -> bool:  # O(1): asked once per sealed sibling (a sibling's tuple is never empty)
+        return bool(self._records)
+
     def __iter__(self) -> Iterator[tuple[Sibling, tuple[EffectRecord, ...]]]:
         return iter(self._records.items())
 
