@@ -25,7 +25,7 @@ from rollkeep.core.errors import CustodyError
 from rollkeep.core.rollout.source import Prompt
 from rollkeep.engines.base import Completion, DataError, GenRequest, InfraError
 from rollkeep.engines.torch_gpt import TorchEngine
-from rollkeep.models.gpt import GPT, GPTConfig
+from rollkeep.models.gpt import GPT, ROW_CHUNK, GPTConfig
 from rollkeep.models.sampling import counter_uniform, greedy, sample
 from rollkeep.models.tokenizer import EOS, CharTokenizer
 
@@ -265,6 +265,38 @@ def test_same_request_same_completion_whatever_shares_the_batch(dtype, threads):
     assert {c.finish_reason for c in in20} == {"stop", "length"}
     # and the other rows are reproducible too
     assert same(in4[0], in20[0]) and same(in4[1], in20[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_the_engine_model_gives_a_row_the_same_logits_bits_whatever_the_batch_size(dtype, threads):
+    # The op level under the test above: MKL picks its matmul kernel by row count (on
+    # AVX-512 the bits change below 11-16 rows, not only for counts that are not multiples of
+    # 4), so the engine's model runs its linear layers in fixed-size calls (GPT.row_chunk).
+    model = make_model().to(dtype).eval()
+    model.row_chunk = ROW_CHUNK
+    torch.manual_seed(1)
+    target = torch.tensor(TOK.encode("12+34="))  # 7 tokens
+    others = torch.randint(4, TOK.vocab_size, (63, 7))
+    steps = torch.randint(4, TOK.vocab_size, (4, 64))  # decode inputs; row 0's are the same for every B
+
+    def row0(B: int) -> torch.Tensor:
+        x = torch.cat([target[None], others[: B - 1]])
+        cache, start, out = model.new_cache(), 0, []
+        with torch.inference_mode():
+            for s in range(len(steps) + 1):
+                out.append(model(x, cache, start)[0, -1])
+                start += x.size(1)
+                x = steps[s, :B, None] if s < len(steps) else None
+        return torch.stack(out)
+
+    alone = row0(1)
+    for B in [*range(2, 25), 33, 40, 64]:  # past ROW_CHUNK rows the calls are split
+        assert row0(B).numpy().tobytes() == alone.numpy().tobytes(), B
+    with torch.inference_mode():  # the chunked layers compute the same function
+        model.row_chunk = None
+        x = torch.cat([target[None], others[:20]])
+        plain = model(x)[0, -1]
+    torch.testing.assert_close(alone[0], plain, rtol=0, atol=1e-5)
 
 
 # ====================================================================== KV cache, stopping

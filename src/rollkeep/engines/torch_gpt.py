@@ -33,7 +33,7 @@ Reproducibility (docs/design.md §2): a sampled token is a function of the weigh
 request's seed and the token's position (models.sampling), so the same request gives the
 same tokens, log-probabilities and versions whatever else shares its batch. That needs the
 model's logits for one row to be bitwise independent of the other rows, which the matmul
-kernels do not give for free; see `_ROW_QUANTUM`.
+kernels do not give for free; see `_ROW_QUANTUM` and `GPT.row_chunk`.
 
 Continuing a prefix (`GenRequest.prefix`, k tokens an earlier attempt generated): the
 prefix is fed as token ids after the prompt (never re-rendered text) and the row's first
@@ -77,7 +77,7 @@ import numpy as np
 import torch
 
 from ..core.errors import CustodyError, UserInputError
-from ..models.gpt import GPT
+from ..models.gpt import GPT, ROW_CHUNK
 from ..models.sampling import sample
 from ..models.tokenizer import EOS
 from .base import (
@@ -93,17 +93,20 @@ from .base import (
 )
 from .inbox import Inbox, Refit, settle, take_batch, take_refits
 
-# Rows of every matmul the model runs are padded to a multiple of this (with duplicates
-# of a live row, discarded). On CPU the BLAS picks kernels by row count, and the last bit
-# of a row's result depends on which kernel computed it. Measured (MKL 2024.2, AVX2,
-# 1/2/4 intra-op threads, float32 and float64): a matmul of 1 row takes a matrix-vector
-# path; 2-3 rows take another kernel; float64 computes the remainder rows of a count that
-# is not a multiple of 4 with a tail kernel; with several threads float32 splits small
-# counts (5-11 rows) into tails as well. Row counts that are multiples of 4 gave every row
-# the same bits as any other such count. A batch of one therefore runs as 4 identical rows.
+# Batch rows are padded to a multiple of this (with duplicates of a live row, discarded).
+# On CPU the BLAS picks kernels by row count, and the last bit of a row's result depends on
+# which kernel computed it. Measured (MKL 2024.2, AVX2, 1/2/4 intra-op threads, float32 and
+# float64): a matmul of 1 row takes a matrix-vector path; 2-3 rows take another kernel;
+# float64 computes the remainder rows of a count that is not a multiple of 4 with a tail
+# kernel; with several threads float32 splits small counts (5-11 rows) into tails as well.
+# Row counts that are multiples of 4 gave every row the same bits as any other such count.
+# On AVX-512 (Sapphire Rapids, same MKL) that is not enough: the kernel also changes with
+# the count itself (below 11 or 16 rows, above 64..192 for wide layers), so the engine's
+# model runs its linear layers in calls of fixed row counts (`GPT.row_chunk`,
+# models/gpt.py), which makes each row's logits independent of the batch on both; the
+# padding to 4 stays, so AVX2 runs the attention as it was measured.
 # (With 8+ threads MKL may split the reduction of small float64 products; the controller
-# runs the engine with one intra-op thread.) Prefill multiplies batch by prompt length, so
-# a batch padded to a multiple of 4 keeps that product a multiple of 4 too.
+# runs the engine with one intra-op thread.)
 _ROW_QUANTUM = 4
 
 
@@ -157,6 +160,7 @@ class TorchEngine:
         self.tokenizer = tokenizer
         self.dtype = dtype
         self.model = copy.deepcopy(model).to(dtype).eval()  # the engine's own copy
+        self.model.row_chunk = ROW_CHUNK  # batch-invariant linear layers (see _ROW_QUANTUM)
         for p in self.model.parameters():
             p.requires_grad_(False)
         self._params = self.model.state_dict()  # name → tensor sharing the model's storage

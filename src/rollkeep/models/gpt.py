@@ -8,6 +8,7 @@ transformer blocks, a tied output head. It serves both sides of RL:
 Attention is written with plain matmul and softmax (no fused kernel), so the engine's
 result for one sequence does not depend on what else is in its batch. Sequences in one
 batch have equal length (the engine buckets prompts by length), so there is no padding.
+The linear layers need more for that: see `row_chunk` and `_linear`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,40 @@ class GPTConfig:
     dropout: float = 0.0
 
 
+# Rows per matmul call with `GPT.row_chunk` set (the engine sets it; a call gets 16 or 32
+# rows): a multiple of 4 (MKL on AVX2 computes remainder rows of other counts with tail
+# kernels), >= 16 (on AVX-512, MKL 2024.2 gives a row other bits below 11 rows (float32,
+# 256 inputs) or 16 (float64, 2 threads)), and <= 32 (with 2 threads, float32, 2048 inputs,
+# it switches kernels again at 64 rows). Measured on Sapphire Rapids, 1 and 2 threads, 32
+# to 2048 inputs.
+ROW_CHUNK = 32
+_ROW_PAD = 16
+
+
+def _linear(m: nn.Linear, x: torch.Tensor, chunk: int | None) -> torch.Tensor:
+    """`m(x)`; with `chunk`, row by row bit-identical whatever the number of rows: the BLAS
+    picks its kernel by the row count, and the last bits of a row depend on that kernel, so
+    every call gets `chunk` rows, or (the last) a multiple of 16 rows, padded with zeros."""
+    if chunk is None:
+        return m(x)
+    *lead, K = x.shape
+    x2 = x.reshape(-1, K)
+    M = x2.size(0)
+    if M % _ROW_PAD:
+        x2 = F.pad(x2, (0, 0, 0, -M % _ROW_PAD))
+    wt = m.weight.t()
+    if x2.size(0) <= chunk:  # one call (decode steps of up to `chunk` rows)
+        out = x2 @ wt if m.bias is None else torch.addmm(m.bias, x2, wt)
+    else:
+        out = x2.new_empty(x2.size(0), m.weight.size(0))
+        for i in range(0, x2.size(0), chunk):
+            if m.bias is None:
+                torch.mm(x2[i : i + chunk], wt, out=out[i : i + chunk])
+            else:
+                torch.addmm(m.bias, x2[i : i + chunk], wt, out=out[i : i + chunk])
+    return out[:M].view(*lead, -1)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -38,9 +73,9 @@ class Attention(nn.Module):
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, cache: list | None, layer: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: list | None, layer: int, chunk: int | None = None) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = _linear(self.qkv, x, chunk).split(C, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
@@ -56,7 +91,7 @@ class Attention(nn.Module):
         att = att.masked_fill(~mask, float("-inf"))
         att = self.dropout(F.softmax(att, dim=-1))
         y = (att @ v).transpose(1, 2).contiguous().view(B, T, C)
-        return self.proj(y)
+        return _linear(self.proj, y, chunk)
 
 
 class Block(nn.Module):
@@ -72,12 +107,19 @@ class Block(nn.Module):
             nn.Dropout(cfg.dropout),
         )
 
-    def forward(self, x: torch.Tensor, cache: list | None, layer: int) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache, layer)
-        return x + self.mlp(self.ln_2(x))
+    def forward(self, x: torch.Tensor, cache: list | None, layer: int, chunk: int | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, layer, chunk)
+        if chunk is None:
+            return x + self.mlp(self.ln_2(x))
+        fc, act, out, drop = self.mlp
+        return x + drop(_linear(out, act(_linear(fc, self.ln_2(x), chunk)), chunk))
 
 
 class GPT(nn.Module):
+    # Rows per matmul call (`_linear`), or None: plain nn.Linear. The engine sets ROW_CHUNK on
+    # its copy so a row's logits are bitwise independent of the batch; training leaves None.
+    row_chunk: int | None = None
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -113,6 +155,6 @@ class GPT(nn.Module):
         pos = torch.arange(start, start + T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for i, block in enumerate(self.blocks):
-            x = block(x, cache, i)
-        return self.head(self.ln_f(x))
+            x = block(x, cache, i, self.row_chunk)
+        return _linear(self.head, self.ln_f(x), self.row_chunk)
 
