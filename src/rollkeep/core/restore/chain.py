@@ -38,15 +38,21 @@ from ..checkpoint.cut import (
     STEP_KEY,
     SUPPORTED_SCHEMAS,
     TRAINER_DIR,
-    declared_step_in,
     SealedColumns,
+    declared_step_in,
     gc_paused,
     referenced_columns,
     referenced_set,
 )
 from ..checkpoint.meta import CheckpointMeta
 from ..checkpoint.rowcodec import decode_rows
-from ..checkpoint.rowindex import ROWS_INDEX, RowColumns, decode_index, rows_dir_for, segments_listed
+from ..checkpoint.rowindex import (
+    ROWS_INDEX,
+    RowColumns,
+    decode_index,
+    rows_dir_for,
+    segments_listed,
+)
 from ..checkpoint.store import CheckpointStore, OpenedCheckpoint, open_path
 from ..custody import codec
 from ..custody.audit import audit
