@@ -215,12 +215,12 @@ class RowStore:
         if self._rows or self._where:
             raise ValueError("RowStore.restore fills an empty store")
         # The kinds of value first, in one C-level pass: a restore with the journal names
-        # every row by reference, and its 800 k entries are then copied whole.
+        # every row by reference, and its 800 k entries are then copied whole (once, below).
+        refs: Mapping[RowId, Any] = rows
+        copied: dict[RowId, Row] = {}
         if any(issubclass(kind, Row) for kind in set(map(type, rows.values()))):
             refs = {rid: row for rid, row in rows.items() if not isinstance(row, Row)}
             copied = {rid: row for rid, row in rows.items() if rid not in refs}
-        else:
-            refs, copied = dict(rows), {}
         if refs and self._reader is None:
             raise ValueError("RowStore.restore of rows by reference needs a store made with a reader")
         with self._lock:
