@@ -425,6 +425,33 @@ def test_a_forged_rows_index_is_refused(tmp_path, source, forgery) -> None:
     assert expected[forgery] in str(e.value)
 
 
+@pytest.mark.parametrize("change", ["reordered", "missing", "unreferenced"])
+def test_an_index_naming_every_row_is_compared_as_a_set(tmp_path, source, change) -> None:
+    """With no row copied, the chain first compares the index's columns with the ledger's
+    sealed attempts in the ledger's order; an index listing them in another order still
+    restores, one naming other rows is refused as when rows are copied."""
+    run = tmp_path / "run"
+    store, _, rows = publish_by_reference(run, source)
+    ck = store.open()
+    entries = list(decode_index(ck.read(ROWS_INDEX)).rows.items())
+    if change == "reordered":
+        entries.reverse()
+    elif change == "missing":
+        entries.pop()
+    else:
+        entries.append((RowId("e0.2", 0, 0), entries[0][1]))
+    _forged(run, index=encode_index(entries))
+    if change == "reordered":
+        restored = RowStore(reader=RowLogReader(run / ROWS_DIR).read)
+        restored.restore(restore_chain(store, source=source, config=CONFIG).rows)
+        assert sorted(restored.ids()) == sorted(rows.ids())
+        assert all(type(rid) is RowId for rid in restored.ids()), "the ids a restore keys by plain tuples"
+        return
+    with pytest.raises(RowsMismatch, match=f"1 {change}") as e:
+        restore_chain(store, source=source, config=CONFIG)
+    assert "RowId(group_id=" in str(e.value)  # the rows it names, as before
+
+
 def test_retention_keeps_every_segment_a_checkpoint_names_and_nothing_when_a_manifest_is_in_doubt(
         tmp_path, source) -> None:
     run = tmp_path / "run"

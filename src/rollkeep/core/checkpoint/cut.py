@@ -203,12 +203,16 @@ class SealedColumns:
     def row_group_ids(self) -> list[str]:
         return list(map(self.group_ids.__getitem__, self.group.tolist()))
 
-    def row_ids(self, row_group_ids: list[str] | None = None) -> list[RowId]:
-        """`row_group_ids`: this one's `row_group_ids()`, when the caller has it already."""
+    def row_keys(self, row_group_ids: list[str] | None = None) -> list[tuple[str, int, int]]:
+        """The rows' ids as plain tuples, which look rows up as the RowIds they equal (built
+        by `zip` in C). `row_group_ids`: this one's `row_group_ids()`, when the caller has it
+        already."""
         gids = self.row_group_ids() if row_group_ids is None else row_group_ids
+        return list(zip(gids, self.generation.tolist(), self.attempt.tolist(), strict=True))
+
+    def row_ids(self) -> list[RowId]:
         # tuple.__new__ in C: a NamedTuple's own __new__ is Python, ~5x slower per row.
-        return list(map(tuple.__new__, repeat(RowId), zip(gids, self.generation.tolist(),
-                                                            self.attempt.tolist(), strict=True)))
+        return list(map(tuple.__new__, repeat(RowId), self.row_keys()))
 
 
 def sealed_columns(groups: Iterable[tuple[str, GroupRecord]]) -> SealedColumns:
@@ -251,12 +255,12 @@ def checkpoint_files(c: Cut) -> tuple[dict[str, bytes], dict[str, Any]]:
     report.raise_if_failed(AuditFailure, remedy="this is a bug; the checkpoint was not written")
     sealed = referenced_columns(c.ledger)
     gids, gens, atts = sealed.row_group_ids(), sealed.generation, sealed.attempt
-    ids = sealed.row_ids(gids)
+    ids = sealed.row_keys(gids)
     locs = list(map(c.rows.locations, ids))  # one C-level lookup per row
     copied: list[RowId] = []
     if None in locs:  # rows without a place in the row log (journal off, or restored copies)
         keep = np.fromiter((loc is not None for loc in locs), bool, len(locs))
-        copied = [rid for rid, loc in zip(ids, locs, strict=True) if loc is None]
+        copied = [RowId(*rid) for rid, loc in zip(ids, locs, strict=True) if loc is None]
         gids = [gid for gid, loc in zip(gids, locs, strict=True) if loc is not None]
         gens, atts, locs = gens[keep], atts[keep], [loc for loc in locs if loc is not None]
     by_ref = index_rows(gids, gens, atts, locs)

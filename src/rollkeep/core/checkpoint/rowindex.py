@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import repeat
 from operator import attrgetter
 from pathlib import Path
@@ -96,8 +97,14 @@ class RowColumns:
 
     def ids(self) -> list[RowId]:
         # tuple.__new__ in C: a NamedTuple's own __new__ is Python, ~5x slower per row.
-        return list(map(tuple.__new__, repeat(RowId), zip(self.group_ids, self.generation.tolist(),
-                                                           self.attempt.tolist(), strict=True)))
+        return list(map(tuple.__new__, repeat(RowId), self.row_keys()))
+
+    def row_keys(self) -> list[tuple[str, int, int]]:
+        """The entries' row ids as plain tuples: equal to (and hashing as) their `RowId`s, so
+        they look rows up alike; built by `zip` in C, and untracked by the cyclic collector
+        after its first pass (a NamedTuple never is: 800 k of them made every later full
+        collection of a restored run walk them)."""
+        return list(zip(self.group_ids, self.generation.tolist(), self.attempt.tolist(), strict=True))
 
     def locations(self) -> Iterator[RowLocation]:
         return _locations(self.__dict__)
@@ -149,10 +156,15 @@ class Index:
     """A decoded `rows.index`: the rows named by reference, the chains of partial
     generations, and `[segment, end]` of every segment either names."""
 
-    rows: dict[RowId, RowLocation]
+    located: dict[tuple[str, int, int], RowLocation]  # `rows` keyed by plain tuples (`RowColumns.row_keys`)
     chains: dict[tuple[str, int], tuple[Link, ...]]
     extents: list[list[int]]
     columns: RowColumns  # `rows` as columns, in the file's order
+
+    @cached_property
+    def rows(self) -> dict[RowId, RowLocation]:
+        """The rows named by reference, keyed by their `RowId`s."""
+        return dict(zip(self.columns.ids(), self.located.values(), strict=True))
 
 
 def decode_index(data: bytes, *, path: str = ROWS_INDEX) -> Index:
@@ -174,7 +186,7 @@ def decode_index(data: bytes, *, path: str = ROWS_INDEX) -> Index:
     rows, ends = _columns(index.rows, bad, "rows")
     chunks, chunk_ends = _columns(index.chunks, bad, "chunks")
     columns = RowColumns(index.rows.group_ids, *(rows[col] for col in _COLUMNS))
-    ids = columns.ids()
+    ids = columns.row_keys()
     out = dict(zip(ids, columns.locations(), strict=True))
     if len(out) != len(ids):
         dup = next(rid for rid, c in Counter(ids).items() if c > 1)

@@ -30,19 +30,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..checkpoint.cut import (
     LEDGER_FILE,
     ROWS_FILE,
     STEP_KEY,
     SUPPORTED_SCHEMAS,
     TRAINER_DIR,
+    SealedColumns,
     declared_step_in,
     gc_paused,
+    referenced_columns,
     referenced_set,
 )
 from ..checkpoint.meta import CheckpointMeta
 from ..checkpoint.rowcodec import decode_rows
-from ..checkpoint.rowindex import ROWS_INDEX, decode_index, rows_dir_for, segments_listed
+from ..checkpoint.rowindex import (
+    ROWS_INDEX,
+    RowColumns,
+    decode_index,
+    rows_dir_for,
+    segments_listed,
+)
 from ..checkpoint.store import CheckpointStore, OpenedCheckpoint, open_path
 from ..custody import codec
 from ..custody.audit import audit
@@ -98,26 +108,31 @@ class RestorePlan:
 
 def plan(state: LedgerState) -> RestorePlan:
     reused = finalize = sib_reused = sib_discarded = sib_regen = sib_resent = sib_pending = readmit = 0
+    # Plain ints: comparing with an IntEnum member costs a Python call per group.
+    ready, to_finalize, reserved = int(GroupState.READY), int(GroupState.READY_TO_FINALIZE), int(GroupState.RESERVED)
+    a_reserved, a_dispatched, a_sealed = (int(a) for a in (AttemptStatus.RESERVED, AttemptStatus.DISPATCHED,
+                                                           AttemptStatus.SEALED))
     for rec in state.groups.values():
-        s = rec.state
-        if s >= GroupState.READY:
+        s, status = rec.state, rec.status
+        if s >= ready:
             reused += 1
             continue
-        if s >= GroupState.READY_TO_FINALIZE:
+        if s >= to_finalize:
             finalize += 1
             continue
-        if s == GroupState.RESERVED:
+        if s == reserved:
             readmit += 1
         elif rec.granularity == PROMPT_GROUP_CODE:  # all-or-nothing: sealed work is redone
-            sib_discarded += rec.status.count(AttemptStatus.SEALED)
+            sib_discarded += status.count(a_sealed)
         else:
-            sib_reused += rec.status.count(AttemptStatus.SEALED)
-        sib_regen += rec.status.count(AttemptStatus.DISPATCHED)
+            sib_reused += status.count(a_sealed)
+        sib_regen += status.count(a_dispatched)
+        waiting = status.count(a_reserved)
         # A waiting sibling whose attempt number is past 0 was sent out before.
-        resent = sum(1 for st, a in zip(rec.status, rec.attempts, strict=True)
-                     if st == AttemptStatus.RESERVED and a > 0)
+        resent = sum(1 for st, a in zip(status, rec.attempts, strict=True)
+                     if st == a_reserved and a > 0) if waiting and any(rec.attempts) else 0
         sib_resent += resent
-        sib_pending += rec.status.count(AttemptStatus.RESERVED) - resent
+        sib_pending += waiting - resent
     return RestorePlan(
         groups_reused=reused,
         groups_finalize_again=finalize,
@@ -140,7 +155,9 @@ class Restored:
 
     checkpoint: OpenedCheckpoint
     ledger: LedgerState
-    rows: dict[RowId, Row | RowLocation]  # copied rows, and rows named by their place in the row log
+    # Copied rows, and rows named by their place in the row log (keyed by the plain tuples
+    # their RowIds equal: `Index.located`).
+    rows: dict[RowId, Row | RowLocation]
     plan: RestorePlan
     config_changes: list[tuple[str, Any, Any]] = field(default_factory=list)
     prefixes: dict[tuple[str, int], tuple[Link, ...]] = field(default_factory=dict)  # partial generations
@@ -232,30 +249,35 @@ def check_rows(ck: OpenedCheckpoint, state: LedgerState) -> tuple[dict[RowId, Ro
     frame itself is verified when the row is first read, docs/design.md §5.2); and the
     partial generations' chains (`check_chains`), by reference too."""
     path = str(ck.path / ROWS_FILE)
-    rows: dict[RowId, Row | RowLocation] = dict(decode_rows(ck.read(ROWS_FILE), path=path))
+    copied: dict[RowId, Row] = decode_rows(ck.read(ROWS_FILE), path=path)
     refs: dict[RowId, RowLocation] = {}
     named: list[list[int]] = []
     chains: dict[tuple[str, int], tuple[Link, ...]] = {}
+    columns = None
     if ck.meta.schemas.get("rows", 1) >= 2:
         index = decode_index(ck.read(ROWS_INDEX), path=str(ck.path / ROWS_INDEX))
-        refs, named, chains = index.rows, index.extents, index.chains
+        refs, named, chains, columns = index.located, index.extents, index.chains, index.columns
         check_chains(ck, state, chains)
-    both = [rid for rid in rows if rid in refs] if rows else []
-    rows.update(refs)
-    wanted = referenced_set(state)
-    missing = extra = []
-    if rows.keys() != wanted:  # one C-level pass; the lists only to say what differs
-        missing, extra = sorted(wanted - rows.keys()), sorted(rows.keys() - wanted)
-    if missing or extra or both:
-        raise RowsMismatch(
-            "the rows of the checkpoint do not match the ledger's sealed attempts",
-            path=path,
-            field="rows",
-            expected=f"exactly the {len(wanted)} row(s) the ledger references, each copied or named once",
-            found=f"{len(missing)} missing (e.g. {missing[:3]}), {len(extra)} unreferenced (e.g. {extra[:3]}), "
-            f"{len(both)} both copied and named (e.g. {sorted(both)[:3]})",
-            remedy=_REMEDY_OLDER + "; rows and ledger come from different checkpoints or were damaged",
-        )
+    # A checkpoint lists the rows it names in the ledger's order (`referenced_columns`): with
+    # none copied, equal columns are the same rows, compared without a tuple per row.
+    in_order = not copied and columns is not None and _in_ledger_order(columns, referenced_columns(state))
+    rows: dict[RowId, Row | RowLocation] = {**copied, **refs} if copied else refs
+    if not in_order:
+        both = [rid for rid in copied if rid in refs]
+        wanted = referenced_set(state)
+        missing = extra = []
+        if rows.keys() != wanted:  # one C-level pass; the lists only to say what differs
+            missing, extra = sorted(wanted - rows.keys()), sorted(map(RowId._make, rows.keys() - wanted))
+        if missing or extra or both:
+            raise RowsMismatch(
+                "the rows of the checkpoint do not match the ledger's sealed attempts",
+                path=path,
+                field="rows",
+                expected=f"exactly the {len(wanted)} row(s) the ledger references, each copied or named once",
+                found=f"{len(missing)} missing (e.g. {missing[:3]}), {len(extra)} unreferenced (e.g. {extra[:3]}), "
+                f"{len(both)} both copied and named (e.g. {sorted(both)[:3]})",
+                remedy=_REMEDY_OLDER + "; rows and ledger come from different checkpoints or were damaged",
+            )
     if refs or chains:
         listed = segments_listed(ck.manifest)
         if listed != named:
@@ -271,6 +293,12 @@ def check_rows(ck: OpenedCheckpoint, state: LedgerState) -> tuple[dict[RowId, Ro
         for seg, end in named:
             reader.check_extent(seg, end)
     return rows, chains
+
+
+def _in_ledger_order(columns: RowColumns, sealed: SealedColumns) -> bool:
+    """The index's rows are the ledger's sealed attempts, in the same order."""
+    return (len(columns) == len(sealed.generation) and np.array_equal(columns.generation, sealed.generation)
+            and np.array_equal(columns.attempt, sealed.attempt) and columns.group_ids == sealed.row_group_ids())
 
 
 def check_chains(ck: OpenedCheckpoint, state: LedgerState, chains: Mapping[tuple[str, int], tuple[Link, ...]]) -> None:
