@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..core.checkpoint.cut import cut, save_files, write_checkpoint
+from ..core.checkpoint.cut import cut, gc_paused, save_files, write_checkpoint
 from ..core.checkpoint.store import CheckpointStore
 from ..core.custody.ledger import Ledger
 from ..core.custody.trace_schema import (
@@ -36,6 +36,7 @@ from ..core.rollout.rows import Row, RowId
 from ..core.rollout.rowstore import RowStore
 from ..core.rowlog.segments import ROWS_DIR, RowLogReader
 from ..core.rowlog.writer import RowLogWriter
+from ..core.schedule.restart import normalize
 from ..trace import read_trace
 from .ledger import G, inflight_ledger
 
@@ -80,11 +81,11 @@ def checkpoint_costs(n: int, tokens: int = 64, *, by_reference: bool = True, gro
         write_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         restored = restore_chain(store, source=None, config=None)
-        ledger = Ledger.from_state(restored.ledger)
-        store2 = RowStore(reader=RowLogReader(run / ROWS_DIR).read)
-        store2.restore(restored.rows)
-        for ev in ledger.normalize_for_restart():
-            ledger.apply(ev)
+        with gc_paused():  # as `open_state` builds them at a restart
+            ledger = Ledger.from_state(restored.ledger)
+            store2 = RowStore(reader=RowLogReader(run / ROWS_DIR).read)
+            store2.restore(restored.rows)
+        normalize(ledger, ledger.apply)
         restore_s = time.perf_counter() - t0
         resident = store2.resident()
         t0 = time.perf_counter()

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import crashpoints
+from ..checkpoint.cut import gc_paused
 from ..checkpoint.store import CheckpointStore, checkpoint_order
 from ..custody.ledger import Ledger, LedgerState
 from ..errors import CheckpointNotFound, IllegalTransition, UserInputError
@@ -335,9 +336,10 @@ def open_state(run_dir: Path, start: Start, source: PromptSource, *,
     rows, chains = (t.rows, t.prefixes) if t is not None else (r.rows, r.prefixes) if r is not None else ({}, {})
     reader = RowLogReader(Path(run_dir) / ROWS_DIR, fs=fs).read
     row_store, prefixes = RowStore(reader=reader), PrefixStore(reader=reader)
-    row_store.restore(rows)
-    prefixes.restore(chains)
-    return Ledger.from_state(start.state(source)), row_store, prefixes
+    with gc_paused():  # O(groups + rows) small objects, as in the chain
+        row_store.restore(rows)
+        prefixes.restore(chains)
+        return Ledger.from_state(start.state(source)), row_store, prefixes
 
 
 def open_effects(start: Start) -> EffectStore:

@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from ..checkpoint.cut import gc_paused
 from ..custody.events import LOST_VERSION, Abandoned, Event
 from ..custody.ledger import PROMPT_GROUP_CODE, AttemptStatus, GroupState, Ledger
 from ..journal.replay import LostWork
@@ -21,8 +22,9 @@ from ..rollout.prefixes import PrefixStore
 
 
 def normalize(ledger: Ledger, apply: Callable[[Event], object]) -> None:
-    for ev in ledger.normalize_for_restart():
-        apply(ev)
+    with gc_paused():  # an event per group in flight at the cut (see `gc_paused`)
+        for ev in ledger.normalize_for_restart():
+            apply(ev)
 
 
 def lost_versions(ledger: Ledger, lost: LostWork, mode: str, apply: Callable[[Event], object],
