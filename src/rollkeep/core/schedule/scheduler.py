@@ -489,15 +489,17 @@ class Scheduler:
         if not led.is_current(gid, g, attempt):
             self.partial.forget(key)
             return
-        if isinstance(outcome, Generated):
+        sealing = isinstance(outcome, Generated)
+        if sealing:
             # Its last chunks are recorded before its seal (or forgotten if it fails after all).
             resumed = self.partial.before_seal(key, self._apply) if in_flight else 0
             if not in_flight:
                 self.partial.forget(key)
-            outcome = self._checked(gid, g, outcome)
+            checked = self._checked(gid, g, outcome)
+            sealing, outcome = checked is outcome, checked  # else the data failure that says why
         else:
             self.partial.forget(key)
-        if isinstance(outcome, Generated):
+        if sealing:
             c = outcome.completion
             row = Row(prompt_ids=c.prompt_ids, completion_ids=c.completion_ids, logprobs=c.logprobs,
                       versions=c.versions, reward=outcome.reward, finish_reason=c.finish_reason)
