@@ -362,6 +362,10 @@ class Ledger:
         """Live groups (LEDGER or REPLAY) whose target step is `step`."""
         return list(self._by_step.get(step, ()))
 
+    def n_stamped(self, step: int) -> int:
+        """len(stamped(step)) without the copy: admission asks it once per group."""
+        return len(self._by_step.get(step, ()))
+
     def stamped_steps(self) -> list[int]:
         return sorted(self._by_step)
 

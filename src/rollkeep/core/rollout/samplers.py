@@ -163,7 +163,7 @@ class InOrder:
         """The lowest uncommitted step not yet full (stamped + shortfall < P)."""
         p = self.limits.num_prompts_per_step
         k = ledger.version + 1
-        while len(ledger.stamped(k)) + ledger.shortfall(k) >= p:
+        while ledger.n_stamped(k) + ledger.shortfall(k) >= p:
             k += 1
         return k
 
