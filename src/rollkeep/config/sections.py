@@ -603,7 +603,8 @@ class SamplerConfig(_Section):
 
     name: Literal[SAMPLERS] = "in_order"  # type: ignore[valid-type]
     """`in_order`: step k trains groups stamped k; `weight_fifo`: oldest ready groups within
-    the staleness bound; `windowed`: ungated, groups falling out of the window are evicted."""
+    the staleness bound; `windowed`: `weight_fifo`'s gate, oldest ready groups waiting for no
+    one; stragglers falling out of the window are evicted."""
     max_lookahead_versions: int = Field(1, ge=0)
     """`in_order`: how many steps (weight versions) dispatch may run ahead of the trainer."""
     max_staleness_versions: int = Field(1, ge=0)
@@ -868,7 +869,8 @@ class Config(_Section):
     `num_prompts_per_step` x (window + 1)."""
     max_buffered_rollouts: int | None = None
     """Most finished groups waiting for the trainer; null = the sampler's buffer capacity,
-    `num_prompts_per_step` x (window + 1)."""
+    `num_prompts_per_step` x (window + 1), which is also its maximum (a larger value is
+    refused at start-up)."""
     reward: RewardConfig = RewardConfig()
     """Reward functions from your own code."""
     env: EnvConfig = EnvConfig()

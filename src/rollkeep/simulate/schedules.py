@@ -86,6 +86,16 @@ def plan(seed: int, index: int = 0) -> Plan:
     # time, or at once when a few records wait (a small flush_events).
     pinned = any(c.point is not None and c.point.startswith(_JOURNAL_PREFIXES) for c in crashes)
     journal = pinned or rng.random() < 0.8
+    if crashes and index < len(points) and crashes[0].point == points[index] == "ledger.evicted":
+        # Only windowed evicts, and only a straggler it overtakes (samplers.Windowed): the
+        # schedule pinned at the eviction runs it with a window to fall out of and uneven
+        # generations (after every draw, so the other draws stay what they were).
+        sampler, window = "windowed", max(window, 1)
+        limits = check_limits(sampler, num_prompts_per_step=p, window=window, max_inflight_prompts=None,
+                              max_buffered_rollouts=None, min_step_batch_fraction=1.0 / p)
+        settings = dataclasses.replace(settings, deterministic=False, on_stale="regenerate")
+        script = dataclasses.replace(script, latency=(0.001, 0.3))
+        crashes[0] = dataclasses.replace(crashes[0], at=1)  # a short run may evict once
     return Plan(seed=seed, settings=settings, sampler=sampler, limits=limits, n_rows=n_rows,
                 epochs=epochs, keep_last=keep_last, script=script,
                 crashes=tuple(crashes), fault_rate=0.05 if faults else 0.0, max_faults=faults, index=index,
