@@ -137,14 +137,13 @@ def waste(
                     f"{res['run_s']:.2f} s ({m['steps_per_s']:.2f} steps/s)"
                 )
                 if kills:
-                    delays = kill_schedule(seed, r, kills, res["run_s"])
+                    delays, killed_dir = kill_schedule(seed, r, kills, res["run_s"]), root / f"r{r}-{sampler}-killed"
                     killed = run_preempted(config, [*overrides, f"sampler.name={sampler}"],
-                                           kill_delays=delays, workdir=root / f"r{r}-{sampler}-killed",
-                                           timeout=timeout)
+                                           kill_delays=delays, workdir=killed_dir, timeout=timeout)
                     if killed["steps"] != n_steps or killed["prompts_duplicated"] or killed["prompts_lost"]:
                         raise RuntimeError(f"waste: the killed {sampler} run is not exactly-once: {killed}")
                     m.update(killed_goodput=killed["goodput"], kills_landed=killed["kills_landed"],
-                             killed_evicted=completions(root / f"r{r}-{sampler}-killed" / "run", GROUP_SIZE)["evicted"])
+                             killed_evicted=completions(killed_dir / "run", GROUP_SIZE)["evicted"])
                     log(f"waste: repeat {r + 1}/{repeats} {sampler:11} {killed['kills_landed']} kills: "
                         f"goodput {killed['goodput']:.3f} (uninterrupted {m['goodput']:.3f})")
                 runs[sampler].append(m)
