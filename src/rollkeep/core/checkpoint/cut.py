@@ -30,9 +30,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from itertools import chain as concat, repeat
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,8 @@ import numpy as np
 
 from ..custody import codec
 from ..custody.audit import audit
-from ..custody.ledger import AttemptStatus, GroupRecord, Ledger, LedgerState
+from ..custody.columns import GroupColumns
+from ..custody.ledger import AttemptStatus, Ledger, LedgerState
 from ..errors import AuditFailure, CheckpointError
 from ..io.fs import DEFAULT_FS, FS
 from ..io.untrusted import (
@@ -215,25 +216,19 @@ class SealedColumns:
         return list(map(tuple.__new__, repeat(RowId), self.row_keys()))
 
 
-def sealed_columns(groups: Iterable[tuple[str, GroupRecord]]) -> SealedColumns:
-    """`SealedColumns` of `groups` ((id, record) pairs), rows in the groups' order and
-    then by generation."""
-    items = list(groups)
-    gids = [gid for gid, _ in items]
-    statuses = [rec.status for _, rec in items]
-    sizes = np.fromiter(map(len, statuses), np.int64, len(statuses))
-    flat_status = np.frombuffer(b"".join(statuses), np.uint8)
-    flat_attempts = np.fromiter(concat.from_iterable(rec.attempts for _, rec in items), np.int64, len(flat_status))
-    starts = np.cumsum(sizes) - sizes
+def sealed_columns(groups: GroupColumns) -> SealedColumns:
+    """`SealedColumns` of `groups`, rows in the groups' (key) order and then by generation."""
+    sizes, starts, flat_status = groups.sizes, groups.starts, groups.status
     pos = np.flatnonzero(flat_status == AttemptStatus.SEALED)
-    group = np.repeat(np.arange(len(items), dtype=np.int64), sizes)[pos]
-    return SealedColumns(gids, starts, sizes, flat_status, flat_attempts, group, pos - starts[group],
+    group = np.repeat(np.arange(len(groups), dtype=np.int64), sizes)[pos]
+    flat_attempts = groups.attempts
+    return SealedColumns(groups.ids, starts, sizes, flat_status, flat_attempts, group, pos - starts[group],
                          flat_attempts[pos])
 
 
 def referenced_columns(state: LedgerState) -> SealedColumns:
     """Rows a restore needs: every sealed current attempt, groups in key order."""
-    return sealed_columns(sorted(state.groups.items(), key=lambda kv: (kv[1].epoch, kv[1].ordinal)))  # = .key
+    return sealed_columns(GroupColumns(state.groups))
 
 
 def referenced_rows(state: LedgerState) -> list[RowId]:
@@ -242,8 +237,8 @@ def referenced_rows(state: LedgerState) -> list[RowId]:
 
 
 def referenced_set(state: LedgerState) -> set[RowId]:
-    """`referenced_rows` as a set, without sorting."""
-    return set(sealed_columns(state.groups.items()).row_ids())
+    """`referenced_rows` as a set."""
+    return set(referenced_columns(state).row_ids())
 
 
 def checkpoint_files(c: Cut) -> tuple[dict[str, bytes], dict[str, Any]]:
@@ -251,9 +246,10 @@ def checkpoint_files(c: Cut) -> tuple[dict[str, bytes], dict[str, Any]]:
     manifest's `rows` entry. A row with a place in the
     row log is named by it in `rows.index` (no row byte is rewritten); one without is copied
     into `rows.safetensors`. Refuses (AuditFailure) to write a ledger that fails its audit."""
-    report = audit(c.ledger)
+    groups = GroupColumns(c.ledger.groups)  # read by the audit, the row listing and the codec
+    report = audit(c.ledger, columns=groups)
     report.raise_if_failed(AuditFailure, remedy="this is a bug; the checkpoint was not written")
-    sealed = referenced_columns(c.ledger)
+    sealed = sealed_columns(groups)
     gids, gens, atts = sealed.row_group_ids(), sealed.generation, sealed.attempt
     ids = sealed.row_keys(gids)
     locs = list(map(c.rows.locations, ids))  # one C-level lookup per row
@@ -267,7 +263,7 @@ def checkpoint_files(c: Cut) -> tuple[dict[str, bytes], dict[str, Any]]:
     # Partial generations whose every chunk is in the row log (with the journal: all).
     chains = {sib: chain for sib, chain in c.prefixes.items() if all(ch.at is not None for ch in chain)}
     files = {
-        LEDGER_FILE: codec.encode(c.ledger),
+        LEDGER_FILE: codec.encode(c.ledger, ordered=groups.records),
         ROWS_FILE: encode_rows((rid, c.rows.get(rid)) for rid in copied),
         ROWS_INDEX: encode_index(by_ref, chains),
     }

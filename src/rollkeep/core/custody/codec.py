@@ -95,9 +95,11 @@ def _canonical(bm: BitMap) -> bytes:
     return c.serialize()
 
 
-def encode(state: LedgerState) -> bytes:
-    """Canonical msgpack bytes of a captured ledger state. Safe off the loop thread."""
-    groups = sorted(state.groups.values(), key=lambda r: (r.epoch, r.ordinal))
+def encode(state: LedgerState, *, ordered: list[GroupRecord] | None = None) -> bytes:
+    """Canonical msgpack bytes of a captured ledger state. Safe off the loop thread.
+    `ordered`: the state's records sorted by key, when the caller has them
+    (`GroupColumns.records`)."""
+    groups = sorted(state.groups.values(), key=lambda r: (r.epoch, r.ordinal)) if ordered is None else ordered
     wire = LedgerWire(
         schema=LEDGER_SCHEMA,
         n_rows=state.n_rows,
