@@ -4,7 +4,10 @@ schema-1 indexes still decode, and a forged table is refused."""
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rollkeep.core.checkpoint.rowindex import decode_index, encode_index
 from rollkeep.core.errors import RowsMismatch
@@ -43,3 +46,17 @@ def test_turns_round_trip_and_schema_1_has_none() -> None:
 def test_a_forged_turns_table_is_refused(change, message) -> None:
     with pytest.raises(RowsMismatch, match=message):
         decode_index(forged(change))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2**31 - 1) | st.integers(0, 40), st.integers(0, 2**40)), min_size=0, max_size=60))
+def test_extents_are_the_last_end_in_each_segment_named(entries):
+    """The manifest's `rows.segments`: dense segment numbers take a table, far-apart ones a
+    sort; both give each segment named, in order, with the end of its last frame."""
+    from rollkeep.core.checkpoint.rowindex import _extents
+
+    expected: dict[int, int] = {}
+    for seg, end in entries:
+        expected[seg] = max(expected.get(seg, 0), end)
+    got = _extents(np.array([s for s, _ in entries], np.int32), np.array([e for _, e in entries], np.uint64))
+    assert got == [[s, expected[s]] for s in sorted(expected)]

@@ -257,9 +257,17 @@ def extents(locations: Iterable[RowLocation]) -> list[list[int]]:
 
 
 def _extents(segments: np.ndarray, ends: np.ndarray) -> list[list[int]]:
-    uniq = np.unique(segments)
-    last = np.zeros(len(uniq), np.uint64)
-    np.maximum.at(last, np.searchsorted(uniq, segments), ends)
+    segments = segments.astype(np.int64)
+    top = int(segments.max()) if len(segments) else -1
+    if top < 4 * len(segments) + 4096:  # segment numbers count up from 0: a table indexed by them
+        last = np.zeros(top + 1, np.uint64)
+        np.maximum.at(last, segments, ends)
+        uniq = np.flatnonzero(np.bincount(segments, minlength=top + 1))
+        last = last[uniq]
+    else:  # sparse (an index naming far-apart segments): sorted unique numbers, no table
+        uniq = np.unique(segments)
+        last = np.zeros(len(uniq), np.uint64)
+        np.maximum.at(last, np.searchsorted(uniq, segments), ends)
     return [[s, e] for s, e in zip(uniq.tolist(), last.tolist(), strict=True)]
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import chain, compress, repeat
-from operator import is_not
+from operator import attrgetter, is_not
 from typing import NamedTuple
 
 import numpy as np
@@ -288,7 +288,7 @@ def audit(ledger: Ledger | LedgerState, *, records: bool = True, columns: GroupC
     `records=False` skips I3–I4 for a state that `codec.decode` has just checked.
     `columns`: the state's `GroupColumns`, when the caller has them."""
     state = ledger.capture() if isinstance(ledger, Ledger) else ledger
-    cols = GroupColumns(state.groups) if columns is None else columns
+    cols = GroupColumns(state.groups) if columns is None and records else columns
     report = AuditReport(violations=check_records(state, cols) if records else [])
     n_rows = state.n_rows
     cursor_epoch, cursor_ordinal = state.cursor
@@ -310,7 +310,9 @@ def audit(ledger: Ledger | LedgerState, *, records: bool = True, columns: GroupC
 
     for e, o in state.spare:
         add("SPARE", e, o)
-    epochs, ordinals = cols.column("epoch"), cols.column("ordinal")
+    recs = state.groups.values()
+    epochs, ordinals, states = ((cols.column(f) for f in ("epoch", "ordinal", "state")) if cols is not None
+                                else (list(map(attrgetter(f), recs)) for f in ("epoch", "ordinal", "state")))
     if len(set(epochs)) == 1:  # the usual case: every group in flight is of one epoch
         owners["LEDGER/REPLAY"][epochs[0]] = BitMap(ordinals)
     else:
@@ -344,8 +346,8 @@ def audit(ledger: Ledger | LedgerState, *, records: bool = True, columns: GroupC
                 f"I2 {'/'.join(holders)} hold(s) {_listed(past, e)} at or past the cursor {tuple(state.cursor)}"
             )
 
-    replay = sum(map(_S_READY.__le__, cols.column("state")))
-    counts = {"spare": len(state.spare), "ledger": len(cols) - replay, "replay": replay}
+    replay = sum(map(_S_READY.__le__, states))
+    counts = {"spare": len(state.spare), "ledger": len(states) - replay, "replay": replay}
     counts["trained"] = sum(len(b) for b in state.trained.values())
     counts["dropped"] = len(state.dropped)
     report.counts = counts
