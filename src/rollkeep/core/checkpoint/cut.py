@@ -246,8 +246,8 @@ def checkpoint_files(c: Cut) -> tuple[dict[str, bytes], dict[str, Any]]:
     manifest's `rows` entry. A row with a place in the
     row log is named by it in `rows.index` (no row byte is rewritten); one without is copied
     into `rows.safetensors`. Refuses (AuditFailure) to write a ledger that fails its audit."""
-    groups = GroupColumns(c.ledger.groups)  # read by the audit, the row listing and the codec
-    report = audit(c.ledger, columns=groups)
+    groups = GroupColumns(c.ledger.groups)  # sorted once: the row listing and the codec read it
+    report = audit(c.ledger)
     report.raise_if_failed(AuditFailure, remedy="this is a bug; the checkpoint was not written")
     sealed = sealed_columns(groups)
     gids, gens, atts = sealed.row_group_ids(), sealed.generation, sealed.attempt

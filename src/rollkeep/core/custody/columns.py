@@ -1,14 +1,11 @@
-"""A captured ledger's group records as columns, for the passes that read every record.
+"""A captured ledger's group records sorted by key, with their per-sibling arrays as columns.
 
-A checkpoint audits, lists and encodes every group record; at 100 k groups, done record by
-record in Python, that was most of its write (issue 29). `GroupColumns` takes the records
-apart field by field, each in one C-level pass (`map(attrgetter)`, byte joins), and sorts
-them by key once: the audit's fast path (`audit.check_records`), the rows a checkpoint
-names (`checkpoint.cut.sealed_columns`) and the codec's canonical order all read it. Columns are built lazily, each the first time it is read.
-
-Nothing here decides whether a record is valid: a column of a malformed record (a
-per-sibling array of the wrong length, an integer past int64) is whatever the pass makes
-of it, and `regular` says whether the per-sibling columns line up at all.
+A checkpoint lists every sealed sibling's row and encodes every record in key order; at
+100 k groups, sorting the records with a Python key function and flattening their arrays
+one by one was a seventh of its write (issue 29). `GroupColumns` sorts once (numpy
+`lexsort` over two columns read in C-level passes) and flattens the statuses and attempt
+numbers in a few joins; the row listing (`checkpoint.cut.sealed_columns`) and the codec's
+canonical order (`codec.encode(..., ordered=)`) both read it.
 """
 
 from __future__ import annotations
@@ -22,80 +19,51 @@ import numpy as np
 
 from .records import GroupRecord
 
-_EPOCH, _ORDINAL = attrgetter("epoch"), attrgetter("ordinal")
+_EPOCH, _ORDINAL, _STATUS, _ATTEMPTS = (attrgetter(f) for f in ("epoch", "ordinal", "status", "attempts"))
 
 
 class GroupColumns:
     """The records of `groups` (group id -> record), sorted by key (epoch, ordinal; ties in
-    the mapping's order, as `sorted` would). Position i is `records[i]`, stored under
-    `ids[i]`, the `order[i]`-th item of the mapping. Per-sibling columns are flat: group
-    i's siblings are at `starts[i]:starts[i] + sizes[i]`."""
+    the mapping's order, as `sorted` would): position i is `records[i]`, stored under
+    `ids[i]`. Per-sibling columns are flat: group i's siblings are at
+    `starts[i]:starts[i] + sizes[i]`, read as the records hold them (a record whose
+    arrays disagree in length, which the audit refuses, misaligns them)."""
 
     def __init__(self, groups: Mapping[str, GroupRecord]) -> None:
         ids, records = list(groups), list(groups.values())
         epoch, ordinal = list(map(_EPOCH, records)), list(map(_ORDINAL, records))
-        n = len(records)
         try:
             order = np.lexsort((np.array(ordinal, np.int64), np.array(epoch, np.int64)))
-        except OverflowError:  # a key past int64 (a damaged file): Python's sort, same order
-            order = np.array(sorted(range(n), key=lambda i: (epoch[i], ordinal[i])), np.int64)
-        if n and not np.array_equal(order, np.arange(n)):
+        except OverflowError:  # a key past int64 (a damaged state): Python's sort, same order
+            order = np.array(sorted(range(len(records)), key=lambda i: (epoch[i], ordinal[i])), np.int64)
+        if not np.array_equal(order, np.arange(len(records))):
             take = order.tolist()
-            ids, records, epoch, ordinal = ([*map(col.__getitem__, take)] for col in (ids, records, epoch, ordinal))
+            ids, records = list(map(ids.__getitem__, take)), list(map(records.__getitem__, take))
         self.ids: list[str] = ids
         self.records: list[GroupRecord] = records
-        self.order: np.ndarray = order
-        self._columns: dict[str, list] = {"epoch": epoch, "ordinal": ordinal}
 
     def __len__(self) -> int:
         return len(self.records)
 
-    def column(self, name: str) -> list:
-        """One field of every record, in key order, as the records hold it."""
-        col = self._columns.get(name)
-        if col is None:
-            col = self._columns[name] = list(map(attrgetter(name), self.records))
-        return col
-
-    def ints(self, name: str) -> np.ndarray:
-        """An int field as int64; OverflowError for a value past int64."""
-        return np.array(self.column(name), np.int64)
-
-    def optional(self, name: str) -> np.ndarray:
-        """An `int | None` field as float64, None as NaN (exact below 2**53)."""
-        return np.array(self.column(name), np.float64)
-
     @cached_property
     def sizes(self) -> np.ndarray:
-        """Siblings per group (the length of its status array)."""
-        return np.fromiter(map(len, self.column("status")), np.int64, len(self))
+        """Siblings per group (int64): the length of its status array."""
+        return np.fromiter(map(len, self._statuses), np.int64, len(self))
 
     @cached_property
     def starts(self) -> np.ndarray:
         return np.cumsum(self.sizes) - self.sizes
 
     @cached_property
-    def regular(self) -> bool:
-        """Every group has at least one sibling and its four per-sibling arrays agree in
-        length: the flat columns line up."""
-        sizes = self.sizes
-        return bool(len(self) == 0 or sizes.min() >= 1) and all(
-            np.array_equal(np.fromiter(map(len, self.column(name)), np.int64, len(self)), sizes)
-            for name in ("attempts", "infra_failures", "data_failures"))
-
-    def flat(self, name: str) -> np.ndarray:
-        """A bytearray field (status, infra_failures, data_failures), flat, as uint8."""
-        return np.frombuffer(b"".join(self.column(name)), np.uint8)
-
-    @cached_property
     def status(self) -> np.ndarray:
-        return self.flat("status")
+        """Every sibling's current attempt's `AttemptStatus`, flat (uint8)."""
+        return np.frombuffer(b"".join(self._statuses), np.uint8)
 
     @cached_property
     def attempts(self) -> np.ndarray:
         """Every sibling's current attempt number, flat (int64). Most groups never retried:
-        only the groups with a nonzero attempt are read sibling by sibling."""
-        col, total = self.column("attempts"), int(self.sizes.sum())
+        only those with a nonzero attempt are copied sibling by sibling."""
+        col, total = list(map(_ATTEMPTS, self.records)), int(self.sizes.sum())
         retried = np.flatnonzero(np.fromiter(map(any, col), bool, len(col))).tolist()
         if len(retried) > len(col) // 8:  # many: one pass over them all
             return np.fromiter(chain.from_iterable(col), np.int64, total)
@@ -103,3 +71,7 @@ class GroupColumns:
         for i in retried:
             out[starts[i]:starts[i] + len(col[i])] = col[i]
         return out
+
+    @cached_property
+    def _statuses(self) -> list[bytearray]:
+        return list(map(_STATUS, self.records))
