@@ -81,7 +81,13 @@ _ARRAY_DTYPES: dict[str, np.dtype] = {
 
 
 _I32, _F32 = np.dtype(np.int32), np.dtype(np.float32)
-_min = np.minimum.reduce  # `arr.min()` without its Python wrapper
+
+
+def _least(arr: np.ndarray) -> int:
+    """The smallest element of a non-empty integer array. Once per id array of every row:
+    `argmin` takes a third of the time of a ufunc reduction (`np.minimum.reduce`) on arrays
+    of tens to thousands of tokens."""
+    return arr.item(arr.argmin())
 
 
 def _frozen(arr: np.ndarray) -> np.ndarray:
@@ -168,7 +174,7 @@ class Row:
                 and n >= 0 and c.dtype is _I32 and c.ndim == 1
                 and type(lp) is np.ndarray and lp.dtype is _F32 and lp.ndim == 1 and len(lp) == n
                 and type(v) is np.ndarray and v.dtype is _I32 and v.ndim == 1 and len(v) == n
-                and (not p.size or _min(p) >= 0) and (not n or (_min(c) >= 0 and _min(v) >= ENV_VERSION))
+                and (not p.size or _least(p) >= 0) and (not n or (_least(c) >= 0 and _least(v) >= ENV_VERSION))
                 and type(reward) is float and finish_reason in FINISH_CODE):
             reward = _refuse(p, c, lp, v, reward, finish_reason)
         fix = object.__setattr__
