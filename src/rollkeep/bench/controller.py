@@ -76,8 +76,10 @@ def checkpoint_costs(n: int, tokens: int = 64, *, by_reference: bool = True, gro
             holds.append(time.perf_counter() - t0)
             c.rows.release()
         c = cut(led, rows)
+        phases: dict[str, float] = {}
         t0 = time.perf_counter()
-        published = write_checkpoint(store, c, trainer_save=save_files({"model.bin": b"\0" * 1024}), meta={}, keep_last=2)
+        published = write_checkpoint(store, c, trainer_save=save_files({"model.bin": b"\0" * 1024}), meta={},
+                                     keep_last=2, phases=phases)
         write_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         restored = restore_chain(store, source=None, config=None)
@@ -99,6 +101,7 @@ def checkpoint_costs(n: int, tokens: int = 64, *, by_reference: bool = True, gro
         "row_bytes": sum(r.prompt_ids.nbytes + 3 * r.completion_ids.nbytes for r in map(rows.get, rows.ids())),
         "cut_hold_s_median": statistics.median(holds),
         "write_s": write_s,
+        "write_phases": phases,  # seconds: audit, key_order, row_ids, locations, index_columns, encode_*, publish
         "bytes": published.bytes,
         "restore_s": restore_s,
         "rows_read_at_restore": resident,

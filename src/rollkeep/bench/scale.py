@@ -8,7 +8,8 @@
               size; 1.0 = linear): per-result scheduling at G = 4 ... 64 (per group) and
               with 1 k / 10 k / 100 k groups in flight (per sibling); the cut's hold,
               the checkpoint's write and its restore at 1 k / 10 k / 100 k in-flight groups
-              (G = 16) and at G = 4 ... 64 (10 k groups)
+              (G = 16) and at G = 4 ... 64 (10 k groups), and the write at the largest size
+              phase by phase (`checkpoint.cut.checkpoint_files`' phases and the publish)
 
 Per-result scheduling "with N in flight" runs `bench.scheduler` with N/2 prompts per step
 and one step of lookahead, so about N groups are admitted at once.
@@ -112,6 +113,7 @@ def disk_write_s(nbytes: int) -> float:
 def _checkpoint_fit(sizes: list[int], results: list[dict], *, size: str = "inflight_groups") -> dict:
     fit: dict = {size: sizes}
     fit["write_over_disk"] = [disk_write_s(r["bytes"]) / r["write_s"] for r in results]
+    fit["write_phases"] = [r["write_phases"] for r in results]
     for key in ("cut_hold_s_median", "write_s", "restore_s", "bytes"):
         values = [r[key] for r in results]
         fit[key] = values
@@ -147,6 +149,9 @@ def run(*, quick: bool, repeats: int, log=print) -> dict:
             + "; write/dd " + ", ".join(f"{x:.0%}" for x in fit["write_over_disk"])
             + f"; exponents: cut {_fmt(fit['cut_hold_s_median_exponent'])}, write {_fmt(fit['write_s_exponent'])}, "
             f"restore {_fmt(fit['restore_s_exponent'])}")
+    ck = w["checkpoint_by_inflight"]
+    log(f"checkpoint write at {ck['inflight_groups'][-1]:,} in-flight groups, by phase: " + ", ".join(
+        f"{name} {t:.3f} s" for name, t in ck["write_phases"][-1].items()))
     return out
 
 

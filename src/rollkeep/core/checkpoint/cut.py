@@ -241,17 +241,38 @@ def referenced_set(state: LedgerState) -> set[RowId]:
     return set(referenced_columns(state).row_ids())
 
 
-def checkpoint_files(c: Cut) -> tuple[dict[str, bytes], dict[str, Any]]:
+def stopwatch(into: dict[str, float] | None) -> Callable[[str], None]:
+    """`lap(name)` adds the seconds since the previous lap (or since this call) to
+    `into[name]`; with `into` None it does nothing (the bench's phase breakdown)."""
+    if into is None:
+        return lambda name: None
+    last = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal last
+        now = time.perf_counter()
+        into[name] = into.get(name, 0.0) + now - last
+        last = now
+
+    return lap
+
+
+def checkpoint_files(c: Cut, *, phases: dict[str, float] | None = None) -> tuple[dict[str, bytes], dict[str, Any]]:
     """Encode a cut: its files (the trainer's are written by its `save`), and the
     manifest's `rows` entry. A row with a place in the
     row log is named by it in `rows.index` (no row byte is rewritten); one without is copied
-    into `rows.safetensors`. Refuses (AuditFailure) to write a ledger that fails its audit."""
-    groups = GroupColumns(c.ledger.groups)  # sorted once: the row listing and the codec read it
+    into `rows.safetensors`. Refuses (AuditFailure) to write a ledger that fails its audit.
+    `phases`: seconds per phase are added to it (`stopwatch`)."""
+    lap = stopwatch(phases)
     report = audit(c.ledger)
     report.raise_if_failed(AuditFailure, remedy="this is a bug; the checkpoint was not written")
+    lap("audit")
+    groups = GroupColumns(c.ledger.groups)  # sorted once: the row listing and the codec read it
     sealed = sealed_columns(groups)
+    lap("key_order")
     gids, gens, atts = sealed.row_group_ids(), sealed.generation, sealed.attempt
     ids = sealed.row_keys(gids)
+    lap("row_ids")
     locs = list(map(c.rows.locations, ids))  # one C-level lookup per row
     copied: list[RowId] = []
     if None in locs:  # rows without a place in the row log (journal off, or restored copies)
@@ -259,20 +280,22 @@ def checkpoint_files(c: Cut) -> tuple[dict[str, bytes], dict[str, Any]]:
         copied = [RowId(*rid) for rid, loc in zip(ids, locs, strict=True) if loc is None]
         gids = [gid for gid, loc in zip(gids, locs, strict=True) if loc is not None]
         gens, atts, locs = gens[keep], atts[keep], [loc for loc in locs if loc is not None]
+    lap("locations")
     by_ref = index_rows(gids, gens, atts, locs)
+    lap("index_columns")
     # Partial generations whose every chunk is in the row log (with the journal: all).
     chains = {sib: chain for sib, chain in c.prefixes.items() if all(ch.at is not None for ch in chain)}
-    files = {
-        LEDGER_FILE: codec.encode(c.ledger, ordered=groups.records),
-        ROWS_FILE: encode_rows((rid, c.rows.get(rid)) for rid in copied),
-        ROWS_INDEX: encode_index(by_ref, chains),
-    }
+    files = {LEDGER_FILE: codec.encode(c.ledger, ordered=groups.records)}
+    lap("encode_ledger")
+    files[ROWS_FILE] = encode_rows((rid, c.rows.get(rid)) for rid in copied)
+    files[ROWS_INDEX] = encode_index(by_ref, chains)
     if c.effects:
         files[EFFECTS_FILE] = encode_effects(c.effects)
     segs = by_ref.extents([ch.at for chain in chains.values() for ch in chain])
     rows = {"by_reference": len(locs), "copied": len(copied), "segments": segs,
             "partial": len(chains), "partial_tokens": sum(chain[-1].end for chain in chains.values()),
             "turns": finished_turns(chains)}
+    lap("encode_rows")
     return files, rows
 
 
@@ -284,6 +307,7 @@ def write_checkpoint(
     meta: RunMeta | Mapping[str, Any],
     keep_last: int | None,
     trainer_step: int | None = None,
+    phases: dict[str, float] | None = None,
 ) -> Published:
     """Encode and publish a cut; always releases the cut's row pin. `trainer_save(dir)`
     (a snapshot's `save`) writes the trainer's files into `dir`, the checkpoint's
@@ -291,7 +315,8 @@ def write_checkpoint(
     store hashes and lists what it finds (`CheckpointStore.publish`, P3). `trainer_step`
     is the step the trainer's snapshot says it is of; it must be the cut's version (a
     snapshot from another step would be a bug) and is recorded in the manifest for
-    restore step 5."""
+    restore step 5. `phases`: seconds per phase of the encoding (`checkpoint_files`) and
+    of `publish` (writing, fsyncing and hashing the files) are added to it."""
     try:
         if trainer_step is not None and trainer_step != c.ledger.version:
             raise AuditFailure(
@@ -301,7 +326,7 @@ def write_checkpoint(
                 remedy="this is a bug; the checkpoint was not written",
             )
         with gc_paused():  # O(rows) small objects (see `gc_paused`)
-            files, rows = checkpoint_files(c)
+            files, rows = checkpoint_files(c, phases=phases)
     finally:
         c.rows.release()
     full_meta = {
@@ -332,5 +357,8 @@ def write_checkpoint(
                 remedy="make the trainer's save(dir) record the step it is given (the snapshot's step) "
                 f"in `{STEP_KEY}`; the previous checkpoint stands")
 
-    return store.publish(version, files, full_meta, keep_last=keep_last, saved={TRAINER_DIR: trainer_save},
-                         check_saved=check_step)
+    lap = stopwatch(phases)
+    published = store.publish(version, files, full_meta, keep_last=keep_last, saved={TRAINER_DIR: trainer_save},
+                              check_saved=check_step)
+    lap("publish")
+    return published
