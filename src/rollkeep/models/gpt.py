@@ -76,9 +76,12 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cache: list | None, layer: int, chunk: int | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = _linear(self.qkv, x, chunk).split(C, dim=2)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        # (B, nh, T, hs), each copied into its own memory: a strided view goes to the batched
+        # matmuls as it is when B is 1 and is copied when B > 1, and on some CPUs (AMD EPYC,
+        # float64) the two paths give other bits, so a row's result would depend on its batch.
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2).contiguous()
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2).contiguous()
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2).contiguous()
         if cache is not None:
             if cache[layer] is not None:  # append to the keys and values of earlier tokens
                 k = torch.cat([cache[layer][0], k], dim=2)
