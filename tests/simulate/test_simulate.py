@@ -25,17 +25,25 @@ from rollkeep.trace import Trace, parse_trace, published_in_trace, read_trace
 UNREACHABLE = {"ledger.released"}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def sweep():
     return simulate(2000, seed=0)
 
 
+# Every test that reads the sweep runs on one xdist worker, and the sweep (over a minute) is
+# kept for the session: drawn once per `make test`, not once per worker or per module
+# visit (xdist may run other modules' tests between two of these).
+on_the_sweep = pytest.mark.xdist_group("simulate_sweep")
+
+
+@on_the_sweep
 def test_2000_schedules_find_no_violation(sweep):
     assert sweep.schedules == 2000 and not sweep.violations, "\n".join(
         f"{p.seed}: {o.problems}" for p, o in sweep.violations)
     assert sweep.crashes > 1000 and sweep.faults > 500  # the schedules do crash and fail
 
 
+@on_the_sweep
 def test_every_reachable_crash_point_fires(sweep):
     missing = [p for p in crash_points() if p not in UNREACHABLE and sweep.fired[p] == 0]
     assert not missing
@@ -254,6 +262,7 @@ def test_a_publication_that_does_not_sync_the_trace_first_is_caught_by_a_power_c
 # -- the journal (issue 10): each process keeps it on the simulated disk, as the runner does
 
 
+@on_the_sweep
 def test_the_sweep_restores_from_the_journal_and_replays_its_events(sweep):
     assert sweep.journal_restores > 100 and sweep.journal_replayed > 1000
     for point in ("journal.before_fsync", "journal.after_fsync", "rowlog.before_fsync", "rowlog.after_fsync"):
@@ -314,6 +323,7 @@ def test_journal_bugs_the_simulation_found_stay_fixed(seed, index):
 # -- multi-turn episodes (issue 12)
 
 
+@on_the_sweep
 def test_multi_turn_episodes_are_drawn_and_the_sweep_crashes_mid_episode(sweep):
     plans = [plan(schedule_seed(0, i), index=10**6) for i in range(200)]
     assert 60 < sum(p.script.turns > 1 for p in plans) < 140
@@ -337,6 +347,7 @@ def test_a_crash_between_turns_of_a_deterministic_run_continues_the_episodes_and
 # -- calls to the outside (docs/design.md §13; more in test_effects.py)
 
 
+@on_the_sweep
 def test_the_sweep_calls_the_judge_and_crashes_around_the_calls(sweep):
     assert sweep.effects > 800 and sweep.effect_calls > 10_000
     assert sweep.effect_resent > 100 and sweep.effect_answered > 100 and sweep.effect_unknown > 100
