@@ -1,11 +1,11 @@
 """A captured ledger's group records sorted by key, with their per-sibling arrays as columns.
 
-A checkpoint lists every sealed sibling's row and encodes every record in key order; at
-100 k groups, sorting the records with a Python key function and flattening their arrays
-one by one was a seventh of its write (issue 29). `GroupColumns` sorts once (numpy
-`lexsort` over two columns read in C-level passes) and flattens the statuses and attempt
-numbers in a few joins; the row listing (`checkpoint.cut.sealed_columns`) and the codec's
-canonical order (`codec.encode(..., ordered=)`) both read it.
+A checkpoint lists every sealed sibling's row and encodes every record, both in key order.
+`GroupColumns` sorts once (numpy `lexsort` over two columns read in C-level passes, not a
+Python key function per record) and flattens the statuses and attempt numbers in a few
+joins; the row listing (`checkpoint.cut.sealed_columns`) and the codec's canonical order
+(`codec.encode(..., ordered=)`) both read it, so the codec no longer sorts again (issue 29:
+its encoding at 100 k groups 0.05 -> 0.02 s).
 """
 
 from __future__ import annotations
