@@ -32,7 +32,8 @@ import gc
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import compress, repeat
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -52,13 +53,14 @@ from ..io.untrusted import (
     safetensors_header,
 )
 from ..rollout.effects import EFFECTS_FILE, EffectRecord, EffectStore, encode_effects
+from ..rollout.located import Gathered
 from ..rollout.prefixes import Link, PrefixStore, finished_turns
 from ..rollout.rows import RowId
 from ..rollout.rowstore import RowPin, RowStore
 from .manifest import OpenedCheckpoint
 from .meta import RunMeta, to_manifest
 from .rowcodec import encode_rows
-from .rowindex import ROWS_INDEX, encode_index, index_rows
+from .rowindex import ROWS_INDEX, RowColumns, encode_index
 from .store import CheckpointStore, Published
 
 LEDGER_FILE = "ledger.msgpack"
@@ -241,6 +243,33 @@ def referenced_set(state: LedgerState) -> set[RowId]:
     return set(referenced_columns(state).row_ids())
 
 
+def _placed(pin: RowPin, sealed: SealedColumns, gids: list[str], got: Gathered) -> tuple[RowColumns, list[RowId]]:
+    """The sealed rows that have a place in the row log, with it (`gids`: each row's group
+    id), and the rows that have none (to copy: the journal off, or restored copies). `got`:
+    the places `locate` recorded, gathered from columns (`RowPin.gather`); the rest (rows
+    restored by reference, or located under a pin into an occupied slot) are looked up one
+    by one."""
+    places = [got.segment, got.offset, got.length, got.checksum]
+    keep, copied = got.found, []
+    miss = np.flatnonzero(~keep)
+    if len(miss):
+        keys = list(zip(map(gids.__getitem__, miss.tolist()), sealed.generation[miss].tolist(),
+                        sealed.attempt[miss].tolist(), strict=True))
+        locs = list(map(pin.locations, keys))  # one C-level lookup per row
+        placed = np.fromiter((loc is not None for loc in locs), bool, len(locs))
+        copied = [RowId(*rid) for rid, loc in zip(keys, locs, strict=True) if loc is None]
+        locs = [loc for loc in locs if loc is not None]
+        at = miss[placed]
+        for col, field in zip(places, ("segment", "offset", "length", "checksum"), strict=True):
+            col[at] = np.fromiter(map(attrgetter(field), locs), col.dtype, len(locs))
+        keep[at] = True
+    gens, atts = sealed.generation, sealed.attempt
+    if copied:
+        gids, gens, atts = list(compress(gids, keep.tolist())), gens[keep], atts[keep]
+        places = [col[keep] for col in places]
+    return RowColumns(gids, gens, atts, np.zeros(len(gids), np.int32), *places), copied
+
+
 def stopwatch(into: dict[str, float] | None) -> Callable[[str], None]:
     """`lap(name)` adds the seconds since the previous lap (or since this call) to
     `into[name]`; with `into` None it does nothing (the bench's phase breakdown)."""
@@ -270,18 +299,11 @@ def checkpoint_files(c: Cut, *, phases: dict[str, float] | None = None) -> tuple
     groups = GroupColumns(c.ledger.groups)  # sorted once: the row listing and the codec read it
     sealed = sealed_columns(groups)
     lap("key_order")
-    gids, gens, atts = sealed.row_group_ids(), sealed.generation, sealed.attempt
-    ids = sealed.row_keys(gids)
+    gids = sealed.row_group_ids()
     lap("row_ids")
-    locs = list(map(c.rows.locations, ids))  # one C-level lookup per row
-    copied: list[RowId] = []
-    if None in locs:  # rows without a place in the row log (journal off, or restored copies)
-        keep = np.fromiter((loc is not None for loc in locs), bool, len(locs))
-        copied = [RowId(*rid) for rid, loc in zip(ids, locs, strict=True) if loc is None]
-        gids = [gid for gid, loc in zip(gids, locs, strict=True) if loc is not None]
-        gens, atts, locs = gens[keep], atts[keep], [loc for loc in locs if loc is not None]
+    got = c.rows.gather(sealed.group_ids, sealed.group, sealed.generation, sealed.attempt)
     lap("locations")
-    by_ref = index_rows(gids, gens, atts, locs)
+    by_ref, copied = _placed(c.rows, sealed, gids, got)
     lap("index_columns")
     # Partial generations whose every chunk is in the row log (with the journal: all).
     chains = {sib: chain for sib, chain in c.prefixes.items() if all(ch.at is not None for ch in chain)}
@@ -292,7 +314,7 @@ def checkpoint_files(c: Cut, *, phases: dict[str, float] | None = None) -> tuple
     if c.effects:
         files[EFFECTS_FILE] = encode_effects(c.effects)
     segs = by_ref.extents([ch.at for chain in chains.values() for ch in chain])
-    rows = {"by_reference": len(locs), "copied": len(copied), "segments": segs,
+    rows = {"by_reference": len(by_ref), "copied": len(copied), "segments": segs,
             "partial": len(chains), "partial_tokens": sum(chain[-1].end for chain in chains.values()),
             "turns": finished_turns(chains)}
     lap("encode_rows")

@@ -5,7 +5,9 @@ Threading (docs/design.md §2, §3)
 `put`, `put_ref`, `locate`, `delete`, `pin`, `ids`, `len` and `in` run on the controller's
 loop thread. A checkpoint writer on a background thread holds a `RowPin` taken during the
 cut and calls only `location` and `get` (or the pin's) with ids it knows were present when
-the pin was taken (`RowPin.locations`, `RowPin.get`), and `get` only for rows without a location, which are in memory. While
+the pin was taken (`RowPin.locations`, `RowPin.get`), and `get` only for rows without a location, which are in memory;
+and `RowPin.gather`, the places `locate` recorded in columns (`LocatedColumns`, whose
+module says why its reads are safe). While
 any pin is held, `delete` is deferred: the row leaves the store's logical view at once but
 stays readable by `get` and `location`, and is removed when the last pin is released.
 
@@ -26,7 +28,10 @@ from collections.abc import Callable, Iterator, Mapping
 from itertools import repeat
 from typing import Any
 
+import numpy as np
+
 from rollkeep.core.errors import CustodyError
+from rollkeep.core.rollout.located import Gathered, LocatedColumns
 from rollkeep.core.rollout.rows import Row, RowId, check_row_id
 
 __all__ = ["RowPin", "RowStore"]
@@ -63,6 +68,12 @@ class RowPin:
         the row log's map's own `get` (plain lookups: safe from the writer's thread)."""
         return self._store._where.get
 
+    def gather(self, group_ids: list[str], group: np.ndarray, generation: np.ndarray,
+               attempt: np.ndarray) -> Gathered:
+        """The places of many rows at once, for those the store's `LocatedColumns` hold
+        (`LocatedColumns.gather`); look the others up one by one (`locations`)."""
+        return self._store._located.gather(group_ids, group, generation, attempt)
+
     def release(self) -> None:
         """Drop this pin; the last one out applies the deferred deletes. Idempotent, and
         callable from the checkpoint writer thread."""
@@ -91,6 +102,7 @@ class RowStore:
     def __init__(self, reader: Callable[[RowId, Any], Row] | None = None) -> None:
         self._rows: dict[RowId, Row] = {}  # rows in memory
         self._where: dict[RowId, Any] = {}  # RowLocation of rows in the row log
+        self._located = LocatedColumns()  # the places `locate` recorded, in columns (for checkpoints)
         self._deferred: set[RowId] = set()  # deleted while pinned; still held
         self._pins = 0
         self._n = 0  # rows of the logical view
@@ -137,10 +149,18 @@ class RowStore:
             self._n += 1
 
     def locate(self, row_id: RowId, location: Any) -> None:
-        """Record where a held row was appended in the row log (the journal, at its seal)."""
+        """Record where a held row was appended in the row log (the journal, at its seal).
+        A row's place never changes: the same place again is a no-op, another a ValueError."""
         if row_id not in self._rows:
             raise KeyError(row_id)
-        self._where[row_id] = location
+        with self._lock:
+            held = self._where.get(row_id)
+            if held is not None:
+                if held != location:
+                    raise ValueError(f"row {tuple(row_id)} is at {held!r} in the row log already, not {location!r}")
+                return
+            self._where[row_id] = location
+            self._located.put(row_id, location, pinned=self._pins > 0)
 
     def location(self, row_id: RowId) -> Any:
         """The row's `RowLocation` in the row log, or None if it is held in memory only.
@@ -167,8 +187,7 @@ class RowStore:
             if self._pins:
                 self._deferred.add(check_row_id(row_id))
             else:
-                self._rows.pop(row_id, None)
-                self._where.pop(row_id, None)
+                self._drop(row_id)
 
     def pin(self) -> RowPin:
         """O(1). Until the returned pin is released, deletes are deferred."""
@@ -184,9 +203,14 @@ class RowStore:
             self._pins -= 1
             if self._pins == 0 and self._deferred:
                 for rid in self._deferred:
-                    self._rows.pop(rid, None)
-                    self._where.pop(rid, None)
+                    self._drop(rid)
                 self._deferred.clear()
+
+    def _drop(self, rid: RowId) -> None:
+        """Remove a deleted row for good (under the lock, with no pin held)."""
+        self._rows.pop(rid, None)
+        if self._where.pop(rid, None) is not None:
+            self._located.remove(rid)
 
     @property
     def pins(self) -> int:

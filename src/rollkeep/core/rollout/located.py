@@ -1,0 +1,164 @@
+"""`LocatedColumns`: where the row log holds a run's located rows, in columns.
+
+The `RowStore` keeps every row's `RowLocation` in a dict, which answers one row at a time.
+A checkpoint at 100 k in-flight groups names 800 k rows: one dict lookup and one object
+read per row cost ~0.5 s of its write (docs/design.md §9). This table holds the same
+places as numpy columns, a block of slots per group indexed by generation, so the
+checkpoint gathers them with a few array operations after one lookup per *group*.
+
+It is an index of the store's dict, never the only record of a place: a row it does not
+hold (restored rows, a second attempt of a generation, anything skipped under a pin) is
+found in the dict as before. So what it must guarantee is only that what it answers is
+right.
+
+Slots: the block of a group starts at `base`; slot `base + g` holds generation g's row:
+`key = g << 32 | attempt` (-1: empty), `where = segment << 33 | length`, `offset`,
+`checksum`. A slot's key names its generation, so an index that runs past its group's block
+into another's never matches (that block's slot there holds another generation).
+
+Threading (the store's rules, docs/design.md §2): `put` and `remove` run under the store's
+lock, on the loop thread (or, for deferred deletes, on the writer thread releasing the last
+pin). `gather` runs on the checkpoint writer's thread while the loop goes on, holding a pin.
+While a pin is held an occupied slot never changes: `put` leaves it alone (the place stays
+in the dict only), no block moves, and removals are deferred by the store. A slot filled
+meanwhile is written key last, and `gather` reads the keys before the places, so a key it
+accepts was written after its place. Growing the columns copies them into new arrays that
+replace the old ones in one assignment; a reader keeps whichever set it took.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .rows import RowId
+
+__all__ = ["Gathered", "LocatedColumns"]
+
+_EMPTY = -1
+_LENGTH_BITS = 33  # a frame's length is at most header + 2**32 - 1
+_LENGTH_MASK = (1 << _LENGTH_BITS) - 1
+_MIN_BLOCK = 16
+
+
+class _Columns(NamedTuple):
+    key: np.ndarray  # int64: generation << 32 | attempt; -1 for an empty slot
+    where: np.ndarray  # uint64: segment << 33 | length
+    offset: np.ndarray  # uint64
+    checksum: np.ndarray  # uint64
+
+    @classmethod
+    def empty(cls, n: int) -> _Columns:
+        return cls(np.full(n, _EMPTY, np.int64), np.zeros(n, np.uint64), np.zeros(n, np.uint64),
+                   np.zeros(n, np.uint64))
+
+    def grown(self, n: int) -> _Columns:
+        new = _Columns.empty(n)
+        for old, col in zip(self, new, strict=True):
+            col[: len(old)] = old
+        return new
+
+
+class Gathered(NamedTuple):
+    """The places of some rows: `found[i]` says whether row i's are in the columns."""
+
+    found: np.ndarray  # bool
+    segment: np.ndarray  # int64
+    offset: np.ndarray  # uint64
+    length: np.ndarray  # uint64
+    checksum: np.ndarray  # uint64
+
+
+class LocatedColumns:
+    """Row log places by group and generation. See the module docstring."""
+
+    def __init__(self) -> None:
+        self._cols = _Columns.empty(1024)
+        self._base: dict[str, int] = {}  # group id -> its block's first slot
+        self._cap: dict[int, int] = {}  # block base -> slots in the block
+        self._used: dict[int, int] = {}  # block base -> occupied slots
+        self._free: dict[int, list[int]] = {}  # block size -> bases of free blocks
+        self._top = 0  # slots handed out so far
+
+    def __len__(self) -> int:
+        return sum(self._used.values())
+
+    def put(self, rid: RowId, loc: Any, *, pinned: bool) -> bool:
+        """Hold `rid` at `loc` (a `RowLocation` of the row log, a layer above); False (and nothing changed) where the place stays in the
+        store's dict only: an occupied slot or a block too small while `pinned`, or a frame
+        longer than the columns' length field."""
+        gid, gen, att = rid
+        if loc.length > _LENGTH_MASK:
+            return False
+        base = self._base.get(gid)
+        if base is None:
+            base = self._base[gid] = self._block(max(_MIN_BLOCK, 1 << gen.bit_length()))
+        elif gen >= self._cap[base]:
+            if pinned:
+                return False
+            base = self._move(gid, base, 1 << gen.bit_length())
+        slot = base + gen
+        cols = self._cols
+        if cols.key[slot] != _EMPTY:
+            if pinned:
+                return False
+        else:
+            self._used[base] += 1
+        cols.key[slot] = _EMPTY  # the place first, the key last: see the module docstring
+        cols.where[slot] = loc.segment << _LENGTH_BITS | loc.length
+        cols.offset[slot] = loc.offset
+        cols.checksum[slot] = loc.checksum
+        cols.key[slot] = gen << 32 | att
+        return True
+
+    def remove(self, rid: RowId) -> None:
+        """Forget `rid` if its generation's slot holds it (never while a pin is held)."""
+        gid, gen, att = rid
+        base = self._base.get(gid)
+        if base is None or gen >= self._cap[base] or self._cols.key[base + gen] != gen << 32 | att:
+            return
+        self._cols.key[base + gen] = _EMPTY
+        self._used[base] -= 1
+        if not self._used[base]:
+            del self._base[gid], self._used[base]
+            self._free.setdefault(self._cap[base], []).append(base)
+
+    def gather(self, group_ids: list[str], group: np.ndarray, generation: np.ndarray,
+               attempt: np.ndarray) -> Gathered:
+        """The places of rows `(group_ids[group[i]], generation[i], attempt[i])`, for those
+        the columns hold: one dict lookup per group, the rest array operations. Safe from
+        the checkpoint writer's thread while it holds a pin."""
+        cols = self._cols  # one consistent set (growing replaces them whole)
+        bases = np.fromiter(map(self._base.get, group_ids, [_EMPTY] * len(group_ids)), np.int64,
+                            len(group_ids))
+        slot = bases[group] + generation
+        ok = (bases[group] >= 0) & (slot < len(cols.key))
+        slot[~ok] = 0
+        found = ok & (cols.key[slot] == (generation.astype(np.int64) << 32 | attempt))
+        where = cols.where[slot]
+        return Gathered(found, (where >> _LENGTH_BITS).astype(np.int64), cols.offset[slot],
+                        where & np.uint64(_LENGTH_MASK), cols.checksum[slot])
+
+    def _block(self, size: int) -> int:
+        free = self._free.get(size)
+        if free:
+            base = free.pop()
+        else:
+            base, self._top = self._top, self._top + size
+            if self._top > len(self._cols.key):
+                self._cols = self._cols.grown(max(2 * len(self._cols.key), self._top))
+        self._cap[base], self._used[base] = size, 0
+        return base
+
+    def _move(self, gid: str, base: int, size: int) -> int:
+        """A bigger block for `gid`, its rows copied over (never while a pin is held)."""
+        new = self._block(size)
+        old = self._cap[base]
+        for col in self._cols:
+            col[new : new + old] = col[base : base + old]
+        self._used[new] = self._used.pop(base)
+        self._base[gid] = new
+        self._cols.key[base : base + old] = _EMPTY
+        self._free.setdefault(old, []).append(base)
+        return new
