@@ -85,9 +85,9 @@ class LocatedColumns:
         return sum(self._used.values())
 
     def put(self, rid: RowId, loc: Any, *, pinned: bool) -> bool:
-        """Hold `rid` at `loc` (a `RowLocation` of the row log, a layer above); False (and nothing changed) where the place stays in the
-        store's dict only: an occupied slot or a block too small while `pinned`, or a frame
-        longer than the columns' length field."""
+        """Hold `rid` at `loc` (a `RowLocation` of the row log, a layer above). False, and
+        nothing changed, where the place stays in the store's dict only: an occupied slot or
+        a block too small while `pinned`, or a frame longer than the columns' length field."""
         gid, gen, att = rid
         if loc.length > _LENGTH_MASK:
             return False

@@ -5,11 +5,11 @@ Threading (docs/design.md §2, §3)
 `put`, `put_ref`, `locate`, `delete`, `pin`, `ids`, `len` and `in` run on the controller's
 loop thread. A checkpoint writer on a background thread holds a `RowPin` taken during the
 cut and calls only `location` and `get` (or the pin's) with ids it knows were present when
-the pin was taken (`RowPin.locations`, `RowPin.get`), and `get` only for rows without a location, which are in memory;
-and `RowPin.gather`, the places `locate` recorded in columns (`LocatedColumns`, whose
-module says why its reads are safe). While
-any pin is held, `delete` is deferred: the row leaves the store's logical view at once but
-stays readable by `get` and `location`, and is removed when the last pin is released.
+the pin was taken (`RowPin.locations`, `RowPin.get`), and `get` only for rows without a
+location, which are in memory; and `RowPin.gather`, the places `locate` recorded in columns
+(`LocatedColumns`, whose module says why its reads are safe). While any pin is held,
+`delete` is deferred: the row leaves the store's logical view at once but stays readable by
+`get` and `location`, and is removed when the last pin is released.
 
 Why the writer's reads are safe: in CPython a plain `d[key]` lookup runs under the GIL as
 one C call, and a dict resize caused by the loop thread inserting other keys happens inside
