@@ -4,6 +4,8 @@ checkpoint's rows index is the same with the columns as with one lookup per row.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -12,8 +14,9 @@ from hypothesis import strategies as st
 from rollkeep.bench.controller import _row
 from rollkeep.bench.ledger import inflight_ledger
 from rollkeep.core.checkpoint.cut import checkpoint_files, cut, referenced_columns
-from rollkeep.core.checkpoint.rowindex import decode_index
+from rollkeep.core.checkpoint.rowindex import RowColumns, decode_index
 from rollkeep.core.custody.ledger import Ledger
+from rollkeep.core.restore.start import Start, open_state
 from rollkeep.core.rollout.rows import RowId
 from rollkeep.core.rollout.rowstore import RowStore
 from rollkeep.core.rowlog.segments import RowLocation
@@ -128,3 +131,58 @@ def test_a_checkpoint_names_each_row_at_its_dicts_place_whether_or_not_the_colum
     assert index.columns.ids() == placed
     assert index.rows == {rid: store.location(rid) for rid in placed}
     assert rows["copied"] == len(sealed) - len(placed) and rows["by_reference"] == len(placed)
+
+
+def index_of(rids: list[RowId]) -> RowColumns:
+    """A checkpoint's index of `rids`, row i at loc_of(i)."""
+    places = [loc_of(i) for i in range(len(rids))]
+    return RowColumns([r.group_id for r in rids], np.array([r.generation for r in rids], np.int32),
+                      np.array([r.attempt for r in rids], np.int32), np.zeros(len(rids), np.int32),
+                      *(np.array([getattr(p, f) for p in places], dtype) for f, dtype in (
+                          ("segment", np.int32), ("offset", np.uint64), ("length", np.uint64), ("checksum", np.uint64))))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(GROUPS), st.integers(0, 70), st.integers(0, 3), st.booleans()),
+                unique_by=lambda t: t[:2], max_size=60))
+def test_a_restore_fills_the_columns_from_the_index_less_the_rows_its_tail_freed(entries):
+    """A restore hands the store its checkpoint's index as columns and the rows a journal's
+    tail freed since: the columns then hold exactly the dict's places, and the rows leave
+    them as they are deleted, as if each had been located."""
+    rids = [RowId(g, gen, att) for g, gen, att, _ in entries]
+    gone = [rid for rid, (*_, freed) in zip(rids, entries, strict=True) if freed]
+    kept = {tuple(rid): loc_of(i) for i, rid in enumerate(rids) if rid not in gone}
+    store = RowStore(reader=reader)
+    store.restore(kept, index_of(rids), gone)
+    assert gathered(store, rids) == kept and len(store._located) == len(kept)
+    for rid in kept:
+        store.delete(RowId(*rid))
+    assert not len(store._located) and not store._located._base
+    for i, rid in enumerate(rids):  # the blocks the restore laid out are handed out again
+        store.put(rid, ROW)
+        store.locate(rid, loc_of(i + 1))
+    assert gathered(store, rids) == {rid: loc_of(i + 1) for i, rid in enumerate(rids)}
+
+
+def test_the_columns_are_filled_once_and_each_generation_once():
+    rids = [RowId("a", 3, 0), RowId("b", 20, 1)]
+    store = RowStore(reader=reader)
+    store.restore({tuple(r): loc_of(i) for i, r in enumerate(rids)}, index_of(rids))
+    with pytest.raises(ValueError, match="empty table"):
+        store._located.fill(index_of(rids))
+    with pytest.raises(ValueError, match="two places for one group's generation"):
+        RowStore(reader=reader).restore({}, index_of([RowId("a", 3, 0), RowId("a", 3, 1)]))
+
+
+def test_a_restart_hands_the_store_its_checkpoints_index_less_what_the_tail_freed(tmp_path):
+    """`open_state`: the restored checkpoint's index fills the columns, the rows its journal
+    tail freed leave them, and a row the tail sealed is held by its place in the dict only."""
+    ckpt = [RowId(g, gen, 0) for g in GROUPS for gen in (0, 1, 20)]
+    freed, sealed = ckpt[:4], RowId("d", 2, 1)
+    at = {tuple(rid): loc_of(i) for i, rid in enumerate(ckpt)}
+    later = {rid: loc for rid, loc in at.items() if RowId(*rid) not in freed} | {tuple(sealed): loc_of(99)}
+    restored = SimpleNamespace(rows=at, located=index_of(ckpt), prefixes={}, effects={})
+    tail = SimpleNamespace(rows=later, prefixes={}, state=Ledger(n_rows=4, seed=0, epochs=1).capture())
+    _, store, _ = open_state(tmp_path, Start(restored, tail, next_seq=1, stale=False), source=None)
+    assert gathered(store, ckpt) == {rid: loc for rid, loc in later.items() if rid != tuple(sealed)}
+    assert len(store._located) == len(ckpt) - len(freed) and store.location(sealed) == loc_of(99)

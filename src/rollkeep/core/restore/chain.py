@@ -162,6 +162,7 @@ class Restored:
     config_changes: list[tuple[str, Any, Any]] = field(default_factory=list)
     prefixes: dict[tuple[str, int], tuple[Link, ...]] = field(default_factory=dict)  # partial generations
     effects: dict[tuple[str, int], tuple[EffectRecord, ...]] = field(default_factory=dict)  # calls to the outside
+    located: RowColumns | None = None  # the rows named by reference, as `rows.index`'s columns (None: no index)
 
     @property
     def name(self) -> str:
@@ -242,12 +243,14 @@ def check_binding(ck: OpenedCheckpoint, state: LedgerState) -> None:
 
 
 def check_rows(ck: OpenedCheckpoint, state: LedgerState) -> tuple[dict[RowId, Row | RowLocation],
-                                                                  dict[tuple[str, int], tuple[Link, ...]]]:
+                                                                  dict[tuple[str, int], tuple[Link, ...]],
+                                                                  RowColumns | None]:
     """Step 6: the rows are exactly the ones sealed attempts reference, each either copied
     (a `Row`) or named by its place in the row log (a `RowLocation`, not read here: its
     segment is checked to exist, to have a valid header and to reach past the frame; the
     frame itself is verified when the row is first read, docs/design.md §5.2); and the
-    partial generations' chains (`check_chains`), by reference too."""
+    partial generations' chains (`check_chains`), by reference too; and the rows named by
+    reference as the index's columns (None without an index)."""
     path = str(ck.path / ROWS_FILE)
     copied: dict[RowId, Row] = decode_rows(ck.read(ROWS_FILE), path=path)
     refs: dict[RowId, RowLocation] = {}
@@ -292,7 +295,7 @@ def check_rows(ck: OpenedCheckpoint, state: LedgerState) -> tuple[dict[RowId, Ro
         reader = RowLogReader(rows_dir_for(ck.path), fs=ck.fs)
         for seg, end in named:
             reader.check_extent(seg, end)
-    return rows, chains
+    return rows, chains, columns
 
 
 def _in_ledger_order(columns: RowColumns, sealed: SealedColumns) -> bool:
@@ -468,7 +471,7 @@ def _restore_chain(target, name, source, config, allow_config_change, allow_data
     ck = open_checkpoint(target, name)
     state = check_custody(ck)
     check_binding(ck, state)
-    rows, chains = check_rows(ck, state)
+    rows, chains, located = check_rows(ck, state)
     effects = check_effects(ck, state)
     changes: list = []
     if config is not None:
@@ -483,4 +486,4 @@ def _restore_chain(target, name, source, config, allow_config_change, allow_data
         check_dataset(ck, state, source, allow_dataset_change=allow_dataset_change, extend_epochs=extend_epochs,
                       rows=dataset_rows)
     return Restored(checkpoint=ck, ledger=state, rows=rows, plan=plan(state), config_changes=changes,
-                    prefixes=chains, effects=effects)
+                    prefixes=chains, effects=effects, located=located)

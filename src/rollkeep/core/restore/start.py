@@ -336,8 +336,11 @@ def open_state(run_dir: Path, start: Start, source: PromptSource, *,
     rows, chains = (t.rows, t.prefixes) if t is not None else (r.rows, r.prefixes) if r is not None else ({}, {})
     reader = RowLogReader(Path(run_dir) / ROWS_DIR, fs=fs).read
     row_store, prefixes = RowStore(reader=reader), PrefixStore(reader=reader)
+    # The checkpoint's rows by reference as its index's columns too, less those its tail freed.
+    located = r.located if r is not None else None
+    gone = r.rows.keys() - rows.keys() if located is not None and t is not None else ()
     with gc_paused():  # O(groups + rows) small objects, as in the chain
-        row_store.restore(rows)
+        row_store.restore(rows, located, gone)
         prefixes.restore(chains)
         return Ledger.from_state(start.state(source)), row_store, prefixes
 

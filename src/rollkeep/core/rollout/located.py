@@ -28,13 +28,13 @@ replace the old ones in one assignment; a reader keeps whichever set it took.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from .rows import RowId
 
-__all__ = ["Gathered", "LocatedColumns"]
+__all__ = ["Gathered", "LocatedColumns", "Places"]
 
 _EMPTY = -1
 _LENGTH_BITS = 33  # a frame's length is at most header + 2**32 - 1
@@ -68,6 +68,18 @@ class Gathered(NamedTuple):
     offset: np.ndarray  # uint64
     length: np.ndarray  # uint64
     checksum: np.ndarray  # uint64
+
+
+class Places(Protocol):
+    """Many rows' places as columns, row i across them (a checkpoint's `RowColumns`)."""
+
+    group_ids: list[str]
+    generation: np.ndarray
+    attempt: np.ndarray
+    segment: np.ndarray
+    offset: np.ndarray
+    length: np.ndarray
+    checksum: np.ndarray
 
 
 class LocatedColumns:
@@ -111,6 +123,37 @@ class LocatedColumns:
         cols.checksum[slot] = loc.checksum
         cols.key[slot] = gen << 32 | att
         return True
+
+    def fill(self, places: Places) -> None:
+        """An empty table given many places at once, each row once (a restore's `rows.index`,
+        whose decoder refused a row named twice and whose chain proved one attempt per
+        sibling): a block per group, the columns scattered in a few array operations."""
+        if self._base:
+            raise ValueError("LocatedColumns.fill fills an empty table")
+        n = len(places.group_ids)
+        pos = {gid: i for i, gid in enumerate(dict.fromkeys(places.group_ids))}
+        group = np.fromiter(map(pos.__getitem__, places.group_ids), np.int64, n)
+        gen = places.generation.astype(np.int64)
+        top = np.zeros(len(pos), np.int64)
+        np.maximum.at(top, group, gen)
+        sizes = np.maximum(_MIN_BLOCK, np.left_shift(1, np.frexp(top.astype(np.float64))[1].astype(np.int64)))
+        bases = np.cumsum(sizes) - sizes
+        slot = bases[group] + gen
+        total = int(sizes.sum())
+        if n and np.bincount(slot, minlength=total).max() > 1:
+            raise ValueError("LocatedColumns.fill: two places for one group's generation")
+        if total > len(self._cols.key):
+            self._cols = _Columns.empty(total)
+        self._top, self._free = total, {}  # no slot is occupied: the blocks freed before are laid out afresh
+        base_list, size_list = bases.tolist(), sizes.tolist()
+        self._base = dict(zip(pos, base_list, strict=True))
+        self._cap = dict(zip(base_list, size_list, strict=True))
+        self._used = dict(zip(base_list, np.bincount(group, minlength=len(pos)).tolist(), strict=True))
+        cols = self._cols
+        cols.where[slot] = places.segment.astype(np.uint64) << np.uint64(_LENGTH_BITS) | places.length
+        cols.offset[slot] = places.offset
+        cols.checksum[slot] = places.checksum
+        cols.key[slot] = gen << 32 | places.attempt
 
     def remove(self, rid: RowId) -> None:
         """Forget `rid` if its generation's slot holds it (never while a pin is held)."""

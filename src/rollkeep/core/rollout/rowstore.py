@@ -24,14 +24,14 @@ writer thread when it finishes.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from itertools import repeat
 from typing import Any
 
 import numpy as np
 
 from rollkeep.core.errors import CustodyError
-from rollkeep.core.rollout.located import Gathered, LocatedColumns
+from rollkeep.core.rollout.located import Gathered, LocatedColumns, Places
 from rollkeep.core.rollout.rows import Row, RowId, check_row_id
 
 __all__ = ["RowPin", "RowStore"]
@@ -231,11 +231,13 @@ class RowStore:
         # A restore's keys are plain tuples (`restore`): each given back as the RowId it equals.
         return map(tuple.__new__, repeat(RowId), snapshot)
 
-    def restore(self, rows: Mapping[RowId, Any]) -> None:
+    def restore(self, rows: Mapping[RowId, Any], located: Places | None = None, gone: Iterable[RowId] = ()) -> None:
         """Fill an empty store with what a restore produced (`Restored.rows`, a replay's rows:
         ids already checked by their decoders, as RowIds or the plain tuples they equal): a
         `Row` in memory, anything else (a `RowLocation`) by reference. O(rows) dict updates,
-        no read."""
+        no read. `located`: the same places as columns (the checkpoint's `rows.index`, from
+        which `rows` was decoded), so that checkpoints gather them (`LocatedColumns`);
+        `gone`: those of its rows that `rows` no longer holds (freed by a journal's tail)."""
         if self._rows or self._where:
             raise ValueError("RowStore.restore fills an empty store")
         # The kinds of value first, in one C-level pass: a restore with the journal names
@@ -251,6 +253,10 @@ class RowStore:
             self._where.update(refs)
             self._rows.update(copied)
             self._n = len(rows)
+            if located is not None:
+                self._located.fill(located)
+                for rid in gone:
+                    self._located.remove(rid)
 
     def resident(self) -> int:
         """Rows held in memory (the rest are read on their first `get`)."""
