@@ -47,6 +47,7 @@ def test_bench_controller_suite_reports_the_sweep(tmp_path, capsys):
         assert all(b > 0 for b in fit["bytes"])
         assert fit["bytes"][1] > fit["bytes"][0]  # more groups (or siblings) encode to more bytes
         assert fit["bytes_exponent"] > 0
+        assert all(t > 0 for t in fit["write_after_restore_s"])
     # The write's phases partition it: each is timed once, and together they are within it.
     ck = sweep["checkpoint_by_inflight"]
     phases = ck["write_phases"][-1]

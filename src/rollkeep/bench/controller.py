@@ -90,9 +90,11 @@ def checkpoint_costs(n: int, tokens: int = 64, *, by_reference: bool = True, gro
         normalize(ledger, ledger.apply)
         restore_s = time.perf_counter() - t0
         resident = store2.resident()
-        c = cut(ledger, store2)  # the restored run's first checkpoint: its rows were never located
+        c = cut(ledger, store2)  # the restored run's first checkpoint (its rows' places: `LocatedColumns.fill`)
         t0 = time.perf_counter()
-        write_checkpoint(store, c, trainer_save=save_files({"model.bin": b"\0" * 1024}), meta={}, keep_last=2)
+        after_phases: dict[str, float] = {}
+        write_checkpoint(store, c, trainer_save=save_files({"model.bin": b"\0" * 1024}), meta={}, keep_last=2,
+                         phases=after_phases)
         write_after_restore_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         for rid in list(store2.ids()):
@@ -109,6 +111,7 @@ def checkpoint_costs(n: int, tokens: int = 64, *, by_reference: bool = True, gro
         "bytes": published.bytes,
         "restore_s": restore_s,
         "write_after_restore_s": write_after_restore_s,
+        "write_after_restore_phases": after_phases,
         "rows_read_at_restore": resident,
         "read_every_row_after_s": read_all_s,
     }

@@ -114,7 +114,7 @@ def _checkpoint_fit(sizes: list[int], results: list[dict], *, size: str = "infli
     fit: dict = {size: sizes}
     fit["write_over_disk"] = [disk_write_s(r["bytes"]) / r["write_s"] for r in results]
     fit["write_phases"] = [r["write_phases"] for r in results]
-    for key in ("cut_hold_s_median", "write_s", "restore_s", "bytes"):
+    for key in ("cut_hold_s_median", "write_s", "write_after_restore_s", "restore_s", "bytes"):
         values = [r[key] for r in results]
         fit[key] = values
         fit[key + "_exponent"] = fitted_exponent(sizes, values)
@@ -143,9 +143,10 @@ def run(*, quick: bool, repeats: int, log=print) -> dict:
                             (f"G ({w['checkpoint_by_group_size']['inflight_groups']:,} groups)",
                              w["checkpoint_by_group_size"], "group_size")):
         log(f"checkpoint by {name}: " + "; ".join(
-            f"{n:,}: cut {h * 1e6:.0f} us, write {wr:.3f} s, restore {rs:.3f} s, {b / 1e6:.1f} MB"
-            for n, h, wr, rs, b in zip(fit[unit], fit["cut_hold_s_median"], fit["write_s"], fit["restore_s"],
-                                       fit["bytes"], strict=True))
+            f"{n:,}: cut {h * 1e6:.0f} us, write {wr:.3f} s, restore {rs:.3f} s, write after it {wa:.3f} s, "
+            f"{b / 1e6:.1f} MB"
+            for n, h, wr, rs, wa, b in zip(fit[unit], fit["cut_hold_s_median"], fit["write_s"], fit["restore_s"],
+                                           fit["write_after_restore_s"], fit["bytes"], strict=True))
             + "; write/dd " + ", ".join(f"{x:.0%}" for x in fit["write_over_disk"])
             + f"; exponents: cut {_fmt(fit['cut_hold_s_median_exponent'])}, write {_fmt(fit['write_s_exponent'])}, "
             f"restore {_fmt(fit['restore_s_exponent'])}")

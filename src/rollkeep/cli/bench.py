@@ -22,9 +22,10 @@ Run the benchmark suite and print what it measured, side by side, in one invocat
               at G=16, bare and with the trace and the journal (targets 50,000 / 20,000),
               medians of --repeats interleaved runs (default 5); the same through the
               runner on the toy engine; the scale sweep: per-result scheduling at G = 4 ...
-              64 and 1 k / 10 k / 100 k groups in flight, cut, write (against dd) and
-              restore at 1 k / 10 k / 100 k in-flight groups and G = 4 ... 64, each with
-              its fitted exponent, and the largest write phase by phase (docs/design.md §9)
+              64 and 1 k / 10 k / 100 k groups in flight, cut, write (against dd),
+              restore and the restored run's first write at 1 k / 10 k / 100 k in-flight
+              groups and G = 4 ... 64, each with its fitted exponent, and the largest
+              write phase by phase (docs/design.md §9)
   preemption  goodput under preemption: the same job (toy engine with uneven latency, and
               the built-in GPT) SIGKILLed K times at the same random instants for each
               variant (journal; sibling, prompt_group, cursor_only from the checkpoint

@@ -7,8 +7,8 @@ places as numpy columns, a block of slots per group indexed by generation, so th
 checkpoint gathers them with a few array operations after one lookup per *group*.
 
 It is an index of the store's dict, never the only record of a place: a row it does not
-hold (restored rows, a second attempt of a generation, anything skipped under a pin) is
-found in the dict as before. So what it must guarantee is only that what it answers is
+hold (sealed in a journal's tail before a restart, or skipped under a pin) is found in the
+dict as before. A restart fills it from the restored checkpoint's `rows.index` (`fill`). So what it must guarantee is only that what it answers is
 right.
 
 Slots: the block of a group starts at `base`; slot `base + g` holds generation g's row:
@@ -28,6 +28,7 @@ replace the old ones in one assignment; a reader keeps whichever set it took.
 
 from __future__ import annotations
 
+from operator import ne
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -130,30 +131,31 @@ class LocatedColumns:
         sibling): a block per group, the columns scattered in a few array operations."""
         if self._base:
             raise ValueError("LocatedColumns.fill fills an empty table")
-        n = len(places.group_ids)
-        pos = {gid: i for i, gid in enumerate(dict.fromkeys(places.group_ids))}
-        group = np.fromiter(map(pos.__getitem__, places.group_ids), np.int64, n)
+        gids = places.group_ids
+        names, group = _groups(gids)
         gen = places.generation.astype(np.int64)
-        top = np.zeros(len(pos), np.int64)
+        top = np.zeros(len(names), np.int64)
         np.maximum.at(top, group, gen)
         sizes = np.maximum(_MIN_BLOCK, np.left_shift(1, np.frexp(top.astype(np.float64))[1].astype(np.int64)))
         bases = np.cumsum(sizes) - sizes
         slot = bases[group] + gen
         total = int(sizes.sum())
-        if n and np.bincount(slot, minlength=total).max() > 1:
-            raise ValueError("LocatedColumns.fill: two places for one group's generation")
         if total > len(self._cols.key):
             self._cols = _Columns.empty(total)
         self._top, self._free = total, {}  # no slot is occupied: the blocks freed before are laid out afresh
         base_list, size_list = bases.tolist(), sizes.tolist()
-        self._base = dict(zip(pos, base_list, strict=True))
+        self._base = dict(zip(names, base_list, strict=True))
         self._cap = dict(zip(base_list, size_list, strict=True))
-        self._used = dict(zip(base_list, np.bincount(group, minlength=len(pos)).tolist(), strict=True))
+        self._used = dict(zip(base_list, np.bincount(group, minlength=len(names)).tolist(), strict=True))
         cols = self._cols
         cols.where[slot] = places.segment.astype(np.uint64) << np.uint64(_LENGTH_BITS) | places.length
         cols.offset[slot] = places.offset
         cols.checksum[slot] = places.checksum
-        cols.key[slot] = gen << 32 | places.attempt
+        key = gen << 32 | places.attempt
+        cols.key[slot] = key
+        if not np.array_equal(cols.key[slot], key):  # two rows of one generation: the later overwrote
+            self.__init__()  # back to an empty table
+            raise ValueError("LocatedColumns.fill: two places for one group's generation")
 
     def remove(self, rid: RowId) -> None:
         """Forget `rid` if its generation's slot holds it (never while a pin is held)."""
@@ -205,3 +207,19 @@ class LocatedColumns:
         self._cols.key[base : base + old] = _EMPTY
         self._free.setdefault(old, []).append(base)
         return new
+
+
+def _groups(gids: list[str]) -> tuple[list[str], np.ndarray]:
+    """The distinct group ids and each entry's position among them. An index lists each
+    group's rows together (the ledger's order): then the runs of equal ids are the groups,
+    found by comparing neighbours, with no hash of 800 k strings; otherwise by a dict."""
+    if not gids:
+        return [], np.zeros(0, np.int64)
+    starts = np.flatnonzero(np.fromiter(map(ne, gids[1:], gids), bool, len(gids) - 1)) + 1
+    starts = np.concatenate([[0], starts])
+    names = [gids[i] for i in starts.tolist()]
+    if len(set(names)) == len(names):
+        return names, np.repeat(np.arange(len(names)), np.diff(starts, append=len(gids)))
+    pos = {gid: i for i, gid in enumerate(dict.fromkeys(gids))}
+    return list(pos), np.fromiter(map(pos.__getitem__, gids), np.int64, len(gids))
+
