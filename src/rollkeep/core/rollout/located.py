@@ -87,7 +87,7 @@ class LocatedColumns:
     """Row log places by group and generation. See the module docstring."""
 
     def __init__(self) -> None:
-        self._cols = _Columns.empty(1024)
+        self._use(_Columns.empty(1024))
         self._base: dict[str, int] = {}  # group id -> its block's first slot
         self._cap: dict[int, int] = {}  # block base -> slots in the block
         self._used: dict[int, int] = {}  # block base -> occupied slots
@@ -112,17 +112,18 @@ class LocatedColumns:
                 return False
             base = self._move(gid, base, 1 << gen.bit_length())
         slot = base + gen
-        cols = self._cols
-        if cols.key[slot] != _EMPTY:
+        key, where, offset, checksum = self._views
+        if key[slot] != _EMPTY:
             if pinned:
                 return False
         else:
             self._used[base] += 1
-        cols.key[slot] = _EMPTY  # the place first, the key last: see the module docstring
-        cols.where[slot] = loc.segment << _LENGTH_BITS | loc.length
-        cols.offset[slot] = loc.offset
-        cols.checksum[slot] = loc.checksum
-        cols.key[slot] = gen << 32 | att
+        # The place first, the key last (see the module docstring): an empty slot's key is
+        # already -1, and an occupied one is overwritten only with no pin, so with no reader.
+        where[slot] = loc.segment << _LENGTH_BITS | loc.length
+        offset[slot] = loc.offset
+        checksum[slot] = loc.checksum
+        key[slot] = gen << 32 | att
         return True
 
     def fill(self, places: Places) -> None:
@@ -141,7 +142,7 @@ class LocatedColumns:
         slot = bases[group] + gen
         total = int(sizes.sum())
         if total > len(self._cols.key):
-            self._cols = _Columns.empty(total)
+            self._use(_Columns.empty(total))
         self._top, self._free = total, {}  # no slot is occupied: the blocks freed before are laid out afresh
         base_list, size_list = bases.tolist(), sizes.tolist()
         self._base = dict(zip(names, base_list, strict=True))
@@ -161,9 +162,10 @@ class LocatedColumns:
         """Forget `rid` if its generation's slot holds it (never while a pin is held)."""
         gid, gen, att = rid
         base = self._base.get(gid)
-        if base is None or gen >= self._cap[base] or self._cols.key[base + gen] != gen << 32 | att:
+        key = self._views[0]
+        if base is None or gen >= self._cap[base] or key[base + gen] != gen << 32 | att:
             return
-        self._cols.key[base + gen] = _EMPTY
+        key[base + gen] = _EMPTY
         self._used[base] -= 1
         if not self._used[base]:
             del self._base[gid], self._used[base]
@@ -192,9 +194,15 @@ class LocatedColumns:
         else:
             base, self._top = self._top, self._top + size
             if self._top > len(self._cols.key):
-                self._cols = self._cols.grown(max(2 * len(self._cols.key), self._top))
+                self._use(self._cols.grown(max(2 * len(self._cols.key), self._top)))
         self._cap[base], self._used[base] = size, 0
         return base
+
+    def _use(self, cols: _Columns) -> None:
+        """Hold `cols` (replacing the set whole, see the module docstring), and memoryviews
+        of them: a slot's scalar read or write through a view costs half numpy's."""
+        self._cols = cols
+        self._views = tuple(map(memoryview, cols))
 
     def _move(self, gid: str, base: int, size: int) -> int:
         """A bigger block for `gid`, its rows copied over (never while a pin is held)."""

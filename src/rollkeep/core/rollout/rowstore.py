@@ -154,12 +154,12 @@ class RowStore:
         if row_id not in self._rows:
             raise KeyError(row_id)
         with self._lock:
-            held = self._where.get(row_id)
-            if held is not None:
+            n = len(self._where)
+            held = self._where.setdefault(row_id, location)
+            if len(self._where) == n:  # located before
                 if held != location:
                     raise ValueError(f"row {tuple(row_id)} is at {held!r} in the row log already, not {location!r}")
                 return
-            self._where[row_id] = location
             self._located.put(row_id, location, pinned=self._pins > 0)
 
     def location(self, row_id: RowId) -> Any:
