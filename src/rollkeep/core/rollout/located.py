@@ -8,16 +8,16 @@ checkpoint gathers them with a few array operations after one lookup per *group*
 
 It is an index of the store's dict, never the only record of a place: a row it does not
 hold (sealed in a journal's tail before a restart, or skipped under a pin) is found in the
-dict as before. A restart fills it from the restored checkpoint's `rows.index` (`fill`). So what it must guarantee is only that what it answers is
-right.
+dict as before, so what it must guarantee is only that what it answers is right. A
+restart fills it from the restored checkpoint's `rows.index` (`fill`).
 
 Slots: the block of a group starts at `base`; slot `base + g` holds generation g's row:
 `key = g << 32 | attempt` (-1: empty), `where = segment << 33 | length`, `offset`,
 `checksum`. A slot's key names its generation, so an index that runs past its group's block
 into another's never matches (that block's slot there holds another generation).
 
-Threading (the store's rules, docs/design.md §2): `put` and `remove` run under the store's
-lock, on the loop thread (or, for deferred deletes, on the writer thread releasing the last
+Threading (the store's rules, docs/design.md §2): `put`, `remove` and `fill` run under the
+store's lock, on the loop thread (or, for deferred deletes, on the writer thread releasing the last
 pin). `gather` runs on the checkpoint writer's thread while the loop goes on, holding a pin.
 While a pin is held an occupied slot never changes: `put` leaves it alone (the place stays
 in the dict only), no block moves, and removals are deferred by the store. A slot filled
