@@ -1,10 +1,12 @@
 """`LocatedColumns`, the row store's places in columns: what a checkpoint gathers from them
-is the place the store's dict holds, whatever was put, moved, deleted or pinned; and the
-checkpoint's rows index is the same with the columns as with one lookup per row."""
+is the place the store's dict holds, whatever was located, moved, deleted or pinned, and
+every located row is found; the checkpoint's rows index is the same with the columns as
+with one lookup per row; a restore fills them from its index."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
+from unittest.mock import patch
 
 import numpy as np
 import pytest
@@ -17,12 +19,19 @@ from rollkeep.core.checkpoint.cut import checkpoint_files, cut, referenced_colum
 from rollkeep.core.checkpoint.rowindex import RowColumns, decode_index
 from rollkeep.core.custody.ledger import Ledger
 from rollkeep.core.restore.start import Start, open_state
+from rollkeep.core.rollout import rowstore
 from rollkeep.core.rollout.rows import RowId
 from rollkeep.core.rollout.rowstore import RowStore
 from rollkeep.core.rowlog.segments import RowLocation
 
 ROW = _row(2)
 GROUPS = ["a", "b", "c"]
+
+
+@pytest.fixture(autouse=True)
+def columns_at_any_size(monkeypatch):
+    """The store keeps columns only from `COLUMNS_FROM` located rows; here from the first."""
+    monkeypatch.setattr(rowstore, "COLUMNS_FROM", 0)
 
 
 def reader(rid, loc):
@@ -51,35 +60,38 @@ ops = st.lists(st.tuples(st.sampled_from(["locate", "locate", "relocate", "delet
 
 
 @settings(max_examples=300, deadline=None)
-@given(ops)
-def test_what_the_columns_give_is_the_dicts_place_and_pinned_places_never_change(script):
+@given(ops, st.sampled_from([1, 3, 4096]))
+def test_what_the_columns_give_is_the_dicts_place_and_every_rows_place_is_found(script, batch):
+    """Whatever is located, relocated, deleted, pinned and released (and however often the
+    loop puts the queued places in): a gather finds only the dict's places, and finds the
+    place of every held row whose generation no other attempt was ever located in (another
+    attempt's place displaces it: then the dict alone has it)."""
     store = RowStore(reader=reader)
     pins: list = []
-    frozen: dict[RowId, RowLocation] = {}  # places found when the oldest held pin was taken
-    for op, rid, n in script:
-        if op == "locate" and rid not in store:
-            store.put(rid, ROW)
-            store.locate(rid, loc_of(n))
-        elif op == "relocate" and rid in store:  # a row's place never changes
-            with pytest.raises(ValueError, match="in the row log already"):
-                store.locate(rid, RowLocation(7, 0, 12, 0))
-            store.locate(rid, store.location(rid))  # the same place again: nothing happens
-        elif op == "delete" and rid in store:
-            store.delete(rid)
-        elif op == "pin":
-            if not pins:
-                held = list(store.ids())
-                frozen = gathered(store, held)
-            pins.append(store.pin())
-        elif op == "release" and pins:
-            pins.pop().release()
-        held = list(store.ids())
-        probe = held + list(frozen) + [RowId(g, gen, att) for g in GROUPS for gen in (0, 15, 16, 40) for att in (0, 1)]
-        found = gathered(store, probe)
-        for rid, place in found.items():  # a deleted row stays readable while pinned: so does its place
-            assert store.location(rid) == place, rid
-        if pins:  # the checkpoint writer's view: what it found at the pin it finds all along
-            assert {rid: found.get(rid) for rid in frozen} == frozen
+    attempts: dict[tuple, int] = {}  # (group, generation) -> attempts located in it
+    with patch.object(rowstore, "_PUT_BATCH", batch):
+        for op, rid, n in script:
+            if op == "locate" and rid not in store:
+                store.put(rid, ROW)
+                store.locate(rid, loc_of(n))
+                attempts[rid[:2]] = attempts.get(rid[:2], 0) + 1
+            elif op == "relocate" and rid in store:  # a row's place never changes
+                with pytest.raises(ValueError, match="in the row log already"):
+                    store.locate(rid, RowLocation(7, 0, 12, 0))
+                store.locate(rid, store.location(rid))  # the same place again: nothing happens
+            elif op == "delete" and rid in store:
+                store.delete(rid)
+            elif op == "pin":
+                pins.append(store.pin())
+            elif op == "release" and pins:
+                pins.pop().release()
+            held = [rid for rid in (RowId(g, gen, att) for g in GROUPS for gen in (0, 1, 15, 16, 17, 40)
+                                    for att in (0, 1, 2)) if store.location(rid) is not None]
+            found = gathered(store, held)
+            for rid, place in found.items():  # a deleted row stays readable while pinned: so does its place
+                assert store.location(rid) == place, rid
+            alone = [rid for rid in held if attempts[rid[:2]] == 1]
+            assert all(rid in found for rid in alone), [rid for rid in alone if rid not in found]
     for pin in pins:
         pin.release()
     assert not store.pins
@@ -186,3 +198,21 @@ def test_a_restart_hands_the_store_its_checkpoints_index_less_what_the_tail_free
     _, store, _ = open_state(tmp_path, Start(restored, tail, next_seq=1, stale=False), source=None)
     assert gathered(store, ckpt) == {rid: loc for rid, loc in later.items() if rid != tuple(sealed)}
     assert len(store._located) == len(ckpt) - len(freed) and store.location(sealed) == loc_of(99)
+
+
+def test_the_store_keeps_columns_only_from_columns_from_located_rows(monkeypatch):
+    """Below `COLUMNS_FROM` located rows a row's place is in the dict only (a checkpoint
+    looks it up, cheaply at that size); from the first time it holds that many, every
+    place is in the columns too, those located before included."""
+    monkeypatch.setattr(rowstore, "COLUMNS_FROM", 10)
+    store = RowStore(reader=reader)
+    rids = [RowId(g, gen, 0) for g in GROUPS for gen in range(8)]
+    for i, rid in enumerate(rids):
+        store.put(rid, ROW)
+        store.locate(rid, loc_of(i))
+        if i == 8:
+            assert gathered(store, rids[:9]) == {} and not store._located
+    assert gathered(store, rids) == {rid: loc_of(i) for i, rid in enumerate(rids)}
+    for rid in rids:
+        store.delete(rid)
+    assert not store._located

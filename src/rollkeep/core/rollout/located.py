@@ -7,8 +7,8 @@ places as numpy columns, a block of slots per group indexed by generation, so th
 checkpoint gathers them with a few array operations after one lookup per *group*.
 
 It is an index of the store's dict, never the only record of a place: a row it does not
-hold (sealed in a journal's tail before a restart, or skipped under a pin) is found in the
-dict as before, so what it must guarantee is only that what it answers is right. A
+hold (sealed in a journal's tail before a restart, or an older attempt a newer one
+displaced) is found in the dict as before, so what it must guarantee is only that what it answers is right. A
 restart fills it from the restored checkpoint's `rows.index` (`fill`).
 
 Slots: the block of a group starts at `base`; slot `base + g` holds generation g's row:
@@ -16,19 +16,19 @@ Slots: the block of a group starts at `base`; slot `base + g` holds generation g
 `checksum`. A slot's key names its generation, so an index that runs past its group's block
 into another's never matches (that block's slot there holds another generation).
 
-Threading (the store's rules, docs/design.md §2): `put`, `remove` and `fill` run under the
-store's lock, on the loop thread (or, for deferred deletes, on the writer thread releasing the last
-pin). `gather` runs on the checkpoint writer's thread while the loop goes on, holding a pin.
-While a pin is held an occupied slot never changes: `put` leaves it alone (the place stays
-in the dict only), no block moves, and removals are deferred by the store. A slot filled
-meanwhile is written key last, and `gather` reads the keys before the places, so a key it
-accepts was written after its place. Growing the columns copies them into new arrays that
-replace the old ones in one assignment; a reader keeps whichever set it took.
+Threading (the store's rules, docs/design.md §2): the table is changed only under the
+store's lock and never while a `gather` runs. `locate` only queues a place; the store puts
+the queue in (`put_many`, vectorised) on the loop thread when it is long and no pin is
+held, and on the checkpoint writer's thread just before it gathers, holding its pin and
+the store's gather lock (so two writers never gather and put at once). `remove` runs on
+the loop thread with no pin held (the store defers deletes while one is), `fill` at a
+restore. A gather, which runs holding a pin, therefore reads columns no one writes.
 """
 
 from __future__ import annotations
 
-from operator import ne
+from itertools import repeat
+from operator import attrgetter, itemgetter, ne
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -41,6 +41,7 @@ _EMPTY = -1
 _LENGTH_BITS = 33  # a frame's length is at most header + 2**32 - 1
 _LENGTH_MASK = (1 << _LENGTH_BITS) - 1
 _MIN_BLOCK = 16
+_PLACE = tuple(attrgetter(f) for f in ("segment", "offset", "length", "checksum"))
 
 
 class _Columns(NamedTuple):
@@ -87,7 +88,7 @@ class LocatedColumns:
     """Row log places by group and generation. See the module docstring."""
 
     def __init__(self) -> None:
-        self._use(_Columns.empty(1024))
+        self._cols = _Columns.empty(1024)
         self._base: dict[str, int] = {}  # group id -> its block's first slot
         self._cap: dict[int, int] = {}  # block base -> slots in the block
         self._used: dict[int, int] = {}  # block base -> occupied slots
@@ -97,34 +98,47 @@ class LocatedColumns:
     def __len__(self) -> int:
         return sum(self._used.values())
 
-    def put(self, rid: RowId, loc: Any, *, pinned: bool) -> bool:
-        """Hold `rid` at `loc` (a `RowLocation` of the row log, a layer above). False, and
-        nothing changed, where the place stays in the store's dict only: an occupied slot or
-        a block too small while `pinned`, or a frame longer than the columns' length field."""
-        gid, gen, att = rid
-        if loc.length > _LENGTH_MASK:
-            return False
-        base = self._base.get(gid)
-        if base is None:
-            base = self._base[gid] = self._block(max(_MIN_BLOCK, 1 << gen.bit_length()))
-        elif gen >= self._cap[base]:
-            if pinned:
-                return False
-            base = self._move(gid, base, 1 << gen.bit_length())
-        slot = base + gen
-        key, where, offset, checksum = self._views
-        if key[slot] != _EMPTY:
-            if pinned:
-                return False
-        else:
-            self._used[base] += 1
-        # The place first, the key last (see the module docstring): an empty slot's key is
-        # already -1, and an occupied one is overwritten only with no pin, so with no reader.
-        where[slot] = loc.segment << _LENGTH_BITS | loc.length
-        offset[slot] = loc.offset
-        checksum[slot] = loc.checksum
-        key[slot] = gen << 32 | att
-        return True
+    def __bool__(self) -> bool:
+        return bool(self._base)
+
+    def put_many(self, rids: list[RowId], locs: list[Any]) -> None:
+        """Hold each `rids[i]` at `locs[i]` (a `RowLocation` of the row log, a layer above),
+        in a few array operations: a block for each new group, a bigger one (the rows moved)
+        where a generation is past its group's block, a row's place over any other attempt of
+        its generation. A frame longer than the length field stays out (the store's dict
+        holds every place)."""
+        n = len(rids)
+        if not n:
+            return
+        gids = list(map(itemgetter(0), rids))
+        gen = np.fromiter(map(itemgetter(1), rids), np.int64, n)
+        att = np.fromiter(map(itemgetter(2), rids), np.int64, n)
+        segment, offset, length, checksum = (np.fromiter(map(f, locs), np.uint64, n) for f in _PLACE)
+        bases = np.fromiter(map(self._base.get, gids, repeat(_EMPTY)), np.int64, n)
+        caps = np.fromiter(map(self._cap.get, bases.tolist(), repeat(0)), np.int64, n)
+        grow = np.flatnonzero(gen >= caps)  # a new group, or a generation past its block
+        if len(grow):
+            sizes = np.maximum(_MIN_BLOCK, np.left_shift(1, np.frexp(gen[grow].astype(np.float64))[1]))
+            by_size = grow[np.argsort(sizes, kind="stable")]  # dict() keeps the last, the largest
+            need = dict(zip(map(gids.__getitem__, by_size.tolist()), np.sort(sizes).tolist(), strict=True))
+            for gid, size in need.items():
+                base = self._base.get(gid)
+                self._base[gid] = self._block(size) if base is None else self._move(base, size)
+            bases = np.fromiter(map(self._base.get, gids), np.int64, n)
+        keep = length <= _LENGTH_MASK
+        slot = bases + gen
+        # The last place given for a slot wins (two attempts of one generation: the later).
+        last = n - 1 - np.unique(slot[::-1], return_index=True)[1]
+        last = last[keep[last]]
+        slot = slot[last]
+        cols = self._cols
+        fresh = cols.key[slot] == _EMPTY
+        for base, count in zip(*np.unique(bases[last][fresh], return_counts=True), strict=True):
+            self._used[int(base)] += int(count)
+        cols.where[slot] = segment[last] << np.uint64(_LENGTH_BITS) | length[last]
+        cols.offset[slot] = offset[last]
+        cols.checksum[slot] = checksum[last]
+        cols.key[slot] = gen[last] << 32 | att[last]
 
     def fill(self, places: Places) -> None:
         """An empty table given many places at once, each row once (a restore's `rows.index`,
@@ -142,7 +156,7 @@ class LocatedColumns:
         slot = bases[group] + gen
         total = int(sizes.sum())
         if total > len(self._cols.key):
-            self._use(_Columns.empty(total))
+            self._cols = _Columns.empty(total)
         self._top, self._free = total, {}  # no slot is occupied: the blocks freed before are laid out afresh
         base_list, size_list = bases.tolist(), sizes.tolist()
         self._base = dict(zip(names, base_list, strict=True))
@@ -162,7 +176,7 @@ class LocatedColumns:
         """Forget `rid` if its generation's slot holds it (never while a pin is held)."""
         gid, gen, att = rid
         base = self._base.get(gid)
-        key = self._views[0]
+        key = self._cols.key
         if base is None or gen >= self._cap[base] or key[base + gen] != gen << 32 | att:
             return
         key[base + gen] = _EMPTY
@@ -194,24 +208,17 @@ class LocatedColumns:
         else:
             base, self._top = self._top, self._top + size
             if self._top > len(self._cols.key):
-                self._use(self._cols.grown(max(2 * len(self._cols.key), self._top)))
+                self._cols = self._cols.grown(max(2 * len(self._cols.key), self._top))
         self._cap[base], self._used[base] = size, 0
         return base
 
-    def _use(self, cols: _Columns) -> None:
-        """Hold `cols` (replacing the set whole, see the module docstring), and memoryviews
-        of them: a slot's scalar read or write through a view costs half numpy's."""
-        self._cols = cols
-        self._views = tuple(map(memoryview, cols))
-
-    def _move(self, gid: str, base: int, size: int) -> int:
-        """A bigger block for `gid`, its rows copied over (never while a pin is held)."""
+    def _move(self, base: int, size: int) -> int:
+        """A bigger block for the group at `base`, its rows copied over; the new base."""
         new = self._block(size)
         old = self._cap[base]
         for col in self._cols:
             col[new : new + old] = col[base : base + old]
         self._used[new] = self._used.pop(base)
-        self._base[gid] = new
         self._cols.key[base : base + old] = _EMPTY
         self._free.setdefault(old, []).append(base)
         return new
