@@ -216,3 +216,13 @@ def test_the_store_keeps_columns_only_from_columns_from_located_rows(monkeypatch
     for rid in rids:
         store.delete(rid)
     assert not store._located
+
+
+def test_a_frame_too_long_for_the_length_field_stays_in_the_dict_only():
+    store = RowStore(reader=reader)
+    long, short = RowId("a", 0, 0), RowId("b", 1, 0)
+    for rid, loc in ((long, RowLocation(0, 0, 2**33, 1)), (short, loc_of(1))):
+        store.put(rid, ROW)
+        store.locate(rid, loc)
+    assert gathered(store, [long, short]) == {short: loc_of(1)} and "a" not in store._located._base
+    assert store.location(long) == RowLocation(0, 0, 2**33, 1)

@@ -27,7 +27,7 @@ restore. A gather, which runs holding a pin, therefore reads columns no one writ
 
 from __future__ import annotations
 
-from itertools import repeat
+from itertools import compress, repeat
 from operator import attrgetter, itemgetter, ne
 from typing import Any, NamedTuple, Protocol
 
@@ -107,13 +107,17 @@ class LocatedColumns:
         where a generation is past its group's block, a row's place over any other attempt of
         its generation. A frame longer than the length field stays out (the store's dict
         holds every place)."""
+        length = np.fromiter(map(_PLACE[2], locs), np.uint64, len(locs))
+        if not (length <= _LENGTH_MASK).all():
+            ok = (length <= _LENGTH_MASK).tolist()
+            rids, locs, length = list(compress(rids, ok)), list(compress(locs, ok)), length[np.array(ok, bool)]
         n = len(rids)
         if not n:
             return
         gids = list(map(itemgetter(0), rids))
         gen = np.fromiter(map(itemgetter(1), rids), np.int64, n)
         att = np.fromiter(map(itemgetter(2), rids), np.int64, n)
-        segment, offset, length, checksum = (np.fromiter(map(f, locs), np.uint64, n) for f in _PLACE)
+        segment, offset, checksum = (np.fromiter(map(_PLACE[i], locs), np.uint64, n) for i in (0, 1, 3))
         bases = np.fromiter(map(self._base.get, gids, repeat(_EMPTY)), np.int64, n)
         caps = np.fromiter(map(self._cap.get, bases.tolist(), repeat(0)), np.int64, n)
         grow = np.flatnonzero(gen >= caps)  # a new group, or a generation past its block
@@ -125,11 +129,9 @@ class LocatedColumns:
                 base = self._base.get(gid)
                 self._base[gid] = self._block(size) if base is None else self._move(base, size)
             bases = np.fromiter(map(self._base.get, gids), np.int64, n)
-        keep = length <= _LENGTH_MASK
         slot = bases + gen
         # The last place given for a slot wins (two attempts of one generation: the later).
         last = n - 1 - np.unique(slot[::-1], return_index=True)[1]
-        last = last[keep[last]]
         slot = slot[last]
         cols = self._cols
         fresh = cols.key[slot] == _EMPTY

@@ -233,7 +233,9 @@ class RowStore:
     def _put_queued(self, at_most: int | None = None) -> None:
         """The queued places (the first `at_most`) of rows still held at them into the
         columns (under the lock, with no gather running: see `LocatedColumns`)."""
-        queued, self._queued = self._queued[:at_most], self._queued[len(self._queued) if at_most is None else at_most:]
+        queued, self._queued = self._queued, []
+        if at_most is not None and len(queued) > at_most:
+            queued, self._queued = queued[:at_most], queued[at_most:]
         where = self._where
         held = [(rid, loc) for rid, loc in queued if where.get(rid) is loc]
         self._located.put_many([rid for rid, _ in held], [loc for _, loc in held])
