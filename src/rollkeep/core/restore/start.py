@@ -328,14 +328,14 @@ def resume_here(store: CheckpointStore, restored: Restored | None) -> dict[str, 
     return {"names": newer, "into": into} if newer else None
 
 
-def open_state(run_dir: Path, start: Start, source: PromptSource, *,
-               fs: FS = DEFAULT_FS) -> tuple[Ledger, RowStore, PrefixStore]:
+def open_state(run_dir: Path, start: Start, source: PromptSource, *, fs: FS = DEFAULT_FS,
+               columns_from: int | None = None) -> tuple[Ledger, RowStore, PrefixStore]:
     """The ledger, rows and prefixes the scheduler is built on; rows in the row log stay
-    there until first read."""
+    there until first read. `columns_from`: the row store's (`RowStore`)."""
     t, r = start.tail, start.restored
     rows, chains = (t.rows, t.prefixes) if t is not None else (r.rows, r.prefixes) if r is not None else ({}, {})
     reader = RowLogReader(Path(run_dir) / ROWS_DIR, fs=fs).read
-    row_store, prefixes = RowStore(reader=reader), PrefixStore(reader=reader)
+    row_store, prefixes = RowStore(reader=reader, columns_from=columns_from), PrefixStore(reader=reader)
     # The checkpoint's rows by reference as its index's columns too, less those its tail freed.
     located = r.located if r is not None else None
     gone = r.rows.keys() - rows.keys() if located is not None and t is not None else ()

@@ -113,12 +113,14 @@ class RowStore:
     `location` keep serving a deleted row while a pin defers its removal.
     """
 
-    def __init__(self, reader: Callable[[RowId, Any], Row] | None = None) -> None:
+    def __init__(self, reader: Callable[[RowId, Any], Row] | None = None, *, columns_from: int | None = None) -> None:
+        """`columns_from`: keep the columns from this many located rows (`COLUMNS_FROM`)."""
         self._rows: dict[RowId, Row] = {}  # rows in memory
         self._where: dict[RowId, Any] = {}  # RowLocation of rows in the row log
         self._located = LocatedColumns()  # the places `locate` recorded, in columns (for checkpoints)
         self._queued: list[tuple[RowId, Any]] = []  # located, not yet in `_located`
-        self._columns = False  # whether `locate` queues places for `_located` (COLUMNS_FROM)
+        self._columns = False  # whether `locate` queues places for `_located`
+        self._columns_from = COLUMNS_FROM if columns_from is None else columns_from
         self._gathering = threading.Lock()  # one gather (and the put before it) at a time
         self._deferred: set[RowId] = set()  # deleted while pinned; still held
         self._pins = 0
@@ -177,7 +179,7 @@ class RowStore:
                 if held != location:
                     raise ValueError(f"row {tuple(row_id)} is at {held!r} in the row log already, not {location!r}")
                 return
-            if self._columns or len(self._where) >= COLUMNS_FROM:
+            if self._columns or len(self._where) >= self._columns_from:
                 if not self._columns:
                     self._columns = True
                     self._queued.extend(self._where.items())  # put in batch by batch, below
@@ -287,7 +289,7 @@ class RowStore:
             self._where.update(refs)
             self._rows.update(copied)
             self._n = len(rows)
-            if located is not None and len(self._where) >= COLUMNS_FROM:
+            if located is not None and len(self._where) >= self._columns_from:
                 self._columns = True
                 self._located.fill(located)
                 for rid in gone:
