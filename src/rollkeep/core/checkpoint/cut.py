@@ -33,7 +33,6 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import compress, repeat
-from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +59,7 @@ from ..rollout.rowstore import RowPin, RowStore
 from .manifest import OpenedCheckpoint
 from .meta import RunMeta, to_manifest
 from .rowcodec import encode_rows
-from .rowindex import ROWS_INDEX, RowColumns, encode_index
+from .rowindex import ROWS_INDEX, RowColumns, encode_index, index_rows
 from .store import CheckpointStore, Published
 
 LEDGER_FILE = "ledger.msgpack"
@@ -246,10 +245,10 @@ def referenced_set(state: LedgerState) -> set[RowId]:
 def _placed(pin: RowPin, sealed: SealedColumns, gids: list[str], got: Gathered) -> tuple[RowColumns, list[RowId]]:
     """The sealed rows that have a place in the row log, with it (`gids`: each row's group
     id), and the rows that have none (to copy: the journal off, or restored copies). `got`:
-    the places `locate` recorded, gathered from columns (`RowPin.gather`); the rest (rows
-    restored by reference, or located under a pin into an occupied slot) are looked up one
-    by one."""
-    places = [got.segment, got.offset, got.length, got.checksum]
+    the places the row store's columns hold (`RowPin.gather`); the others (a store below
+    `COLUMNS_FROM`, rows a journal's tail sealed before a restart, a displaced attempt)
+    are looked up one by one."""
+    places = {"segment": got.segment, "offset": got.offset, "length": got.length, "checksum": got.checksum}
     keep, copied = got.found, []
     miss = np.flatnonzero(~keep)
     if len(miss):
@@ -258,16 +257,17 @@ def _placed(pin: RowPin, sealed: SealedColumns, gids: list[str], got: Gathered) 
         locs = list(map(pin.locations, keys))  # one C-level lookup per row
         placed = np.fromiter((loc is not None for loc in locs), bool, len(locs))
         copied = [RowId(*rid) for rid, loc in zip(keys, locs, strict=True) if loc is None]
-        locs = [loc for loc in locs if loc is not None]
+        held = [(rid, loc) for rid, loc in zip(keys, locs, strict=True) if loc is not None]
+        found = index_rows(*([rid[i] for rid, _ in held] for i in range(3)), [loc for _, loc in held])
         at = miss[placed]
-        for col, field in zip(places, ("segment", "offset", "length", "checksum"), strict=True):
-            col[at] = np.fromiter(map(attrgetter(field), locs), col.dtype, len(locs))
+        for name, col in places.items():
+            col[at] = getattr(found, name)
         keep[at] = True
     gens, atts = sealed.generation, sealed.attempt
     if copied:
         gids, gens, atts = list(compress(gids, keep.tolist())), gens[keep], atts[keep]
-        places = [col[keep] for col in places]
-    return RowColumns(gids, gens, atts, np.zeros(len(gids), np.int32), *places), copied
+        places = {name: col[keep] for name, col in places.items()}
+    return RowColumns(gids, gens, atts, np.zeros(len(gids), np.int32), **places), copied
 
 
 def stopwatch(into: dict[str, float] | None) -> Callable[[str], None]:

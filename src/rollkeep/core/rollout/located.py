@@ -122,7 +122,7 @@ class LocatedColumns:
         caps = np.fromiter(map(self._cap.get, bases.tolist(), repeat(0)), np.int64, n)
         grow = np.flatnonzero(gen >= caps)  # a new group, or a generation past its block
         if len(grow):
-            sizes = np.maximum(_MIN_BLOCK, np.left_shift(1, np.frexp(gen[grow].astype(np.float64))[1]))
+            sizes = _block_sizes(gen[grow])
             by_size = grow[np.argsort(sizes, kind="stable")]  # dict() keeps the last, the largest
             need = dict(zip(map(gids.__getitem__, by_size.tolist()), np.sort(sizes).tolist(), strict=True))
             for gid, size in need.items():
@@ -153,7 +153,7 @@ class LocatedColumns:
         gen = places.generation.astype(np.int64)
         top = np.zeros(len(names), np.int64)
         np.maximum.at(top, group, gen)
-        sizes = np.maximum(_MIN_BLOCK, np.left_shift(1, np.frexp(top.astype(np.float64))[1].astype(np.int64)))
+        sizes = _block_sizes(top)
         bases = np.cumsum(sizes) - sizes
         slot = bases[group] + gen
         total = int(sizes.sum())
@@ -224,6 +224,12 @@ class LocatedColumns:
         self._cols.key[base : base + old] = _EMPTY
         self._free.setdefault(old, []).append(base)
         return new
+
+
+def _block_sizes(generation: np.ndarray) -> np.ndarray:
+    """The block each generation needs: a power of two past it, at least `_MIN_BLOCK`
+    (`frexp`'s exponent of g is `g.bit_length()`)."""
+    return np.maximum(_MIN_BLOCK, np.left_shift(1, np.frexp(generation.astype(np.float64))[1].astype(np.int64)))
 
 
 def _groups(gids: list[str]) -> tuple[list[str], np.ndarray]:
