@@ -129,9 +129,11 @@ def test_a_checkpoint_killed_before_latest_moved_keeps_the_journal_tail(tmp_path
     first, second = restored_events(cfg)
     # the start after the kill took LATEST (step 2), not the unpublished step-4 directory;
     # the process it started may then publish step 4 itself before its first `taken` (its
-    # replayed groups can fill steps 3 and 4: whether they do first is timing)
+    # replayed groups can fill steps 3 and 4: whether they do first is timing; then the
+    # journal may hold nothing past step 4's cut when the kill comes)
     assert first["checkpoint"] == "step_000002" and second["checkpoint"] in ("step_000002", "step_000004")
-    assert first["journal_events_replayed"] > 0 and second["journal_events_replayed"] > 0
+    assert first["journal_events_replayed"] > 0
+    assert second["journal_events_replayed"] > 0 or second["checkpoint"] == "step_000004"
     check(cfg, sha)
 
 

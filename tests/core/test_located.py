@@ -148,7 +148,7 @@ def test_a_checkpoint_names_each_row_at_its_dicts_place_whether_or_not_the_colum
 def index_of(rids: list[RowId]) -> RowColumns:
     """A checkpoint's index of `rids`, row i at loc_of(i)."""
     places = [loc_of(i) for i in range(len(rids))]
-    return RowColumns([r.group_id for r in rids], np.array([r.generation for r in rids], np.int32),
+    return RowColumns.per_entry([r.group_id for r in rids], np.array([r.generation for r in rids], np.int32),
                       np.array([r.attempt for r in rids], np.int32), np.zeros(len(rids), np.int32),
                       *(np.array([getattr(p, f) for p in places], dtype) for f, dtype in (
                           ("segment", np.int32), ("offset", np.uint64), ("length", np.uint64), ("checksum", np.uint64))))

@@ -40,7 +40,7 @@ def test_turns_round_trip_and_schema_1_has_none() -> None:
     (lambda raw: raw[3].append([7, 2, None]), "turn of no chunk"),
     (lambda raw: raw[3].append([0, 0, None]), "turn of no chunk, or one chunk twice"),
     (lambda raw: raw[3].__setitem__(1, [2, 2, None]), "skips a turn"),
-    (lambda raw: raw.__setitem__(0, 3), "Unsupported rows index schema"),
+    (lambda raw: raw.__setitem__(0, 4), "Unsupported rows index schema"),
     (lambda raw: raw[3].append([-1, 0, None]), "does not decode"),
 ])
 def test_a_forged_turns_table_is_refused(change, message) -> None:

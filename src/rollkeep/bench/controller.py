@@ -107,7 +107,7 @@ def checkpoint_costs(n: int, tokens: int = 64, *, by_reference: bool = True, gro
         "row_bytes": sum(r.prompt_ids.nbytes + 3 * r.completion_ids.nbytes for r in map(rows.get, rows.ids())),
         "cut_hold_s_median": statistics.median(holds),
         "write_s": write_s,
-        "write_phases": phases,  # seconds: audit, key_order, row_ids, locations, index_columns, encode_*, publish
+        "write_phases": phases,  # seconds: audit, key_order, locations, index_columns, encode_*, publish
         "bytes": published.bytes,
         "restore_s": restore_s,
         "write_after_restore_s": write_after_restore_s,

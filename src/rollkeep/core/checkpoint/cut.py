@@ -242,18 +242,17 @@ def referenced_set(state: LedgerState) -> set[RowId]:
     return set(referenced_columns(state).row_ids())
 
 
-def _placed(pin: RowPin, sealed: SealedColumns, gids: list[str], got: Gathered) -> tuple[RowColumns, list[RowId]]:
-    """The sealed rows that have a place in the row log, with it (`gids`: each row's group
-    id), and the rows that have none (to copy: the journal off, or restored copies). `got`:
-    the places the row store's columns hold (`RowPin.gather`); the others (a store below
-    `COLUMNS_FROM`, rows a journal's tail sealed before a restart, a displaced attempt)
-    are looked up one by one."""
+def _placed(pin: RowPin, sealed: SealedColumns, got: Gathered) -> tuple[RowColumns, list[RowId]]:
+    """The sealed rows that have a place in the row log, with it, and the rows that have
+    none (to copy: the journal off, or restored copies). `got`: the places the row store's
+    columns hold (`RowPin.gather`); the others (a store below `COLUMNS_FROM`, rows a
+    journal's tail sealed before a restart, a displaced attempt) are looked up one by one."""
     places = {"segment": got.segment, "offset": got.offset, "length": got.length, "checksum": got.checksum}
     keep, copied = got.found, []
     miss = np.flatnonzero(~keep)
     if len(miss):
-        keys = list(zip(map(gids.__getitem__, miss.tolist()), sealed.generation[miss].tolist(),
-                        sealed.attempt[miss].tolist(), strict=True))
+        keys = list(zip(map(sealed.group_ids.__getitem__, sealed.group[miss].tolist()),
+                        sealed.generation[miss].tolist(), sealed.attempt[miss].tolist(), strict=True))
         locs = list(map(pin.locations, keys))  # one C-level lookup per row
         placed = np.fromiter((loc is not None for loc in locs), bool, len(locs))
         copied = [RowId(*rid) for rid, loc in zip(keys, locs, strict=True) if loc is None]
@@ -263,11 +262,15 @@ def _placed(pin: RowPin, sealed: SealedColumns, gids: list[str], got: Gathered) 
         for name, col in places.items():
             col[at] = getattr(found, name)
         keep[at] = True
-    gens, atts = sealed.generation, sealed.attempt
+    group, gens, atts = sealed.group, sealed.generation, sealed.attempt
     if copied:
-        gids, gens, atts = list(compress(gids, keep.tolist())), gens[keep], atts[keep]
+        group, gens, atts = group[keep], gens[keep], atts[keep]
         places = {name: col[keep] for name, col in places.items()}
-    return RowColumns(gids, gens, atts, np.zeros(len(gids), np.int32), **places), copied
+    # Rows are listed group by group (`sealed_columns`): a group's run is its count of rows.
+    counts = np.bincount(group, minlength=len(sealed.group_ids))
+    named = np.flatnonzero(counts)
+    return RowColumns(list(map(sealed.group_ids.__getitem__, named.tolist())), counts[named], gens, atts,
+                      np.zeros(len(gens), np.int32), **places), copied
 
 
 def stopwatch(into: dict[str, float] | None) -> Callable[[str], None]:
@@ -299,11 +302,9 @@ def checkpoint_files(c: Cut, *, phases: dict[str, float] | None = None) -> tuple
     groups = GroupColumns(c.ledger.groups)  # sorted once: the row listing and the codec read it
     sealed = sealed_columns(groups)
     lap("key_order")
-    gids = sealed.row_group_ids()
-    lap("row_ids")
     got = c.rows.gather(sealed.group_ids, sealed.group, sealed.generation, sealed.attempt)
     lap("locations")
-    by_ref, copied = _placed(c.rows, sealed, gids, got)
+    by_ref, copied = _placed(c.rows, sealed, got)
     lap("index_columns")
     # Partial generations whose every chunk is in the row log (with the journal: all).
     chains = {sib: chain for sib, chain in c.prefixes.items() if all(ch.at is not None for ch in chain)}

@@ -6,16 +6,21 @@ the extent of every segment it names. Rows without a location (a run with the jo
 or rows restored from a checkpoint that copied them) are still copied into
 `rows.safetensors`; a row is in exactly one of the two files.
 
-Format: msgpack `[2 (schema), rows, chunks, turns]`, each a table `[group_ids, generation, attempt,
-end, segment, offset, length, checksum]`: a list of str and then one column per field as raw
-little-endian arrays (int32 x 4, uint64, uint32, uint64 = xxh3_64 of the frame's payload),
-entry i across them. `rows` are the rows named by reference, in the order the checkpoint
-lists them (`end` 0); `chunks` the partial generations' chains (`core/rollout/prefixes.py`), each
-sibling's chunks in order, `end` the completion's tokens through the chunk; `turns` lists
-the chunks that end a turn of a multi-turn episode (docs/design.md §5.4) as `[chunk's
-position in chunks, turn, the environment's snapshot bytes or nil]`. (Schema 1, written
-before episodes existed, has no `turns` and is still read.) Columns, not one array per row: 100 k rows
-decode in a few msgspec and numpy calls. The file is bound by its
+Format: msgpack `[3 (schema), rows, chunks, turns]`. `rows` are the rows named by
+reference, in the order the checkpoint lists them (the ledger's: groups in key order, each
+group's rows together), as `[group_ids, counts, generation, attempt, segment, offset,
+length, checksum]`: each group named once with how many entries follow (uint32), then one
+column per field as raw little-endian arrays (int32 x 3, uint64, uint32, uint64 = xxh3_64 of
+the frame's payload), entry i across them. `chunks` are the partial generations' chains
+(`core/rollout/prefixes.py`), each sibling's chunks in order, as `[group_ids, generation,
+attempt, end, segment, offset, length, checksum]` with a group id per entry and `end` (int32)
+the completion's tokens through the chunk; `turns` lists the chunks that end a turn of a
+multi-turn episode (docs/design.md §5.4) as `[chunk's position in chunks, turn, the
+environment's snapshot bytes or nil]`. Columns, not one array per row: 100 k groups' rows
+decode in a few msgspec and numpy calls. Still read: schema 2, whose `rows` table is laid
+out as `chunks` (a group id per row, an `end` of 0: ~30 % more bytes), and schema 1 (schema 2
+before episodes: no `turns`).
+The file is bound by its
 sha256 in the manifest like every other file; the manifest's `rows.segments` lists, for each
 segment the index names, `[segment, end]` where `end` is the end of the last frame it names
 there (a restore checks each segment reaches that far, and retention keeps every segment a
@@ -28,8 +33,8 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cached_property
-from itertools import repeat
-from operator import attrgetter
+from itertools import chain, repeat
+from operator import attrgetter, ne
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -46,8 +51,8 @@ __all__ = ["INDEX_SCHEMA", "ROWS_INDEX", "RowColumns", "decode_index", "encode_i
            "rows_dir_for", "segments_listed"]
 
 ROWS_INDEX = "rows.index"
-INDEX_SCHEMA = 2
-_SCHEMAS_READ = (1, 2)
+INDEX_SCHEMA = 3
+_SCHEMAS_READ = (1, 2, 3)
 _REMEDY = (
     "the rows index of this checkpoint is corrupt or was not written by this rollkeep; "
     "restore from an older checkpoint, or start the run fresh."
@@ -65,25 +70,55 @@ class _Table(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     checksum: bytes  # uint64
 
 
+class _Runs(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """Schema 3's rows: each group named once, with the number of its entries."""
+
+    group_ids: list[Annotated[str, msgspec.Meta(min_length=1)]]
+    counts: bytes  # uint32 LE, one per group id
+    generation: bytes  # int32 LE, one per entry; likewise below
+    attempt: bytes
+    segment: bytes
+    offset: bytes  # uint64
+    length: bytes  # uint32
+    checksum: bytes  # uint64
+
+
 class _Index(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     schema: int
-    rows: _Table
+    rows: msgspec.Raw  # `_Runs` (schema 3) or `_Table`, decoded once the schema is known
     chunks: _Table  # partial generations: each sibling's chain, in order
     turns: list[tuple[Annotated[int, msgspec.Meta(ge=0)], Annotated[int, msgspec.Meta(ge=0)], bytes | None]] = []
 
 
+class _Written(msgspec.Struct, array_like=True):
+    """What `encode_index` writes (schema 3): `_Index` with its rows as runs."""
+
+    schema: int
+    rows: _Runs
+    chunks: _Table
+    turns: list[tuple[int, int, bytes | None]]
+
+
 _COLUMNS = {"generation": "<i4", "attempt": "<i4", "end": "<i4", "segment": "<i4", "offset": "<u8",
             "length": "<u4", "checksum": "<u8"}
+_RUN_COLUMNS = {k: v for k, v in _COLUMNS.items() if k != "end"}
+_COUNTS = "<u4"
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(_Index).decode
+_decode_runs = msgspec.msgpack.Decoder(_Runs).decode
+_decode_table = msgspec.msgpack.Decoder(_Table).decode
 
 
 @dataclass(frozen=True)
 class RowColumns:
     """Entries of a `rows.index` table as columns (entry i across them): what a checkpoint
-    writes and a restore compares with the ledger, without an object per row."""
+    writes and a restore compares with the ledger, without an object per row. The entries'
+    groups are runs: `group_ids[j]` for the next `counts[j]` entries (a group's rows are
+    listed together, so a group is named once; `per_entry` finds the runs of a group id
+    per entry)."""
 
-    group_ids: list[str]
+    group_ids: list[str]  # one per run
+    counts: np.ndarray  # int64, entries per run (each >= 1)
     generation: np.ndarray
     attempt: np.ndarray
     end: np.ndarray
@@ -92,8 +127,21 @@ class RowColumns:
     length: np.ndarray
     checksum: np.ndarray
 
+    @classmethod
+    def per_entry(cls, group_ids: list[str], *columns: np.ndarray) -> RowColumns:
+        """The columns of entries given a group id each (`columns` in the order of the
+        fields after `counts`): runs of equal neighbours, found in C."""
+        n = len(group_ids)
+        starts = np.flatnonzero(np.fromiter(map(ne, group_ids[1:], group_ids), bool, max(n - 1, 0))) + 1
+        starts = np.concatenate([np.zeros(min(n, 1), np.int64), starts])
+        return cls(list(map(group_ids.__getitem__, starts.tolist())), np.diff(starts, append=n), *columns)
+
     def __len__(self) -> int:
-        return len(self.group_ids)
+        return len(self.generation)
+
+    def entry_group_ids(self) -> list[str]:
+        """Each entry's group id (the runs expanded, in C)."""
+        return list(chain.from_iterable(map(repeat, self.group_ids, self.counts.tolist())))
 
     def ids(self) -> list[RowId]:
         # tuple.__new__ in C: a NamedTuple's own __new__ is Python, ~5x slower per row.
@@ -104,7 +152,7 @@ class RowColumns:
         they look rows up alike; built by `zip` in C, and untracked by the cyclic collector
         after its first pass (a NamedTuple never is: 800 k of them made every later full
         collection of a restored run walk them)."""
-        return list(zip(self.group_ids, self.generation.tolist(), self.attempt.tolist(), strict=True))
+        return list(zip(self.entry_group_ids(), self.generation.tolist(), self.attempt.tolist(), strict=True))
 
     def locations(self) -> Iterator[RowLocation]:
         return _locations(self.__dict__)
@@ -124,15 +172,22 @@ def index_rows(group_ids: list[str], generation, attempt, locations: list[RowLoc
     def column(field: str, dtype: str) -> np.ndarray:
         return np.fromiter(map(attrgetter(field), locations), dtype, n)
 
-    return RowColumns(group_ids, np.asarray(generation, _COLUMNS["generation"]),
+    return RowColumns.per_entry(list(group_ids), np.asarray(generation, _COLUMNS["generation"]),
                       np.asarray(attempt, _COLUMNS["attempt"]),
                       np.zeros(n, _COLUMNS["end"]) if end is None else np.asarray(end, _COLUMNS["end"]),
                       *(column(f, _COLUMNS[f]) for f in ("segment", "offset", "length", "checksum")))
 
 
 def _table(cols: RowColumns) -> _Table:
-    return _Table(cols.group_ids, **{k: np.ascontiguousarray(getattr(cols, k), v).tobytes()
-                                     for k, v in _COLUMNS.items()})
+    return _Table(cols.entry_group_ids(), **{k: np.ascontiguousarray(getattr(cols, k), v).tobytes()
+                                             for k, v in _COLUMNS.items()})
+
+
+def _runs(cols: RowColumns) -> _Runs:
+    if len(cols.counts) and (cols.counts.min() < 1 or cols.counts.max() > np.iinfo(_COUNTS).max):
+        raise ValueError(f"rows index runs of {int(cols.counts.min())}..{int(cols.counts.max())} entries")
+    return _Runs(cols.group_ids, cols.counts.astype(_COUNTS).tobytes(),
+                 **{k: np.ascontiguousarray(getattr(cols, k), v).tobytes() for k, v in _RUN_COLUMNS.items()})
 
 
 def encode_index(entries: RowColumns | Iterable[tuple[RowId, RowLocation]],
@@ -148,7 +203,7 @@ def encode_index(entries: RowColumns | Iterable[tuple[RowId, RowLocation]],
                         [ch.attempt for _, _, ch in links], [ch.at for _, _, ch in links],
                         [ch.end for _, _, ch in links])
     turns = [(i, ch.turn, ch.snapshot) for i, (_, _, ch) in enumerate(links) if ch.turn >= 0]
-    return _encode(_Index(INDEX_SCHEMA, _table(entries), _table(chunks), turns))
+    return _encode(_Written(INDEX_SCHEMA, _runs(entries), _table(chunks), turns))
 
 
 @dataclass(frozen=True)
@@ -177,15 +232,23 @@ def decode_index(data: bytes, *, path: str = ROWS_INDEX) -> Index:
 
     try:
         index = _decode(data)
+        if index.schema not in _SCHEMAS_READ:
+            raise bad("Unsupported rows index schema", f"one of {list(_SCHEMAS_READ)}", str(index.schema), "schema")
+        table = (_decode_runs if index.schema >= 3 else _decode_table)(index.rows)
     except msgspec.DecodeError as e:
-        raise bad("The rows index does not decode", "msgpack [schema, rows, chunks, turns], the first two "
-                  "tables of group_ids, generation, attempt, end, segment, offset, length, checksum",
-                  str(e)) from None
-    if index.schema not in _SCHEMAS_READ:
-        raise bad("Unsupported rows index schema", f"one of {list(_SCHEMAS_READ)}", str(index.schema), "schema")
-    rows, ends = _columns(index.rows, bad, "rows")
+        raise bad("The rows index does not decode", "msgpack [schema, rows, chunks, turns]: rows a table of "
+                  "group_ids, counts, generation, attempt, segment, offset, length, checksum (schema 3; "
+                  "group_ids, generation, attempt, end, ... before), chunks of group_ids, generation, attempt, "
+                  "end, segment, offset, length, checksum", str(e)) from None
+    if isinstance(table, _Runs):
+        counts = _counts(table, bad)
+        rows, ends = _columns(table, bad, "rows", n=int(counts.sum()), names=_RUN_COLUMNS)
+        rows["end"] = np.zeros(len(ends), _COLUMNS["end"])
+        columns = RowColumns(table.group_ids, counts, *(rows[col] for col in _COLUMNS))
+    else:
+        rows, ends = _columns(table, bad, "rows")
+        columns = RowColumns.per_entry(table.group_ids, *(rows[col] for col in _COLUMNS))
     chunks, chunk_ends = _columns(index.chunks, bad, "chunks")
-    columns = RowColumns(index.rows.group_ids, *(rows[col] for col in _COLUMNS))
     ids = columns.row_keys()
     out = dict(zip(ids, columns.locations(), strict=True))
     if len(out) != len(ids):
@@ -223,10 +286,26 @@ def _turns(entries: list[tuple[int, int, bytes | None]], n_chunks: int, bad) -> 
     return out
 
 
-def _columns(t: _Table, bad, name: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    n = len(t.group_ids)
+def _counts(t: _Runs, bad) -> np.ndarray:
+    """Schema 3's entries per group: one uint32 >= 1 per group id."""
+    width = np.dtype(_COUNTS).itemsize
+    if len(t.counts) != len(t.group_ids) * width:
+        raise bad("The rows index column rows.counts has the wrong length",
+                  f"{len(t.group_ids)} x {width} bytes (one per group id)", f"{len(t.counts)} bytes")
+    counts = np.frombuffer(t.counts, _COUNTS).astype(np.int64)
+    if len(counts) and int(counts.min()) < 1:
+        raise bad("The rows index column rows.counts is out of range", ">= 1 (a group named has rows)",
+                  str(int(counts.min())))
+    return counts
+
+
+def _columns(t: _Table | _Runs, bad, name: str, *, n: int | None = None,
+             names: Mapping[str, str] = _COLUMNS) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """The table's columns, each checked to hold `n` entries (a `_Table`: one per group id)
+    and within range; and each entry's end in its segment."""
+    n = len(t.group_ids) if n is None else n
     cols = {}
-    for col, dtype in _COLUMNS.items():
+    for col, dtype in names.items():
         raw = getattr(t, col)
         width = np.dtype(dtype).itemsize
         if len(raw) != n * width:
@@ -234,7 +313,7 @@ def _columns(t: _Table, bad, name: str) -> tuple[dict[str, np.ndarray], np.ndarr
                       f"{n} x {width} bytes (one per entry)", f"{len(raw)} bytes", name)
         cols[col] = np.frombuffer(raw, dtype)
     for col, low in (("generation", 0), ("attempt", 0), ("end", 0), ("segment", 0), ("length", FRAME_HEADER.size)):
-        if n and int(cols[col].min()) < low:
+        if n and col in cols and int(cols[col].min()) < low:
             raise bad(f"The rows index column {name}.{col} is out of range", f">= {low}",
                       str(int(cols[col].min())), name)
     if n and int(cols["offset"].max()) > MAX_OFFSET:  # offset + length must not wrap

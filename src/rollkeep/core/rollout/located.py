@@ -73,9 +73,11 @@ class Gathered(NamedTuple):
 
 
 class Places(Protocol):
-    """Many rows' places as columns, row i across them (a checkpoint's `RowColumns`)."""
+    """Many rows' places as columns, row i across them (a checkpoint's `RowColumns`): the
+    rows' groups as runs, `group_ids[j]` for the next `counts[j]` rows."""
 
     group_ids: list[str]
+    counts: np.ndarray
     generation: np.ndarray
     attempt: np.ndarray
     segment: np.ndarray
@@ -148,8 +150,7 @@ class LocatedColumns:
         sibling): a block per group, the columns scattered in a few array operations."""
         if self._base:
             raise ValueError("LocatedColumns.fill fills an empty table")
-        gids = places.group_ids
-        names, group = _groups(gids)
+        names, group = _groups(places.group_ids, places.counts)
         gen = places.generation.astype(np.int64)
         top = np.zeros(len(names), np.int64)
         np.maximum.at(top, group, gen)
@@ -232,17 +233,12 @@ def _block_sizes(generation: np.ndarray) -> np.ndarray:
     return np.maximum(_MIN_BLOCK, np.left_shift(1, np.frexp(generation.astype(np.float64))[1].astype(np.int64)))
 
 
-def _groups(gids: list[str]) -> tuple[list[str], np.ndarray]:
-    """The distinct group ids and each entry's position among them. An index lists each
-    group's rows together (the ledger's order): then the runs of equal ids are the groups,
-    found by comparing neighbours, with no hash of 800 k strings; otherwise by a dict."""
-    if not gids:
-        return [], np.zeros(0, np.int64)
-    starts = np.flatnonzero(np.fromiter(map(ne, gids[1:], gids), bool, len(gids) - 1)) + 1
-    starts = np.concatenate([[0], starts])
-    names = [gids[i] for i in starts.tolist()]
-    if len(set(names)) == len(names):
-        return names, np.repeat(np.arange(len(names)), np.diff(starts, append=len(gids)))
-    pos = {gid: i for i, gid in enumerate(dict.fromkeys(gids))}
-    return list(pos), np.fromiter(map(pos.__getitem__, gids), np.int64, len(gids))
+def _groups(run_ids: list[str], counts: np.ndarray) -> tuple[list[str], np.ndarray]:
+    """The distinct group ids of runs of rows and each row's position among them. An index
+    lists each group's rows together (the ledger's order): then each run is a group;
+    otherwise the runs of one group are found by a dict."""
+    if len(set(run_ids)) == len(run_ids):
+        return list(run_ids), np.repeat(np.arange(len(run_ids)), counts)
+    pos = {gid: i for i, gid in enumerate(dict.fromkeys(run_ids))}
+    return list(pos), np.repeat(np.fromiter(map(pos.__getitem__, run_ids), np.int64, len(run_ids)), counts)
 
