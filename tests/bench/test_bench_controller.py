@@ -51,7 +51,7 @@ def test_bench_controller_suite_reports_the_sweep(tmp_path, capsys):
     # The write's phases partition it: each is timed once, and together they are within it.
     ck = sweep["checkpoint_by_inflight"]
     phases = ck["write_phases"][-1]
-    assert list(phases) == ["audit", "key_order", "row_ids", "locations", "index_columns", "encode_ledger",
-                            "encode_rows", "publish"]
+    assert list(phases) == ["audit", "key_order", "locations", "index_columns", "encode_ledger", "encode_rows",
+                            "publish"]
     assert all(t >= 0 for t in phases.values()) and sum(phases.values()) <= ck["write_s"][-1]
     assert "exponent" in printed and "siblings per CPU-second" in printed and "by phase: audit" in printed
