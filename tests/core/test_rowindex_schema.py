@@ -47,7 +47,7 @@ def test_rows_round_trip_and_schema_2_decodes_alike(rows) -> None:
         assert cols.entry_group_ids() == [r[0] for r in rows]
         assert cols.generation.tolist() == [r[1] for r in rows] and not cols.end.any()
         # runs are maximal: neighbours differ
-        assert all(a != b for a, b in zip(cols.group_ids, cols.group_ids[1:])) and (cols.counts >= 1).all()
+        assert all(a != b for a, b in zip(cols.group_ids, cols.group_ids[1:], strict=False)) and (cols.counts >= 1).all()
     raw = msgspec.msgpack.decode(blob)
     gids = [r[0] for r in rows]
     assert raw[0] == INDEX_SCHEMA == 3

@@ -32,7 +32,7 @@ import gc
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from itertools import compress, repeat
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 

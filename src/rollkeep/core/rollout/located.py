@@ -28,7 +28,7 @@ restore. A gather, which runs holding a pin, therefore reads columns no one writ
 from __future__ import annotations
 
 from itertools import compress, repeat
-from operator import attrgetter, itemgetter, ne
+from operator import attrgetter, itemgetter
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np

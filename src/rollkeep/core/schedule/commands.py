@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 from ..checkpoint.cut import Cut as Custody
 from ..custody.events import (
     DATA,
@@ -40,8 +42,9 @@ from ..rollout.generation import Completion, DataError, GenRequest, InfraError
 AttemptKey = tuple[str, int, int]  # (group id, generation index, attempt)
 
 
-@dataclass(frozen=True)
-class Dispatch:
+# Dispatch, Generated and Failure: msgspec Structs rather than frozen dataclasses, being
+# built once per sibling on the scheduler's hot path (~0.2 µs against ~1 µs).
+class Dispatch(msgspec.Struct, frozen=True):
     request: GenRequest
     stream: bool = False  # the engine's chunks go to `on_progress` (partial generations are recorded)
 
@@ -100,8 +103,7 @@ class Stop:
 Command = Dispatch | Cancel | Train | Cut | Refit | Evaluate | Note | WakeAt | Stop
 
 
-@dataclass(frozen=True)
-class Generated:
+class Generated(msgspec.Struct, frozen=True):
     """A finished attempt: the completion and its reward (computed by the runner, which
     owns the reward functions)."""
 
@@ -110,8 +112,7 @@ class Generated:
     replica: int = 0  # the engine replica that ran it
 
 
-@dataclass(frozen=True)
-class Failure:
+class Failure(msgspec.Struct, frozen=True):
     """A failed attempt: `kind` is infra or data (docs/design.md §6)."""
 
     kind: str

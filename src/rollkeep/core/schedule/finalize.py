@@ -11,7 +11,7 @@ from collections.abc import Callable
 from ..custody.events import Event, Finalizing, Ready
 from ..custody.ledger import Ledger
 from ..rollout.advantages import ScaleRewards, stored_advantages
-from ..rollout.rows import RowId
+from ..rollout.rows import row_id_of
 from ..rollout.rowstore import RowStore
 
 
@@ -20,5 +20,5 @@ def finalize(
 ) -> None:
     apply(Finalizing(group_id=gid))
     rec = ledger.group(gid)
-    rewards = [rows.get(RowId(gid, g, rec.attempts[g])).reward for g in range(rec.group_size)]
+    rewards = [rows.get(row_id_of((gid, g, a))).reward for g, a in enumerate(rec.attempts)]
     apply(Ready(group_id=gid, advantages=stored_advantages(rewards, scale_rewards)))

@@ -71,7 +71,7 @@ from ..rollout.batch import Batch, TrainGroup
 from ..rollout.effects import EFFECT_UNKNOWN, FAIL, Call, Decision, EffectStore, effect_key
 from ..rollout.generation import Chunk, GenRequest, sampling_seed
 from ..rollout.prefixes import PrefixStore
-from ..rollout.rows import Row, RowId
+from ..rollout.rows import Row, row_id_of
 from ..rollout.rowstore import RowStore
 from ..rollout.samplers import Sampler
 from ..rollout.source import PromptSource
@@ -269,8 +269,8 @@ class Scheduler:
 
     def _apply(self, ev: Event) -> None:
         """Apply an event and delete the rows it frees: the only way this class mutates."""
-        for gid, g, attempt in self.ledger.apply(ev):
-            self.rows.delete(RowId(gid, g, attempt))
+        for key in self.ledger.apply(ev):
+            self.rows.delete(row_id_of(key))
 
     def _go(self, what: str) -> None:
         nxt = TRAIN_TABLE.get((self.phase, what))
@@ -510,7 +510,7 @@ class Scheduler:
             row = Row(prompt_ids=c.prompt_ids, completion_ids=c.completion_ids, logprobs=c.logprobs,
                       versions=c.versions, reward=outcome.reward, finish_reason=c.finish_reason)
             tokens = len(row.completion_ids)
-            self.rows.put(RowId(gid, g, attempt), row)
+            self.rows.put(row_id_of(key), row)
             version = _greatest(row.versions) if tokens else self.engine_version
             self._apply(Sealed(group_id=gid, generation=g, attempt=attempt, version=version, tokens=tokens,
                                resumed_from=resumed, replica=outcome.replica))
@@ -647,7 +647,7 @@ class Scheduler:
         groups, tokens, get = [], 0, self.rows.get
         for gid in gids:
             rec = self.ledger.group(gid)
-            rows = tuple(get(RowId(gid, g, a)) for g, a in enumerate(rec.attempts))
+            rows = tuple(get(row_id_of((gid, g, a))) for g, a in enumerate(rec.attempts))
             tokens += sum(len(r.completion_ids) for r in rows)
             groups.append(TrainGroup(gid, rec.epoch, rec.ordinal, rec.idx, rec.task, tuple(rec.advantages), rows))
         self._step_tokens = tokens
