@@ -202,14 +202,17 @@ class SealedColumns:
     generation: np.ndarray  # int64, per sealed row
     attempt: np.ndarray  # int64, per sealed row
 
-    def row_group_ids(self) -> list[str]:
-        return list(map(self.group_ids.__getitem__, self.group.tolist()))
+    def runs(self, group: np.ndarray | None = None) -> tuple[list[str], np.ndarray]:
+        """The groups that have rows among `group` (rows' group positions: all rows when
+        None), in order, and how many rows each has: `rows.index`'s runs."""
+        counts = np.bincount(self.group if group is None else group, minlength=len(self.group_ids))
+        named = np.flatnonzero(counts)
+        return list(map(self.group_ids.__getitem__, named.tolist())), counts[named]
 
-    def row_keys(self, row_group_ids: list[str] | None = None) -> list[tuple[str, int, int]]:
+    def row_keys(self) -> list[tuple[str, int, int]]:
         """The rows' ids as plain tuples, which look rows up as the RowIds they equal (built
-        by `zip` in C). `row_group_ids`: this one's `row_group_ids()`, when the caller has it
-        already."""
-        gids = self.row_group_ids() if row_group_ids is None else row_group_ids
+        by `zip` in C)."""
+        gids = list(map(self.group_ids.__getitem__, self.group.tolist()))
         return list(zip(gids, self.generation.tolist(), self.attempt.tolist(), strict=True))
 
     def row_ids(self) -> list[RowId]:
@@ -266,11 +269,7 @@ def _placed(pin: RowPin, sealed: SealedColumns, got: Gathered) -> tuple[RowColum
     if copied:
         group, gens, atts = group[keep], gens[keep], atts[keep]
         places = {name: col[keep] for name, col in places.items()}
-    # Rows are listed group by group (`sealed_columns`): a group's run is its count of rows.
-    counts = np.bincount(group, minlength=len(sealed.group_ids))
-    named = np.flatnonzero(counts)
-    return RowColumns(list(map(sealed.group_ids.__getitem__, named.tolist())), counts[named], gens, atts,
-                      np.zeros(len(gens), np.int32), **places), copied
+    return RowColumns(*sealed.runs(group), gens, atts, np.zeros(len(gens), np.int32), **places), copied
 
 
 def stopwatch(into: dict[str, float] | None) -> Callable[[str], None]:

@@ -18,9 +18,8 @@ the completion's tokens through the chunk; `turns` lists the chunks that end a t
 multi-turn episode (docs/design.md §5.4) as `[chunk's position in chunks, turn, the
 environment's snapshot bytes or nil]`. Columns, not one array per row: 100 k groups' rows
 decode in a few msgspec and numpy calls. Still read: schema 2, whose `rows` table is laid
-out as `chunks` (a group id per row, an `end` of 0: ~30 % more bytes), and schema 1 (schema 2
-before episodes: no `turns`).
-The file is bound by its
+out as `chunks` (a group id and an `end` of 0 per row: a third more bytes at 8 rows per
+group), and schema 1 (schema 2 before episodes: no `turns`). The file is bound by its
 sha256 in the manifest like every other file; the manifest's `rows.segments` lists, for each
 segment the index names, `[segment, end]` where `end` is the end of the last frame it names
 there (a restore checks each segment reaches that far, and retention keeps every segment a

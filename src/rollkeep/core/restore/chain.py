@@ -300,12 +300,10 @@ def check_rows(ck: OpenedCheckpoint, state: LedgerState) -> tuple[dict[RowId, Ro
 
 def _in_ledger_order(columns: RowColumns, sealed: SealedColumns) -> bool:
     """The index's rows are the ledger's sealed attempts, in the same order."""
-    counts = np.bincount(sealed.group, minlength=len(sealed.group_ids))
-    named = np.flatnonzero(counts)
-    return (len(columns) == len(sealed.generation) and np.array_equal(columns.counts, counts[named])
+    names, counts = sealed.runs()
+    return (len(columns) == len(sealed.generation) and np.array_equal(columns.counts, counts)
             and np.array_equal(columns.generation, sealed.generation)
-            and np.array_equal(columns.attempt, sealed.attempt)
-            and columns.group_ids == list(map(sealed.group_ids.__getitem__, named.tolist())))
+            and np.array_equal(columns.attempt, sealed.attempt) and columns.group_ids == names)
 
 
 def check_chains(ck: OpenedCheckpoint, state: LedgerState, chains: Mapping[tuple[str, int], tuple[Link, ...]]) -> None:
