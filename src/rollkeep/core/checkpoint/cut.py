@@ -32,7 +32,8 @@ import gc
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import compress, repeat
+from operator import attrgetter, is_not, not_
 from pathlib import Path
 from typing import Any
 
@@ -54,12 +55,12 @@ from ..io.untrusted import (
 from ..rollout.effects import EFFECTS_FILE, EffectRecord, EffectStore, encode_effects
 from ..rollout.located import Gathered
 from ..rollout.prefixes import Link, PrefixStore, finished_turns
-from ..rollout.rows import RowId
+from ..rollout.rows import RowId, row_id_of
 from ..rollout.rowstore import RowPin, RowStore
 from .manifest import OpenedCheckpoint
 from .meta import RunMeta, to_manifest
 from .rowcodec import encode_rows
-from .rowindex import ROWS_INDEX, RowColumns, encode_index, index_rows
+from .rowindex import ROWS_INDEX, RowColumns, encode_index
 from .store import CheckpointStore, Published
 
 LEDGER_FILE = "ledger.msgpack"
@@ -256,14 +257,15 @@ def _placed(pin: RowPin, sealed: SealedColumns, got: Gathered) -> tuple[RowColum
     if len(miss):
         keys = list(zip(map(sealed.group_ids.__getitem__, sealed.group[miss].tolist()),
                         sealed.generation[miss].tolist(), sealed.attempt[miss].tolist(), strict=True))
-        locs = list(map(pin.locations, keys))  # one C-level lookup per row
-        placed = np.fromiter((loc is not None for loc in locs), bool, len(locs))
-        copied = [RowId(*rid) for rid, loc in zip(keys, locs, strict=True) if loc is None]
-        held = [(rid, loc) for rid, loc in zip(keys, locs, strict=True) if loc is not None]
-        found = index_rows(*([rid[i] for rid, _ in held] for i in range(3)), [loc for _, loc in held])
-        at = miss[placed]
+        # In C passes over the rows (a store below `COLUMNS_FROM` looks every row up here).
+        locs = list(map(pin.locations, keys))
+        placed = list(map(is_not, locs, repeat(None)))
+        held = list(compress(locs, placed))
+        if len(held) < len(locs):
+            copied = list(map(row_id_of, compress(keys, map(not_, placed))))
+        at = miss[np.array(placed, bool)]
         for name, col in places.items():
-            col[at] = getattr(found, name)
+            col[at] = np.fromiter(map(attrgetter(name), held), col.dtype, len(held))
         keep[at] = True
     group, gens, atts = sealed.group, sealed.generation, sealed.attempt
     if copied:
