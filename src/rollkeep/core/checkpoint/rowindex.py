@@ -42,7 +42,7 @@ import numpy as np
 
 from ..errors import RowsMismatch
 from ..rollout.prefixes import Link
-from ..rollout.rows import RowId
+from ..rollout.rows import RowId, row_id_of
 from ..rowlog.segments import FRAME_HEADER, MAX_OFFSET, ROWS_DIR, RowLocation
 from .store import CheckpointStore
 
@@ -143,8 +143,8 @@ class RowColumns:
         return list(chain.from_iterable(map(repeat, self.group_ids, self.counts.tolist())))
 
     def ids(self) -> list[RowId]:
-        # tuple.__new__ in C: a NamedTuple's own __new__ is Python, ~5x slower per row.
-        return list(map(tuple.__new__, repeat(RowId), self.row_keys()))
+        # `row_id_of`: in C, where a NamedTuple's own __new__ is Python.
+        return list(map(row_id_of, self.row_keys()))
 
     def row_keys(self) -> list[tuple[str, int, int]]:
         """The entries' row ids as plain tuples: equal to (and hashing as) their `RowId`s, so

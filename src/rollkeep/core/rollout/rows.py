@@ -92,10 +92,9 @@ _I32, _F32 = np.dtype(np.int32), np.dtype(np.float32)
 
 
 def _frozen(arr: np.ndarray) -> np.ndarray:
-    """`arr` if nothing can write to its memory, else a read-only copy."""
-    if arr.flags.writeable:  # the common case (an engine's fresh array): copy at once, into
-        # bytes, which nothing can write (and cheaper than a copy made read-only after)
-        return np.frombuffer(arr.tobytes(), arr.dtype)
+    """`arr` if nothing can write to its memory, else a read-only copy. (`Row` copies a
+    writable array itself, into `bytes`: nothing can write those, and it is cheaper than a
+    copy made read-only after.)"""
     base: Any = arr
     while True:
         if isinstance(base, np.ndarray):

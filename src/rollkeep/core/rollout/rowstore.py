@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from itertools import repeat
 from typing import Any
 
 import numpy as np
 
 from rollkeep.core.errors import CustodyError
 from rollkeep.core.rollout.located import Gathered, LocatedColumns, Places
-from rollkeep.core.rollout.rows import Row, RowId, check_row_id
+from rollkeep.core.rollout.rows import Row, RowId, check_row_id, row_id_of
 
 __all__ = ["RowPin", "RowStore"]
 
@@ -265,7 +264,7 @@ class RowStore:
             snapshot = [rid for rid in self._rows if rid not in self._deferred]
             snapshot += [rid for rid in self._where if rid not in self._rows and rid not in self._deferred]
         # A restore's keys are plain tuples (`restore`): each given back as the RowId it equals.
-        return map(tuple.__new__, repeat(RowId), snapshot)
+        return map(row_id_of, snapshot)
 
     def restore(self, rows: Mapping[RowId, Any], located: Places | None = None, gone: Iterable[RowId] = ()) -> None:
         """Fill an empty store with what a restore produced (`Restored.rows`, a replay's rows:
