@@ -48,6 +48,9 @@ def test_bench_controller_suite_reports_the_sweep(tmp_path, capsys):
         assert fit["bytes"][1] > fit["bytes"][0]  # more groups (or siblings) encode to more bytes
         assert fit["bytes_exponent"] > 0
         assert all(t > 0 for t in fit["write_after_restore_s"])
+        # What a write can reach at best: the disk's time over the disk's and the manifest's hash.
+        assert len(fit["write_over_disk_bound"]) == len(fit["bytes"])
+        assert all(0 < x < 1 for x in fit["write_over_disk_bound"])
     # The write's phases partition it: each is timed once, and together they are within it.
     ck = sweep["checkpoint_by_inflight"]
     phases = ck["write_phases"][-1]
@@ -55,3 +58,4 @@ def test_bench_controller_suite_reports_the_sweep(tmp_path, capsys):
                             "publish"]
     assert all(t >= 0 for t in phases.values()) and sum(phases.values()) <= ck["write_s"][-1]
     assert "exponent" in printed and "siblings per CPU-second" in printed and "by phase: audit" in printed
+    assert "dd/(dd + sha256)" in printed
