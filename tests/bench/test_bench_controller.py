@@ -51,6 +51,13 @@ def test_bench_controller_suite_reports_the_sweep(tmp_path, capsys):
         # What a write can reach at best: the disk's time over the disk's and the manifest's hash.
         assert len(fit["write_over_disk_bound"]) == len(fit["bytes"])
         assert all(0 < x < 1 for x in fit["write_over_disk_bound"])
+    # The checkpoint's medians: one size (quick), one fresh process, its numbers whole.
+    m = r["checkpoint"]
+    assert m["inflight_groups"] == [1000] and m["repeats"] == 1
+    assert [len(runs) for runs in m["write_s_runs"]] == [1] and m["write_s"] == [m["write_s_runs"][0][0]]
+    # The same checkpoint as the sweep's at that size (the manifest's time may differ in length).
+    assert m["bytes"][0] == pytest.approx(sweep["checkpoint_by_inflight"]["bytes"][0], abs=64)
+    assert all(t > 0 for key in ("write_s", "restore_s", "write_after_restore_s") for t in m[key])
     # The write's phases partition it: each is timed once, and together they are within it.
     ck = sweep["checkpoint_by_inflight"]
     phases = ck["write_phases"][-1]
@@ -58,4 +65,4 @@ def test_bench_controller_suite_reports_the_sweep(tmp_path, capsys):
                             "publish"]
     assert all(t >= 0 for t in phases.values()) and sum(phases.values()) <= ck["write_s"][-1]
     assert "exponent" in printed and "siblings per CPU-second" in printed and "by phase: audit" in printed
-    assert "dd/(dd + sha256)" in printed
+    assert "dd/(dd + sha256)" in printed and "medians of 1 interleaved fresh processes" in printed

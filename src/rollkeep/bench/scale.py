@@ -10,6 +10,10 @@
               the checkpoint's write and its restore at 1 k / 10 k / 100 k in-flight groups
               (G = 16) and at G = 4 ... 64 (10 k groups), and the write at the largest size
               phase by phase (`checkpoint.cut.checkpoint_files`' phases and the publish)
+  checkpoint  the write (and its share of the `dd` yardstick, and the most that share can
+              be), the restore and the restored run's first write at 10 k and 100 k
+              in-flight groups: medians of --repeats runs, each in a fresh process, the
+              sizes interleaved (issue 29's targets)
 
 Per-result scheduling "with N in flight" runs `bench.scheduler` with N/2 prompts per step
 and one step of lookahead, so about N groups are admitted at once.
@@ -17,10 +21,13 @@ and one step of lookahead, so about N groups are admitted at once.
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from .scheduler import run_scheduler
 
@@ -63,11 +70,43 @@ def runner_ceiling(repeats: int, *, quick: bool) -> dict:
     return {"steps": steps, "repeats": repeats, "siblings_per_cpu_s": statistics.median(rates), "runs": rates}
 
 
-def _median_of(f: Callable[[], dict], key: str, repeats: int) -> float:
-    return statistics.median(f()[key] for _ in range(repeats))
+#: What `checkpoint_costs` reports that the medians keep (seconds, and the bytes).
+_CHECKPOINT_KEYS = ("write_s", "restore_s", "write_after_restore_s", "bytes")
 
 
-def sweep(*, quick: bool, repeats: int = 1) -> dict:
+def _checkpoint_in_fresh_process(n: int) -> dict:
+    """`checkpoint_costs(n)` in a new interpreter (no heap, cache or collector state left by
+    an earlier size), its numbers back as JSON."""
+    code = ("import json, sys\n"
+            "from rollkeep.bench.controller import checkpoint_costs\n"
+            "r = checkpoint_costs(int(sys.argv[1]))\n"
+            f"print(json.dumps({{k: r[k] for k in {_CHECKPOINT_KEYS!r}}}))")
+    done = subprocess.run([sys.executable, "-c", code, str(n)], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"checkpoint_costs({n}) in a fresh process exited {done.returncode}: "
+                           f"{done.stderr.strip()[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def checkpoint_medians(sizes: Sequence[int], repeats: int) -> dict:
+    """The checkpoint's write, restore and the restored run's first write at each size,
+    each run in a fresh process, the sizes interleaved `repeats` times: medians, with the
+    write's share of the `dd` yardstick and its bound (`hash_s`)."""
+    runs: dict[int, list[dict]] = {n: [] for n in sizes}
+    for _ in range(repeats):
+        for n in sizes:
+            runs[n].append(_checkpoint_in_fresh_process(n))
+    out: dict = {"inflight_groups": list(sizes), "repeats": repeats}
+    for key in _CHECKPOINT_KEYS:
+        out[key] = [statistics.median(r[key] for r in runs[n]) for n in sizes]
+        out[key + "_runs"] = [[r[key] for r in runs[n]] for n in sizes]
+    disk = [disk_write_s(int(b)) for b in out["bytes"]]
+    out["write_over_disk"] = [d / w for d, w in zip(disk, out["write_s"], strict=True)]
+    out["write_over_disk_bound"] = [d / (d + hash_s(int(b))) for d, b in zip(disk, out["bytes"], strict=True)]
+    return out
+
+
+def sweep(*, quick: bool) -> dict:
     from .controller import checkpoint_costs
 
     out: dict = {}
@@ -169,6 +208,14 @@ def run(*, quick: bool, repeats: int, log=print) -> dict:
             + " (at most " + ", ".join(f"{x:.0%}" for x in fit["write_over_disk_bound"]) + ": dd/(dd + sha256))"
             + f"; exponents: cut {_fmt(fit['cut_hold_s_median_exponent'])}, write {_fmt(fit['write_s_exponent'])}, "
             f"restore {_fmt(fit['restore_s_exponent'])}")
+    m = out["checkpoint"] = checkpoint_medians([1000] if quick else [10_000, 100_000], s["repeats"])
+    log(f"checkpoint, medians of {m['repeats']} interleaved fresh processes: " + "; ".join(
+        f"{n:,} in-flight groups: write {wr:.3f} s (dd's share {x:.0%}, at most {b:.0%}), restore {rs:.3f} s, "
+        f"the restored run's first write {wa:.3f} s"
+        for n, wr, x, b, rs, wa in zip(m["inflight_groups"], m["write_s"], m["write_over_disk"],
+                                       m["write_over_disk_bound"], m["restore_s"], m["write_after_restore_s"],
+                                       strict=True))
+        + " (targets: write >= 50 % of dd at 100 k; restore <= 0.3 s at 10 k, <= 3 s at 100 k)")
     ck = w["checkpoint_by_inflight"]
     log(f"checkpoint write at {ck['inflight_groups'][-1]:,} in-flight groups, by phase: " + ", ".join(
         f"{name} {t:.3f} s" for name, t in ck["write_phases"][-1].items()))
