@@ -25,7 +25,10 @@ Run the benchmark suite and print what it measured, side by side, in one invocat
               64 and 1 k / 10 k / 100 k groups in flight, cut, write (against dd),
               restore and the restored run's first write at 1 k / 10 k / 100 k in-flight
               groups and G = 4 ... 64, each with its fitted exponent, and the largest
-              write phase by phase (docs/design.md §9)
+              write phase by phase (docs/design.md §9); then the checkpoint at 10 k and
+              100 k in-flight groups, medians of --repeats runs each in a fresh process:
+              write, its share of dd and the most that share can be (dd/(dd + sha256)),
+              restore, the restored run's first write
   preemption  goodput under preemption: the same job (toy engine with uneven latency, and
               the built-in GPT) SIGKILLed K times at the same random instants for each
               variant (journal; sibling, prompt_group, cursor_only from the checkpoint
@@ -75,7 +78,7 @@ in_order (waste).
 examples:
   rollkeep bench --quick                                  # everything small, about a minute and a half
   rollkeep bench --suite core --json core.json            # the custody core, a few minutes
-  rollkeep bench --suite controller --json c.json         # scheduler rates and the scale sweep, ~5 minutes
+  rollkeep bench --suite controller --json c.json         # scheduler rates, the scale sweep, the checkpoint medians: ~12 min
   rollkeep bench --suite preemption --kills 4 --repeats 3 --json p.json  # ~7 minutes
   rollkeep bench --suite speedup                          # ~3 minutes
   rollkeep bench --suite waste --json w.json              # ~30 seconds
