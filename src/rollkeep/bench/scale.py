@@ -100,9 +100,7 @@ def checkpoint_medians(sizes: Sequence[int], repeats: int) -> dict:
     for key in _CHECKPOINT_KEYS:
         out[key] = [statistics.median(r[key] for r in runs[n]) for n in sizes]
         out[key + "_runs"] = [[r[key] for r in runs[n]] for n in sizes]
-    disk = [disk_write_s(int(b)) for b in out["bytes"]]
-    out["write_over_disk"] = [d / w for d, w in zip(disk, out["write_s"], strict=True)]
-    out["write_over_disk_bound"] = [d / (d + hash_s(int(b))) for d, b in zip(disk, out["bytes"], strict=True)]
+    out["write_over_disk"], out["write_over_disk_bound"] = _disk_shares(out["bytes"], out["write_s"])
     return out
 
 
@@ -163,11 +161,17 @@ def hash_s(nbytes: int) -> float:
     return best
 
 
+def _disk_shares(sizes: Sequence[float], writes: Sequence[float]) -> tuple[list[float], list[float]]:
+    """Each write's share of the `dd` yardstick for its bytes, and the most that share can be."""
+    disk = [disk_write_s(int(b)) for b in sizes]
+    return ([d / w for d, w in zip(disk, writes, strict=True)],
+            [d / (d + hash_s(int(b))) for d, b in zip(disk, sizes, strict=True)])
+
+
 def _checkpoint_fit(sizes: list[int], results: list[dict], *, size: str = "inflight_groups") -> dict:
     fit: dict = {size: sizes}
-    disk = [disk_write_s(r["bytes"]) for r in results]
-    fit["write_over_disk"] = [d / r["write_s"] for d, r in zip(disk, results, strict=True)]
-    fit["write_over_disk_bound"] = [d / (d + hash_s(r["bytes"])) for d, r in zip(disk, results, strict=True)]
+    fit["write_over_disk"], fit["write_over_disk_bound"] = _disk_shares([r["bytes"] for r in results],
+                                                                        [r["write_s"] for r in results])
     fit["write_phases"] = [r["write_phases"] for r in results]
     for key in ("cut_hold_s_median", "write_s", "write_after_restore_s", "restore_s", "bytes"):
         values = [r[key] for r in results]
