@@ -37,12 +37,15 @@ test: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadgroup --durations=15
 
 # The slower tier of runs on several trainer ranks (kill storms, chaos, a hang, bad shards, Ray
-# ranks, a transformers model, an export from shards) and the cluster bench's report (a minute
-# of Ray runs); `make test` skips them and keeps the rank unit tests. `.ci/run` runs it.
+# ranks, a transformers model, an export from shards), the cluster bench's report (a minute
+# of Ray runs) and the two longest Ray runs (mixed kills; the hf engine on two replicas);
+# `make test` skips them and keeps the rank unit tests. `.ci/run` runs it.
 RANK_TIER := tests/controller/test_rank_kills.py tests/controller/test_rank_runs.py \
 	tests/cluster/test_ray_ranks.py tests/trainers/test_ranks_hf.py \
 	tests/cli/test_export.py::test_an_hf_run_on_two_trainer_ranks_exports_from_its_shards \
-	tests/bench/test_bench_cluster.py::test_bench_cluster_quick_reports_every_part
+	tests/bench/test_bench_cluster.py::test_bench_cluster_quick_reports_every_part \
+	tests/cluster/test_ray_runs.py::test_chaos_with_controller_and_replica_kills_mixed \
+	tests/cluster/test_ray_runs.py::test_the_hf_engine_runs_on_two_replicas
 test-ranks: $(STAMP)
 	ROLLKEEP_TEST_RANKS=1 $(PY) -m pytest -p no:cacheprovider -n 2 --dist loadgroup $(RANK_TIER)
 

@@ -29,6 +29,10 @@ from run_harness import (
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
+# The longest two (about a minute of Ray runs together) run in `make test-ranks`; the
+# replica kill, the byte-identical torch replicas and the elastic resume stay in `make test`.
+SLOWER_TIER = pytest.mark.skipif(not os.environ.get("ROLLKEEP_TEST_RANKS"),
+                                 reason="the slower tier: make test-ranks (ROLLKEEP_TEST_RANKS=1)")
 CALC_TOY = str(Path(__file__).resolve().parents[2] / "configs" / "calc_toy.yaml")
 
 TORCH = [
@@ -199,6 +203,7 @@ def test_replicas_that_cannot_be_placed_are_exit_5_and_nothing_is_written(tmp_pa
     assert not run_dir.exists() or not any(run_dir.iterdir())
 
 
+@SLOWER_TIER
 def test_chaos_with_controller_and_replica_kills_mixed(tmp_path, ray_address) -> None:
     from rollkeep.chaos import run_chaos
 
@@ -227,6 +232,7 @@ def test_multi_turn_episodes_on_two_replicas_continue_across_a_kill(tmp_path, ra
     assert set(replicas_that_sealed(cfg)) == {0, 1}
 
 
+@SLOWER_TIER
 def test_the_hf_engine_runs_on_two_replicas(tmp_path, ray_address) -> None:
     pytest.importorskip("transformers")
     from hf_fixture import make_tiny_hf_model
