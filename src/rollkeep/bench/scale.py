@@ -29,6 +29,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from ..core.errors import RollkeepError
 from .scheduler import run_scheduler
 
 
@@ -72,6 +73,7 @@ def runner_ceiling(repeats: int, *, quick: bool) -> dict:
 
 #: What `checkpoint_costs` reports that the medians keep (seconds, and the bytes).
 _CHECKPOINT_KEYS = ("write_s", "restore_s", "write_after_restore_s", "bytes")
+_FRESH_PROCESS_TIMEOUT_S = 600
 
 
 def _checkpoint_in_fresh_process(n: int) -> dict:
@@ -81,10 +83,17 @@ def _checkpoint_in_fresh_process(n: int) -> dict:
             "from rollkeep.bench.controller import checkpoint_costs\n"
             "r = checkpoint_costs(int(sys.argv[1]))\n"
             f"print(json.dumps({{k: r[k] for k in {_CHECKPOINT_KEYS!r}}}))")
-    done = subprocess.run([sys.executable, "-c", code, str(n)], capture_output=True, text=True, check=False)
+    try:  # ~20 s at 100 k groups: a child this slow is stuck, not measuring
+        done = subprocess.run([sys.executable, "-c", code, str(n)], capture_output=True, text=True,
+                              check=False, timeout=_FRESH_PROCESS_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise RollkeepError(f"bench controller: the checkpoint at {n:,} groups in a fresh process did not finish",
+                            expected=f"done within {_FRESH_PROCESS_TIMEOUT_S} s", found="still running; killed",
+                            remedy="run `rollkeep bench --suite controller --quick` to see where it stops") from None
     if done.returncode != 0:
-        raise RuntimeError(f"checkpoint_costs({n}) in a fresh process exited {done.returncode}: "
-                           f"{done.stderr.strip()[-2000:]}")
+        raise RollkeepError(f"bench controller: the checkpoint at {n:,} groups in a fresh process failed",
+                            expected="exit code 0", found=f"exit code {done.returncode}: {done.stderr.strip()[-2000:]}",
+                            remedy="fix the error it printed; the bench measures a working checkpoint")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

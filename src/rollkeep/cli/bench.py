@@ -116,7 +116,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="preemption, speedup, waste and cluster: repeats, medians reported (default 3; 1 "
-        "with --quick); restart: restarts (default 7; 3 with --quick)",
+        "with --quick); restart: restarts (default 7; 3 with --quick); controller: scheduler runs and "
+        "checkpoint runs per size (default 5; 1 with --quick)",
     )
     p.add_argument("--seed", type=int, default=0, help="preemption: seed of the kill schedules")
     # --json as in inspect and report: print JSON on stdout (the text goes to stderr); --json-out
